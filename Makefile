@@ -1,0 +1,19 @@
+# The two set-up commands of the README.
+PY ?= python3
+
+.PHONY: run test lint
+
+# Run the default job (cluster.yml: this machine, two CPU ranks).
+run:
+	@scripts/bootstrap.sh
+	@$(PY) -m invoke launch
+
+# The whole test suite: lint, types, unit and sshd-lab integration tests.
+test:
+	@scripts/bootstrap.sh --test
+	@$(MAKE) --no-print-directory lint
+	$(PY) -m pytest -q
+
+lint:
+	$(PY) -m ruff check fdl_fabric tests bench examples tasks.py
+	$(PY) -m mypy

@@ -1,0 +1,370 @@
+"""One launch, start to verdict: the sequence behind ``inv launch``.
+
+1. Load and validate cluster.yml and the SSH options (a config error exits 2
+   before anything connects).
+2. Connect every remote host in parallel, with our host-key policy.
+3. Resolve ``local_devices: all`` and build the plan (ranks in roster order).
+4. Open tunnels, start every rank (local through invoke, remote through one
+   Fabric session each), and hand them to the supervisor.
+5. Print the verdict as the last line and exit with its code.
+
+Any failure after the first rank started goes through the supervisor, so
+every started rank is stopped the same way, whatever went wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Optional
+
+from . import commands
+from .config import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster
+from .envelope import ENV_VERBOSITY, EnvelopeError, new_run_id, new_salt, prebuild_from_environ
+from .events import EventBus, Kind
+from .output import Console
+from .plan import LaunchPlan, build_plan
+from .spawn import (
+    HostSessions,
+    RankProcess,
+    fabric_config,
+    local_context,
+    start_local,
+    start_remote,
+)
+from .ssh import (
+    KeepaliveMonitor,
+    SshConnectError,
+    SshOptionError,
+    SshSettings,
+    batchmode_warning,
+    open_connection,
+    resolve_settings,
+)
+from .supervisor import RankState, RunResult, SupervisedRank, Supervisor, Verdict
+
+EXIT_CONFIG = 2
+EXIT_FAILURE = 1
+
+
+@dataclass
+class LaunchOptions:
+    cluster_file: str = "cluster.yml"
+    command: Optional[str] = None
+    argv: Sequence[str] = ()
+    kill_grace: Optional[float] = None
+    verbosity: int = 1
+    quiet: bool = False
+    env_overrides: dict[str, str] = field(default_factory=dict)
+
+
+class LaunchError(Exception):
+    """A failure that ends the launch with a message and an exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
+    """The rank program's argv: ``--`` words, else ``--cmd``, else cluster.yml."""
+    if opts.argv:
+        return list(opts.argv)
+    text = opts.command if opts.command is not None else cluster.command
+    if not text:
+        raise LaunchError(
+            f"{cluster.file}: no command to run: set `command:` in the file, or pass "
+            "--cmd \"...\" or `-- prog args`", EXIT_CONFIG)
+    try:
+        return commands.split_command(text)
+    except ValueError as exc:
+        raise LaunchError(f"{cluster.file}: command: {exc}", EXIT_CONFIG) from None
+
+
+def ssh_settings(cluster: ClusterSpec, console: Console) -> dict[str, SshSettings]:
+    """Resolve every remote worker's SSH settings; a bad option is a config error."""
+    settings: dict[str, SshSettings] = {}
+    problems: list[Problem] = []
+    for w in cluster.workers:
+        if w.is_local:
+            continue
+        warning = batchmode_warning(w.ssh.options, w.host)
+        if warning:
+            console.message(warning)
+        try:
+            settings[w.host] = resolve_settings(w)
+        except SshOptionError as exc:
+            problems.append(Problem(cluster.file, f"workers[{w.index}].ssh.options", w.line,
+                                    str(exc)))
+    if problems:
+        raise ConfigError(problems)
+    return settings
+
+
+def connect_all(
+    settings: dict[str, SshSettings], config: Any, events: EventBus
+) -> dict[str, HostSessions]:
+    """Connect to every remote host at once; fail naming each host that failed."""
+    if not settings:
+        return {}
+    opened: dict[str, HostSessions] = {}
+    errors: list[str] = []
+    with ThreadPoolExecutor(max_workers=min(32, len(settings))) as pool:
+        futures = {host: pool.submit(open_connection, s, config) for host, s in settings.items()}
+        for host, fut in futures.items():
+            try:
+                conn = fut.result()
+            except SshConnectError as exc:
+                errors.append(f"cluster launcher: cannot connect to {exc}")
+                continue
+            opened[host] = HostSessions(settings[host], config, conn)
+            events(Kind.CONNECT, f"cluster launcher: connected to {host} "
+                   f"({settings[host].target})", host=host)
+    if errors:
+        for sessions in opened.values():
+            sessions.close()
+        raise LaunchError("\n".join(errors))
+    return opened
+
+
+def resolve_all_devices(
+    cluster: ClusterSpec, sessions: dict[str, HostSessions]
+) -> dict[str, list[int]]:
+    """GPU indices of every ``local_devices: all`` worker, via nvidia-smi."""
+    query = "nvidia-smi --query-gpu=index --format=csv,noheader"
+    resolved: dict[str, list[int]] = {}
+    for w in cluster.workers:
+        if w.local_devices != "all":
+            continue
+        if w.is_local:
+            proc = subprocess.run(query.split(), capture_output=True, text=True, check=False)
+            out, ok = proc.stdout, proc.returncode == 0
+        else:
+            res = sessions[w.host].connections[0].run(query, hide=True, warn=True, pty=False)
+            out, ok = res.stdout, res.ok
+        indices = [int(x) for x in out.split() if x.strip().isdigit()]
+        if not ok or not indices:
+            raise LaunchError(
+                f"cluster launcher: host {w.host!r}: `local_devices: all` found no GPU "
+                "(nvidia-smi failed or listed none); give an explicit list instead")
+        resolved[w.host] = indices
+    return resolved
+
+
+@contextlib.contextmanager
+def signal_handlers(supervisor: Supervisor, console: Console) -> Iterator[None]:
+    """Ctrl-C/TERM stop the run gracefully, a second Ctrl-C kills; USR1/2 are forwarded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+
+    def on_stop(signum: int, frame: Optional[FrameType]) -> None:
+        if seen and signum == signal.SIGINT:
+            supervisor.request_kill()
+            return
+        if not seen:
+            name = signal.Signals(signum).name
+            live = len(supervisor.live())
+            console.message(f"cluster launcher: {name} received — stopping {live} running "
+                            f"rank(s) (TERM, KILL after {supervisor.kill_grace:g}s); "
+                            "press Ctrl-C again to kill now")
+        seen.append(signum)
+        supervisor.request_interrupt(signum)
+
+    def on_forward(signum: int, frame: Optional[FrameType]) -> None:
+        supervisor.request_signal(signal.Signals(signum).name[3:])
+
+    previous = {
+        sig: signal.signal(sig, handler)
+        for sig, handler in ((signal.SIGINT, on_stop), (signal.SIGTERM, on_stop),
+                             (signal.SIGUSR1, on_forward), (signal.SIGUSR2, on_forward))
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def describe_plan(plan: LaunchPlan) -> str:
+    per_host: dict[str, list[int]] = {}
+    for r in plan.ranks:
+        per_host.setdefault(r.host, []).append(r.rank)
+    hosts = ", ".join(f"{h}: r{rs[0]}-r{rs[-1]}" if len(rs) > 1 else f"{h}: r{rs[0]}"
+                      for h, rs in per_host.items())
+    return (f"cluster launcher: run {plan.run_id}: {plan.world_size} rank(s) on "
+            f"{len(per_host)} host(s) ({hosts})")
+
+
+class Launch:
+    """State of one launch, so every exit path can tear down what was opened."""
+
+    def __init__(self, opts: LaunchOptions, console: Console, events: EventBus) -> None:
+        self.opts = opts
+        self.console = console
+        self.events = events
+        self.sessions: dict[str, HostSessions] = {}
+        self.stack = contextlib.ExitStack()
+        self.monitor: Optional[KeepaliveMonitor] = None
+
+    def run(self) -> int:
+        try:
+            return self._run()
+        except ConfigError as exc:
+            self.console.message(str(exc))
+            return EXIT_CONFIG
+        except LaunchError as exc:
+            self.console.message(str(exc))
+            return exc.exit_code
+        finally:
+            self.stack.close()
+            if self.monitor is not None:
+                self.monitor.close()
+            for s in self.sessions.values():
+                s.close()
+
+    def _run(self) -> int:
+        opts = self.opts
+        cluster = load_cluster(opts.cluster_file)
+        if opts.kill_grace is not None:
+            cluster = _with_kill_grace(cluster, opts.kill_grace)
+        argv = command_argv(opts, cluster)
+        settings = ssh_settings(cluster, self.console)
+        try:
+            prebuild = prebuild_from_environ()
+        except EnvelopeError as exc:
+            raise LaunchError(str(exc), EXIT_CONFIG) from None
+        launcher_env = dict(os.environ)
+        launcher_env.update(opts.env_overrides)
+
+        config = fabric_config()
+        self.sessions = connect_all(settings, config, self.events)
+        resolved = resolve_all_devices(cluster, self.sessions)
+        try:
+            plan = build_plan(cluster, argv=argv, run_id=new_run_id(), salt=new_salt(),
+                              resolved_devices=resolved, prebuild=prebuild,
+                              launcher_env=launcher_env)
+        except ValueError as exc:
+            raise LaunchError(f"{cluster.file}: {exc}", EXIT_CONFIG) from None
+        self.events(Kind.LAUNCH, describe_plan(plan), data={"run_id": plan.run_id,
+                                                            "world_size": plan.world_size})
+        self._open_tunnels(plan)
+        self._watch_connections(settings)
+        return self._spawn_and_supervise(plan).exit_code
+
+    def _open_tunnels(self, plan: LaunchPlan) -> None:
+        port = plan.cluster.controller.port
+        for w in plan.cluster.workers:
+            if not w.tunnel:
+                continue
+            conn = self.sessions[w.host].connections[0]
+            try:
+                self.stack.enter_context(
+                    conn.forward_remote(port, local_port=port, local_host="127.0.0.1"))
+            except Exception as exc:
+                raise LaunchError(f"cluster launcher: host {w.host!r}: tunnel could not bind "
+                                  f"127.0.0.1:{port} on the remote side: {exc}") from None
+            self.events(Kind.CONNECT, f"cluster launcher: tunnel {w.host}:127.0.0.1:{port} -> "
+                        f"controller 127.0.0.1:{port}", host=w.host)
+
+    def _watch_connections(self, settings: dict[str, SshSettings]) -> None:
+        def dead(host: str, silent: float) -> None:
+            self.events(Kind.WARNING, f"cluster launcher: host {host!r} stopped answering "
+                        f"keepalives for {silent:.0f}s; treating its connection as lost",
+                        host=host)
+
+        self.monitor = KeepaliveMonitor(dead)
+        for host, sessions in self.sessions.items():
+            transport = sessions.connections[0].transport
+            if transport is not None:
+                self.monitor.watch(host, transport, settings[host])
+
+    def _spawn_and_supervise(self, plan: LaunchPlan) -> RunResult:
+        ctx = local_context()
+        procs = [RankProcess(r, plan.run_id) for r in plan.ranks]
+        supervised = [SupervisedRank(p.plan.rank, p.plan.host, p, state=RankState.STARTING)
+                      for p in procs]
+        for p, s in zip(procs, supervised):
+            p.on_pid(lambda pid, s=s: _mark_running(s))
+        supervisor = Supervisor([], kill_grace=plan.cluster.kill_grace, events=self.events)
+        spawn_error = self._spawn(plan, procs, ctx)
+        supervisor.ranks = [s for p, s in zip(procs, supervised) if p.promise is not None]
+        if spawn_error:
+            supervisor.request_abort(spawn_error)
+        with signal_handlers(supervisor, self.console):
+            result = supervisor.run()
+        if spawn_error and result.verdict is Verdict.FAILED:
+            result = RunResult(result.verdict, result.exit_code, spawn_error, result.ranks)
+        self.events(Kind.VERDICT, result.message, data={"exit_code": result.exit_code,
+                                                         "verdict": result.verdict.value})
+        return result
+
+    def _spawn(self, plan: LaunchPlan, procs: list[RankProcess], ctx: Any) -> Optional[str]:
+        """Start every rank; on the first failure, stop starting and report it."""
+        failure: list[str] = []
+        lock = threading.Lock()
+
+        def start_host(host: str, ranks: list[RankProcess]) -> None:
+            for p in ranks:
+                with lock:
+                    if failure:
+                        return
+                try:
+                    if p.plan.worker.is_local:
+                        start_local(p, plan, self.console, ctx)
+                    else:
+                        start_remote(p, plan, self.console, self.sessions[host])
+                    self.events(Kind.SPAWN, f"cluster launcher: started {p.plan.label}",
+                                host=host, rank=p.plan.rank)
+                except Exception as exc:
+                    with lock:
+                        failure.append(f"cluster launcher: host {host!r}: could not start rank "
+                                       f"{p.plan.rank}: {type(exc).__name__}: {exc}")
+                    return
+
+        by_host: dict[str, list[RankProcess]] = {}
+        for p in procs:
+            by_host.setdefault(p.plan.host, []).append(p)
+        with ThreadPoolExecutor(max_workers=min(32, len(by_host))) as pool:
+            for fut in [pool.submit(start_host, h, rs) for h, rs in by_host.items()]:
+                fut.result()
+        return failure[0] if failure else None
+
+
+def _mark_running(s: SupervisedRank) -> None:
+    if s.state is RankState.STARTING:
+        s.state = RankState.RUNNING
+
+
+def _with_kill_grace(cluster: ClusterSpec, grace: float) -> ClusterSpec:
+    import dataclasses
+
+    return dataclasses.replace(cluster, kill_grace=grace)
+
+
+def launch(opts: LaunchOptions, *, console: Optional[Console] = None) -> int:
+    """Run one launch and return its exit code (0 ok, 1 failure, 2 config, 130/143)."""
+    console = console or Console(verbosity=opts.verbosity, show_rank_output=not opts.quiet)
+    events = EventBus(console)
+    if opts.verbosity >= 2:
+        opts.env_overrides.setdefault(ENV_VERBOSITY, str(opts.verbosity))
+    return Launch(opts, console, events).run()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:  # pragma: no cover - thin shim
+    from .cli import program
+
+    program.run(list(argv) if argv is not None else sys.argv)
+    return 0
+
+
+__all__ = ["LaunchOptions", "launch", "WorkerSpec"]

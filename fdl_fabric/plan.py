@@ -1,0 +1,209 @@
+"""The launch plan: which rank runs where, with what environment and command.
+
+A plan is pure data computed from a `ClusterSpec`, the device lists of
+``local_devices: all`` workers (resolved over SSH beforehand) and the run's
+identity. The launcher executes it, ``--dry-run`` prints it, and the tests
+check it without any process or socket.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import commands
+from .config import ClusterSpec, WorkerSpec
+from .envelope import (
+    ENV_CLUSTER_JSON,
+    ENV_HOST_NAME,
+    ENV_LOCAL_RANK,
+    ENV_NET_TIMEOUT_SCALE,
+    ENV_RUN_ID,
+    ENV_VERBOSITY,
+    PrebuildEntry,
+    SlimEnvelope,
+)
+
+#: Launcher variables forwarded to every rank when set where the launcher runs.
+FORWARDED_ENV = (ENV_VERBOSITY, ENV_NET_TIMEOUT_SCALE)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank: its identity, where it runs and exactly what it executes."""
+
+    rank: int
+    local_rank: int
+    worker: WorkerSpec
+    device: Optional[int]
+    cwd: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(repr=False)
+
+    @property
+    def host(self) -> str:
+        return self.worker.host
+
+    @property
+    def label(self) -> str:
+        """The output prefix body, ``host:device:rN`` (``cpu`` for CPU ranks)."""
+        dev = "cpu" if self.device is None else str(self.device)
+        return f"{self.worker.host}:{dev}:r{self.rank}"
+
+    def wrapper(self, kill_grace: float) -> str:
+        return commands.rank_wrapper(
+            cwd=self.cwd,
+            argv=self.argv,
+            kill_grace=kill_grace,
+            read_preamble=not self.worker.is_local,
+        )
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    cluster: ClusterSpec
+    run_id: str
+    salt: bytes
+    ranks: tuple[RankPlan, ...]
+    envelopes: dict[str, SlimEnvelope] = field(repr=False)
+    bind_loopback: bool
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def envelope_hex(self, host: str) -> str:
+        return self.envelopes[host].to_hex()
+
+    def rank_environment(self, rank: RankPlan) -> dict[str, str]:
+        """The full environment of a rank, envelope included (a secret)."""
+        return {ENV_CLUSTER_JSON: self.envelope_hex(rank.host), **rank.env}
+
+
+def worker_devices(
+    worker: WorkerSpec, resolved: Mapping[str, Sequence[int]]
+) -> list[Optional[int]]:
+    """One entry per rank of the worker: a GPU index, or None for a CPU rank."""
+    if worker.nproc is not None:
+        return [None] * worker.nproc
+    if worker.local_devices == "all":
+        if worker.host not in resolved:
+            raise ValueError(f"host {worker.host!r}: local_devices 'all' was not resolved")
+        return list(resolved[worker.host])
+    assert isinstance(worker.local_devices, tuple)
+    return list(worker.local_devices)
+
+
+def bind_loopback(cluster: ClusterSpec) -> bool:
+    """The coordinator binds loopback when no worker needs to dial it over the network."""
+    return all(w.is_local or w.tunnel for w in cluster.workers)
+
+
+def controller_dial_host(cluster: ClusterSpec, worker: WorkerSpec) -> str:
+    if worker.tunnel or (worker.is_local and bind_loopback(cluster)):
+        return "127.0.0.1"
+    return cluster.controller.host
+
+
+def build_plan(
+    cluster: ClusterSpec,
+    *,
+    argv: Sequence[str],
+    run_id: str,
+    salt: bytes,
+    resolved_devices: Optional[Mapping[str, Sequence[int]]] = None,
+    prebuild: Optional[Mapping[str, PrebuildEntry]] = None,
+    launcher_env: Optional[Mapping[str, str]] = None,
+) -> LaunchPlan:
+    """Number ranks in roster order and compute each one's env and command."""
+    resolved = resolved_devices or {}
+    prebuild = prebuild or {}
+    environ = os.environ if launcher_env is None else launcher_env
+    for host in prebuild:
+        if host not in {w.host for w in cluster.workers}:
+            raise ValueError(f"prebuild envelope names host {host!r}, which is not in the cluster")
+
+    devices_by_worker = [worker_devices(w, resolved) for w in cluster.workers]
+    world_size = sum(len(d) for d in devices_by_worker)
+    if world_size == 0:
+        raise ValueError("the cluster has no ranks")
+    master_addr = next(
+        w.addr for w, d in zip(cluster.workers, devices_by_worker) if d
+    )
+    loopback = bind_loopback(cluster)
+
+    ranks: list[RankPlan] = []
+    envelopes: dict[str, SlimEnvelope] = {}
+    next_rank = 0
+    for worker, devices in zip(cluster.workers, devices_by_worker):
+        if not devices:
+            continue
+        worker_ranks = tuple(range(next_rank, next_rank + len(devices)))
+        next_rank += len(devices)
+        gpu_list = tuple(d for d in devices if d is not None)
+        envelopes[worker.host] = SlimEnvelope(
+            run_id=run_id,
+            controller_host=controller_dial_host(cluster, worker),
+            controller_port=cluster.controller.port,
+            world_size=world_size,
+            num_workers=sum(1 for d in devices_by_worker if d),
+            host=worker.host,
+            ranks=worker_ranks,
+            local_devices=gpu_list if worker.nproc is None else None,
+            nccl_socket_ifname=worker.nccl_socket_ifname,
+            path=worker.path,
+            salt=salt,
+        )
+        entry = prebuild.get(worker.host)
+        cwd = entry.cwd(worker.path) if entry else worker.path
+        rank_argv = (entry.program(worker.path), *argv[1:]) if entry else tuple(argv)
+        for local_rank, (rank, device) in enumerate(zip(worker_ranks, devices)):
+            env: dict[str, str] = {
+                ENV_LOCAL_RANK: str(local_rank),
+                ENV_HOST_NAME: worker.host,
+                ENV_RUN_ID: run_id,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(len(devices)),
+                "GROUP_RANK": str(worker.index),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(cluster.master_port),
+            }
+            if device is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(device)
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            for key in FORWARDED_ENV:
+                if environ.get(key):
+                    env[key] = environ[key]
+            if worker.nccl_socket_ifname:
+                env["NCCL_SOCKET_IFNAME"] = worker.nccl_socket_ifname
+                env["GLOO_SOCKET_IFNAME"] = worker.nccl_socket_ifname
+            # Ranks write to pipes; without this Python buffers their output
+            # for minutes. User env may turn it off.
+            env["PYTHONUNBUFFERED"] = "1"
+            if entry and "LD_LIBRARY_PATH" not in cluster.env and "LD_LIBRARY_PATH" not in worker.env:
+                env["LD_LIBRARY_PATH"] = entry.ld_library_path
+            env.update(cluster.env)
+            env.update(worker.env)
+            ranks.append(
+                RankPlan(
+                    rank=rank,
+                    local_rank=local_rank,
+                    worker=worker,
+                    device=device,
+                    cwd=cwd,
+                    argv=rank_argv,
+                    env=env,
+                )
+            )
+    return LaunchPlan(
+        cluster=cluster,
+        run_id=run_id,
+        salt=salt,
+        ranks=tuple(ranks),
+        envelopes=envelopes,
+        bind_loopback=loopback,
+    )

@@ -1,0 +1,68 @@
+"""The Invoke task collection: ``inv launch`` and friends.
+
+Import it into another repo's tasks.py with
+``ns.add_collection(fdl_fabric.tasks.ns, "fdl")``; the root ``tasks.py`` of
+this repo and the ``fdl-fabric`` console script use the same collection.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from invoke import Collection, Context, Exit, task
+
+from .launcher import LaunchOptions, launch as run_launch
+
+
+def _remainder() -> list[str]:
+    """Words after a standalone ``--`` on the command line, exactly as typed.
+
+    invoke joins its remainder into one string, which loses the quoting of
+    each word; the process argv still has it.
+    """
+    if "--" in sys.argv:
+        return sys.argv[sys.argv.index("--") + 1:]
+    return []
+
+
+@task(
+    help={
+        "cluster": "cluster file (default: cluster.yml)",
+        "cmd": "command to run on every rank (default: `command:` of the cluster file); "
+        "or give the words after `--`",
+        "kill-grace": "seconds between TERM and KILL when stopping ranks (default: kill_grace)",
+        "quiet": "show only launcher status and events, not rank output",
+        "verbose": "more detail (-v, -vv); also sets FLODL_VERBOSITY for the ranks",
+    },
+    incrementable=["verbose"],
+)
+def launch(
+    c: Context,
+    cluster: str = "cluster.yml",
+    cmd: Optional[str] = None,
+    kill_grace: Optional[float] = None,
+    quiet: bool = False,
+    verbose: int = 0,
+) -> None:
+    """Launch the job described by the cluster file and supervise it to a verdict.
+
+    Exit codes: 0 ok (or degraded), 1 run failure, 2 config or usage error,
+    130/143 interrupted by SIGINT/SIGTERM.
+    """
+    argv = _remainder()
+    opts = LaunchOptions(
+        cluster_file=cluster,
+        command=cmd,
+        argv=argv,
+        kill_grace=float(kill_grace) if kill_grace is not None else None,
+        verbosity=1 + int(verbose),
+        quiet=quiet,
+    )
+    code = run_launch(opts)
+    if code:
+        raise Exit(code=code)
+
+
+ns = Collection("fdl")
+ns.add_task(launch)

@@ -1,0 +1,1007 @@
+"""Specification of cluster.yml: what a valid file means, and how each mistake is reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import textwrap
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fdl_fabric.config import (
+    ENV_NAME_RE,
+    RESERVED_ENV_KEYS,
+    ClusterSpec,
+    ConfigError,
+    ControllerSpec,
+    ElasticSpec,
+    Problem,
+    SshSpec,
+    WorkerSpec,
+    is_reserved_env_key,
+    load_cluster,
+    parse_cluster,
+    parse_max_failure,
+    this_host_name,
+)
+
+FOLDER = "/srv/cluster"
+LOCAL = "launcher"  # the name of "this machine" in every test unless said otherwise
+
+
+def yml(text: str) -> str:
+    """Dedent so that line 1 is the first line after the opening quotes."""
+    return textwrap.dedent(text).lstrip("\n")
+
+
+def parse(text: str, **kwargs: Any) -> ClusterSpec:
+    kwargs.setdefault("folder", FOLDER)
+    kwargs.setdefault("local_hostname", LOCAL)
+    return parse_cluster(yml(text), **kwargs)
+
+
+def error(text: str, **kwargs: Any) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse(text, **kwargs)
+    return info.value
+
+
+def problem_at(err: ConfigError, key: str) -> Problem:
+    matches = [p for p in err.problems if p.key == key]
+    assert len(matches) == 1, f"expected one problem at {key!r}, got:\n{err}"
+    return matches[0]
+
+
+def worker(text: str, **kwargs: Any) -> WorkerSpec:
+    """Parse a file with a single worker given as the body of its mapping."""
+    body = textwrap.indent(yml(text), "    ").lstrip()
+    return parse(f"workers:\n  - {body}", **kwargs).workers[0]
+
+
+def worker_error(text: str, **kwargs: Any) -> ConfigError:
+    body = textwrap.indent(yml(text), "    ").lstrip()
+    return error(f"workers:\n  - {body}", **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# A valid file and its defaults
+# --------------------------------------------------------------------------------------------
+
+REALISTIC = """
+# Two GPU boxes and a CPU helper, launched from gpu1.
+controller:
+  host: 10.0.0.1
+  port: 7000
+command: python train.py --config "configs/big run.yml"
+env:
+  NCCL_DEBUG: WARN
+  FLODL_VERBOSITY: "2"
+kill_grace: 15.5
+master_port: 29600
+elastic:
+  max_failure: 25%
+  formation_timeout: 600
+  heartbeat_timeout: 12.5
+workers:
+  - host: gpu1
+    local_devices: all
+    data_path: data
+    env: {OMP_NUM_THREADS: "8"}
+  - host: gpu2
+    local_devices: [0, 1, 3]
+    path: /opt/job
+    nccl_socket_ifname: ib0
+    ssh:
+      target: 10.0.0.2
+      user: trainer
+      port: 2222
+      identity_file: keys/id_ed25519
+      options: [StrictHostKeyChecking=accept-new, ServerAliveInterval=15]
+    tunnel: true
+  - host: cpu-helper
+    nproc: 4
+    path: ~/jobs/helper
+    addr: 10.0.0.9
+"""
+
+
+def test_realistic_file_loads_every_field(tmp_path: Path) -> None:
+    file = tmp_path / "cluster.yml"
+    file.write_text(yml(REALISTIC), encoding="utf-8")
+    folder = str(tmp_path)
+
+    spec = load_cluster(file, local_hostname="gpu1")
+
+    assert spec.file == str(file)
+    assert spec.folder == folder
+    assert spec.controller == ControllerSpec(host="10.0.0.1", port=7000)
+    assert spec.command == 'python train.py --config "configs/big run.yml"'
+    assert spec.env == {"NCCL_DEBUG": "WARN", "FLODL_VERBOSITY": "2"}
+    assert spec.kill_grace == 15.5
+    assert spec.master_port == 29600
+    assert spec.elastic == ElasticSpec(
+        max_failure=0.25, formation_timeout=600.0, heartbeat_timeout=12.5
+    )
+    assert spec.workers == (
+        WorkerSpec(
+            index=0,
+            host="gpu1",
+            nproc=None,
+            local_devices="all",
+            path=folder,
+            addr="10.0.0.1",
+            nccl_socket_ifname=None,
+            ssh=SshSpec(),
+            tunnel=False,
+            env={"OMP_NUM_THREADS": "8"},
+            data_path=os.path.join(folder, "data"),
+            is_local=True,
+            line=16,
+        ),
+        WorkerSpec(
+            index=1,
+            host="gpu2",
+            nproc=None,
+            local_devices=(0, 1, 3),
+            path="/opt/job",
+            addr="10.0.0.2",
+            nccl_socket_ifname="ib0",
+            ssh=SshSpec(
+                target="10.0.0.2",
+                user="trainer",
+                port=2222,
+                identity_file=os.path.join(folder, "keys", "id_ed25519"),
+                options=("StrictHostKeyChecking=accept-new", "ServerAliveInterval=15"),
+            ),
+            tunnel=True,
+            env={},
+            data_path=None,
+            is_local=False,
+            line=20,
+        ),
+        WorkerSpec(
+            index=2,
+            host="cpu-helper",
+            nproc=4,
+            local_devices=None,
+            path="~/jobs/helper",
+            addr="10.0.0.9",
+            nccl_socket_ifname=None,
+            ssh=SshSpec(),
+            tunnel=False,
+            env={},
+            data_path=None,
+            is_local=False,
+            line=31,
+        ),
+    )
+
+
+def test_minimal_file_gets_the_documented_defaults() -> None:
+    spec = parse("""
+        workers:
+          - host: launcher
+            nproc: 2
+    """)
+    assert spec.controller == ControllerSpec(host="127.0.0.1", port=1337)
+    assert spec.command is None
+    assert spec.env == {}
+    assert spec.kill_grace == 10.0
+    assert spec.master_port == 29500
+    assert spec.elastic == ElasticSpec(
+        max_failure=None, formation_timeout=300.0, heartbeat_timeout=30.0
+    )
+    (w,) = spec.workers
+    assert (w.nproc, w.local_devices, w.tunnel, w.env, w.data_path) == (2, None, False, {}, None)
+    assert w.ssh == SshSpec()
+    assert w.nccl_socket_ifname is None
+
+
+def test_controller_block_may_set_only_one_field() -> None:
+    spec = parse("""
+        controller: {port: 4000}
+        workers: [{host: launcher, nproc: 1}]
+    """)
+    assert spec.controller == ControllerSpec(host="127.0.0.1", port=4000)
+
+
+@pytest.mark.parametrize(("written", "value"), [("0", 0.0), ("3", 3.0), ("2.5", 2.5)])
+def test_kill_grace_accepts_any_non_negative_number(written: str, value: float) -> None:
+    spec = parse(f"kill_grace: {written}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert spec.kill_grace == value
+
+
+def test_workers_keep_file_order_and_index_is_the_group_rank() -> None:
+    spec = parse("""
+        workers:
+          - {host: c, nproc: 1, path: /c}
+          - {host: a, nproc: 1, path: /a}
+          - {host: b, nproc: 1, path: /b}
+    """)
+    assert [(w.index, w.host) for w in spec.workers] == [(0, "c"), (1, "a"), (2, "b")]
+
+
+def test_worker_line_is_the_line_of_its_mapping() -> None:
+    spec = parse("""
+        workers:
+          - host: launcher
+            nproc: 1
+
+          - host: other
+            nproc: 1
+            path: /x
+    """)
+    assert [w.line for w in spec.workers] == [2, 5]
+
+
+def test_ssh_target_falls_back_to_the_host_name() -> None:
+    assert worker("host: gpu9\nnproc: 1\npath: /x").ssh_target == "gpu9"
+    assert worker("host: gpu9\nnproc: 1\npath: /x\nssh: {target: 10.1.1.9}").ssh_target == (
+        "10.1.1.9"
+    )
+
+
+def test_nccl_socket_ifname_is_an_optional_string_even_with_one_worker() -> None:
+    assert worker(
+        "host: launcher\nnproc: 1\nnccl_socket_ifname: ^lo,docker"
+    ).nccl_socket_ifname == ("^lo,docker")
+
+
+# --------------------------------------------------------------------------------------------
+# How problems are reported
+# --------------------------------------------------------------------------------------------
+
+
+def test_problem_reads_file_line_key_message() -> None:
+    problem = Problem("c.yml", "workers[0].nproc", 4, "must be >= 1, got 0")
+    assert str(problem) == "c.yml:4: workers[0].nproc: must be >= 1, got 0"
+
+
+def test_problem_without_a_line_omits_it() -> None:
+    assert str(Problem("c.yml", "workers", None, "boom")) == "c.yml: workers: boom"
+
+
+def test_problem_about_the_whole_file_omits_the_empty_key() -> None:
+    assert str(Problem("c.yml", "", None, "file not found")) == "c.yml: file not found"
+
+
+def test_config_error_lists_every_problem_one_per_line_sorted_by_line() -> None:
+    err = error("""
+        master_port: 0
+        kill_grace: -1
+        workers:
+          - host: launcher
+            nproc: 0
+    """)
+    assert [p.line for p in err.problems] == [1, 2, 5]
+    assert str(err) == "\n".join(str(p) for p in err.problems)
+    assert str(err).splitlines() == [
+        "cluster.yml:1: master_port: must be between 1 and 65535, got 0",
+        "cluster.yml:2: kill_grace: must be >= 0, got -1",
+        "cluster.yml:5: workers[0].nproc: must be >= 1, got 0",
+    ]
+
+
+def test_config_error_survives_pickling_for_multiprocessing() -> None:
+    err = error("master_port: 0\nworkers: [{host: launcher, nproc: 1}]")
+    clone = pickle.loads(pickle.dumps(err))
+    assert clone.problems == err.problems
+    assert str(clone) == str(err)
+
+
+def test_file_label_is_used_in_every_problem() -> None:
+    err = error("master_port: x\nworkers: [{host: launcher, nproc: 1}]", file="conf/prod.yml")
+    assert str(err).startswith("conf/prod.yml:1: master_port: ")
+
+
+def test_missing_file_is_a_single_file_not_found_problem(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.yml")
+    with pytest.raises(ConfigError) as info:
+        load_cluster(missing)
+    assert info.value.problems == [Problem(missing, "", None, "file not found")]
+
+
+def test_yaml_syntax_error_names_the_file_and_the_line() -> None:
+    err = error("""
+        workers:
+          - host: launcher
+            nproc: [1
+          - host: other
+    """)
+    (problem,) = err.problems
+    assert problem.file == "cluster.yml"
+    assert problem.line == 4
+    assert problem.message.startswith("invalid YAML: ")
+
+
+def test_yaml_control_character_is_reported_with_its_line() -> None:
+    err = error("workers:\n  - host: a\x07b\n")
+    (problem,) = err.problems
+    assert problem.line == 2
+    assert "invalid YAML" in problem.message
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
+def test_empty_file_is_an_error(text: str) -> None:
+    (problem,) = error(text).problems
+    assert "empty" in problem.message
+
+
+@pytest.mark.parametrize(
+    ("text", "found"), [("- a\n- b\n", "a list"), ("just words\n", "string 'just words'")]
+)
+def test_top_level_must_be_a_mapping(text: str, found: str) -> None:
+    (problem,) = error(text).problems
+    assert problem.message == f"expected a mapping at the top level, got {found}"
+    assert problem.line == 1
+
+
+def test_several_yaml_documents_are_an_error() -> None:
+    (problem,) = error("workers: []\n---\nworkers: []\n").problems
+    assert problem.line == 2
+    assert "single document" in problem.message
+
+
+def test_duplicate_yaml_key_is_an_error_naming_the_first_line() -> None:
+    err = worker_error("""
+        host: launcher
+        nproc: 1
+        nproc: 2
+    """)
+    problem = problem_at(err, "workers[0].nproc")
+    assert problem.line == 4
+    assert problem.message == "duplicate key 'nproc' (first on line 3)"
+
+
+def test_unknown_top_level_key_suggests_the_closest_known_key() -> None:
+    err = error("kill_grase: 3\nworkers: [{host: launcher, nproc: 1}]")
+    assert str(err) == (
+        "cluster.yml:1: kill_grase: unknown key 'kill_grase' (did you mean 'kill_grace'?)"
+    )
+
+
+def test_unknown_key_far_from_every_known_key_gets_no_suggestion() -> None:
+    err = error("zzz: 3\nworkers: [{host: launcher, nproc: 1}]")
+    assert problem_at(err, "zzz").message == "unknown key 'zzz'"
+
+
+@pytest.mark.parametrize(
+    ("snippet", "key", "suggestion"),
+    [
+        ("hots: x", "workers[0].hots", "host"),
+        ("ssh: {portt: 22}", "workers[0].ssh.portt", "port"),
+        ("data-path: /d", "workers[0].data-path", "data_path"),
+    ],
+)
+def test_unknown_worker_keys_are_errors_with_a_suggestion(
+    snippet: str, key: str, suggestion: str
+) -> None:
+    err = worker_error(f"host: launcher\nnproc: 1\n{snippet}")
+    assert problem_at(err, key).message.endswith(f"(did you mean {suggestion!r}?)")
+
+
+@pytest.mark.parametrize(
+    ("block", "key", "suggestion"),
+    [
+        ("controller: {hots: a}", "controller.hots", "host"),
+        ("elastic: {max_failures: 1}", "elastic.max_failures", "max_failure"),
+    ],
+)
+def test_unknown_keys_in_nested_blocks_are_errors_with_a_suggestion(
+    block: str, key: str, suggestion: str
+) -> None:
+    err = error(f"{block}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert problem_at(err, key).message.endswith(f"(did you mean {suggestion!r}?)")
+
+
+def test_all_problems_are_collected_in_one_pass() -> None:
+    err = error("""
+        controller: {port: 0}
+        env: {"A B": x}
+        workers:
+          - host: launcher
+            nproc: 1
+            local_devices: [0]
+          - host: gpu2
+            nproc: 1
+    """)
+    assert [p.key for p in err.problems] == [
+        "controller.port",
+        'env["A B"]',
+        "workers[0]",
+        "workers[1].path",
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Types and ranges
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "message"),
+    [
+        ("controller: {port: two}", "controller.port", "expected an integer, got string 'two'"),
+        ("controller: {port: 80.0}", "controller.port", "expected an integer, got float 80.0"),
+        ("controller: {host: 7}", "controller.host", "expected a string, got integer 7"),
+        ("controller: [a]", "controller", "expected a mapping, got a list"),
+        ("master_port: true", "master_port", "expected an integer, got boolean true"),
+        ("kill_grace: yes", "kill_grace", "expected a number, got boolean yes"),
+        ("kill_grace: '3'", "kill_grace", "expected a number, got string '3'"),
+        ("command: 3", "command", "expected a string, got integer 3"),
+        ("command: [python, x.py]", "command", "expected a string, got a list"),
+        ("env: [A=1]", "env", "expected a mapping, got a list"),
+        ("elastic: 3", "elastic", "expected a mapping, got integer 3"),
+        (
+            "elastic: {heartbeat_timeout: soon}",
+            "elastic.heartbeat_timeout",
+            "expected a number, got string 'soon'",
+        ),
+        ("workers: {a: 1}", "workers", "expected a list, got a mapping"),
+        ("workers: [gpu1]", "workers[0]", "expected a mapping (one worker), got string 'gpu1'"),
+        ("workers: [null]", "workers[0]", "expected a mapping (one worker), got null"),
+    ],
+)
+def test_wrong_types_name_the_key_the_expected_type_and_what_was_found(
+    text: str, key: str, message: str
+) -> None:
+    if not text.startswith("workers"):
+        text += "\nworkers: [{host: launcher, nproc: 1}]"
+    assert problem_at(error(text), key).message == message
+
+
+@pytest.mark.parametrize(
+    ("snippet", "key", "message"),
+    [
+        ("nproc: two", "nproc", "expected an integer, got string 'two'"),
+        ("nproc: true", "nproc", "expected an integer, got boolean true"),
+        ("nproc: 1.5", "nproc", "expected an integer, got float 1.5"),
+        ("path: [a]", "path", "expected a string, got a list"),
+        ("addr: 10", "addr", "expected a string, got integer 10"),
+        ("tunnel: 'yes'", "tunnel", "expected a boolean (true or false), got string 'yes'"),
+        ("tunnel: 1", "tunnel", "expected a boolean (true or false), got integer 1"),
+        ("ssh: gpu2", "ssh", "expected a mapping, got string 'gpu2'"),
+        ("ssh: {port: '22'}", "ssh.port", "expected an integer, got string '22'"),
+        ("ssh: {options: StrictHostKeyChecking=no}", "ssh.options", "expected a list, got "),
+        ("ssh: {options: [1]}", "ssh.options[0]", "expected a string, got integer 1"),
+        ("data_path: 2024-01-01", "data_path", "expected a string, got timestamp 2024-01-01"),
+        ("env: {A: 1}", 'env["A"]', "value must be a string, got integer 1"),
+    ],
+)
+def test_wrong_worker_types_name_the_key_path_inside_the_worker(
+    snippet: str, key: str, message: str
+) -> None:
+    base = {"host": "gpu2", "path": "/x", "nproc": "1"}
+    base.pop(snippet.split(":")[0], None)  # the snippet replaces that key
+    err = worker_error("\n".join(f"{k}: {v}" for k, v in base.items()) + f"\n{snippet}")
+    assert problem_at(err, f"workers[0].{key}").message.startswith(message)
+
+
+def test_null_where_a_string_is_expected_hints_that_tilde_means_null_in_yaml() -> None:
+    err = worker_error("host: gpu2\nnproc: 1\npath: ~")
+    assert problem_at(err, "workers[0].path").message == (
+        "expected a string, got null (to mean '~', quote it: '~')"
+    )
+
+
+@pytest.mark.parametrize("snippet", ["host: ''", "path: '  '", "addr: ''", "ssh: {user: ''}"])
+def test_blank_strings_are_rejected(snippet: str) -> None:
+    err = worker_error(f"nproc: 1\n{snippet}")
+    assert any(p.message == "must not be empty" for p in err.problems), str(err)
+
+
+@pytest.mark.parametrize(
+    "snippet", ["nproc: !!python/object:os.system x", "nproc: !custom 3", "nproc: !!int abc"]
+)
+def test_yaml_tags_are_never_constructed(snippet: str) -> None:
+    err = worker_error(f"host: launcher\n{snippet}")
+    assert problem_at(err, "workers[0].nproc").message.startswith("expected an integer, got ")
+
+
+def test_tagged_mapping_is_not_accepted_as_a_block() -> None:
+    err = error("controller: !!python/object:x {host: a}\nworkers: [{host: launcher, nproc: 1}]")
+    assert problem_at(err, "controller").message.startswith("expected a mapping, got a value")
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "message"),
+    [
+        ("controller: {port: 0}", "controller.port", "must be between 1 and 65535, got 0"),
+        ("controller: {port: 65536}", "controller.port", "must be between 1 and 65535, got 65536"),
+        ("master_port: -5", "master_port", "must be between 1 and 65535, got -5"),
+        ("kill_grace: -0.5", "kill_grace", "must be >= 0, got -0.5"),
+        ("kill_grace: .inf", "kill_grace", "must be a finite number, got .inf"),
+        ("elastic: {formation_timeout: 0}", "elastic.formation_timeout", "must be > 0, got 0"),
+        ("elastic: {heartbeat_timeout: -1}", "elastic.heartbeat_timeout", "must be > 0, got -1"),
+    ],
+)
+def test_numbers_out_of_range_are_errors(text: str, key: str, message: str) -> None:
+    err = error(f"{text}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert problem_at(err, key).message == message
+
+
+def test_ports_at_the_edges_of_the_range_are_valid() -> None:
+    spec = parse("controller: {port: 1}\nmaster_port: 65535\nworkers: [{host: launcher, nproc: 1}]")
+    assert (spec.controller.port, spec.master_port) == (1, 65535)
+
+
+def test_command_that_cannot_be_split_into_shell_words_is_an_error() -> None:
+    err = error("command: python 'train.py\nworkers: [{host: launcher, nproc: 1}]")
+    assert problem_at(err, "command").message.startswith("cannot be split into shell words")
+
+
+# --------------------------------------------------------------------------------------------
+# workers: the list itself, host names, CPU vs GPU ranks
+# --------------------------------------------------------------------------------------------
+
+
+def test_workers_is_required() -> None:
+    err = error("master_port: 29500\n")
+    problem = problem_at(err, "workers")
+    assert problem.line == 1
+    assert "workers is required" in problem.message
+
+
+def test_workers_must_not_be_empty() -> None:
+    assert problem_at(error("workers: []"), "workers").message == "must list at least one worker"
+
+
+def test_host_is_required() -> None:
+    err = error("workers:\n  - nproc: 1\n")
+    problem = problem_at(err, "workers[0].host")
+    assert problem.line == 2
+    assert problem.message.startswith("host is required")
+
+
+def test_duplicate_host_is_an_error_naming_both_lines() -> None:
+    err = error("""
+        workers:
+          - host: gpu1
+            nproc: 1
+            path: /x
+          - host: gpu1
+            nproc: 1
+            path: /x
+    """)
+    problem = problem_at(err, "workers[1].host")
+    assert problem.line == 5
+    assert "duplicate host 'gpu1' (also workers[0].host on line 2)" in problem.message
+    assert "cluster.yml:5: workers[1].host: duplicate host 'gpu1'" in str(err)
+
+
+def test_nproc_and_local_devices_together_is_an_error() -> None:
+    err = worker_error("host: launcher\nnproc: 2\nlocal_devices: [0]")
+    assert problem_at(err, "workers[0]").message == (
+        "set either nproc (CPU ranks) or local_devices (GPU ranks), not both"
+    )
+
+
+def test_worker_without_nproc_or_local_devices_is_an_error() -> None:
+    err = worker_error("host: launcher")
+    problem = problem_at(err, "workers[0]")
+    assert "nproc" in problem.message and "local_devices" in problem.message
+
+
+def test_nproc_must_be_at_least_one() -> None:
+    err = worker_error("host: launcher\nnproc: 0")
+    assert problem_at(err, "workers[0].nproc").message == "must be >= 1, got 0"
+
+
+def test_local_devices_is_a_tuple_of_gpu_indices_in_declared_order() -> None:
+    assert worker("host: launcher\nlocal_devices: [3, 0, 2]").local_devices == (3, 0, 2)
+
+
+def test_local_devices_all_is_kept_as_the_string_all() -> None:
+    assert worker("host: launcher\nlocal_devices: all").local_devices == "all"
+
+
+@pytest.mark.parametrize(
+    ("value", "key", "message"),
+    [
+        ("gpu0", "local_devices", "expected a list of GPU indices or \"all\", got 'gpu0'"),
+        ("ALL", "local_devices", "expected a list of GPU indices or \"all\", got 'ALL'"),
+        ("3", "local_devices", 'expected a list of GPU indices or "all", got integer 3'),
+        ("[]", "local_devices", 'must list at least one GPU index (or be "all")'),
+        ("[0, -1]", "local_devices[1]", "must be >= 0, got -1"),
+        ("[0, x]", "local_devices[1]", "expected a GPU index (an integer), got string 'x'"),
+        ("[0, true]", "local_devices[1]", "expected a GPU index (an integer), got boolean true"),
+        (
+            "[1, 2, 1]",
+            "local_devices[2]",
+            "duplicate GPU index 1 (also workers[0].local_devices[0])",
+        ),
+    ],
+)
+def test_bad_local_devices_are_errors_naming_the_value(value: str, key: str, message: str) -> None:
+    err = worker_error(f"host: launcher\nlocal_devices: {value}")
+    assert problem_at(err, f"workers[0].{key}").message == message
+
+
+# --------------------------------------------------------------------------------------------
+# Local vs remote workers
+# --------------------------------------------------------------------------------------------
+
+
+def test_worker_named_like_this_machine_is_local() -> None:
+    assert worker("host: launcher\nnproc: 1", local_hostname="launcher").is_local
+
+
+def test_worker_named_localhost_is_local() -> None:
+    assert worker("host: localhost\nnproc: 1", local_hostname="elsewhere").is_local
+
+
+def test_worker_with_a_loopback_ssh_target_is_still_remote() -> None:
+    w = worker("host: box\nnproc: 1\npath: /x\nssh: {target: 127.0.0.1}")
+    assert not w.is_local
+
+
+def test_local_detection_defaults_to_flodl_host_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLODL_HOST_NAME", "  gpu7 \n")
+    text = yml("""
+        workers:
+          - {host: gpu7, nproc: 1}
+          - {host: gpu8, nproc: 1, path: /x}
+    """)
+    spec = parse_cluster(text, folder=FOLDER)
+    assert [w.is_local for w in spec.workers] == [True, False]
+
+
+def test_this_host_name_prefers_flodl_host_name_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLODL_HOST_NAME", " node-3 ")
+    monkeypatch.setattr("socket.gethostname", lambda: "ubuntu")
+    assert this_host_name() == "node-3"
+
+
+@pytest.mark.parametrize("value", [None, "", "   "])
+def test_this_host_name_falls_back_to_the_hostname(
+    monkeypatch: pytest.MonkeyPatch, value: Optional[str]
+) -> None:
+    if value is None:
+        monkeypatch.delenv("FLODL_HOST_NAME", raising=False)
+    else:
+        monkeypatch.setenv("FLODL_HOST_NAME", value)
+    monkeypatch.setattr("socket.gethostname", lambda: "ubuntu")
+    assert this_host_name() == "ubuntu"
+
+
+def test_tunnel_on_a_local_worker_is_an_error() -> None:
+    err = worker_error("host: launcher\nnproc: 1\ntunnel: true")
+    problem = problem_at(err, "workers[0].tunnel")
+    assert problem.line == 4
+    assert "only for remote workers" in problem.message
+
+
+def test_tunnel_on_a_remote_worker_is_allowed() -> None:
+    assert worker("host: gpu2\nnproc: 1\npath: /x\ntunnel: true").tunnel
+
+
+def test_ssh_block_on_a_local_worker_is_allowed() -> None:
+    w = worker("host: launcher\nnproc: 1\nssh: {target: 10.0.0.1, user: me}")
+    assert w.is_local
+    assert w.addr == "127.0.0.1"  # the ssh target does not leak into a local worker's address
+
+
+def test_ssh_block_on_a_local_worker_is_still_type_checked() -> None:
+    # The same file launched from another machine makes this worker remote.
+    err = worker_error("host: launcher\nnproc: 1\nssh: {port: ssh}")
+    assert problem_at(err, "workers[0].ssh.port")
+
+
+# --------------------------------------------------------------------------------------------
+# path, data_path, addr, identity_file
+# --------------------------------------------------------------------------------------------
+
+
+def test_local_worker_path_defaults_to_the_cluster_file_folder() -> None:
+    assert worker("host: launcher\nnproc: 1").path == FOLDER
+
+
+def test_remote_worker_without_path_is_an_error() -> None:
+    err = worker_error("host: gpu2\nnproc: 1")
+    problem = problem_at(err, "workers[0].path")
+    assert problem.line == 2
+    assert problem.message == (
+        "path is required for a remote worker (its working directory on that host)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("host", "raw", "resolved"),
+    [
+        ("launcher", "run", f"{FOLDER}/run"),
+        ("launcher", "../other/./run/", "/srv/other/run"),
+        ("launcher", "/abs//job/", "/abs/job"),
+        ("gpu2", "run", f"{FOLDER}/run"),
+        ("gpu2", "/abs/job", "/abs/job"),
+    ],
+)
+def test_relative_paths_resolve_against_the_cluster_file_folder(
+    host: str, raw: str, resolved: str
+) -> None:
+    w = worker(f"host: {host}\nnproc: 1\npath: {raw}\ndata_path: {raw}")
+    assert (w.path, w.data_path) == (resolved, resolved)
+
+
+def test_tilde_is_expanded_for_a_local_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", "/home/me")
+    w = worker("host: launcher\nnproc: 1\npath: ~/job\ndata_path: ~/data")
+    assert (w.path, w.data_path) == ("/home/me/job", "/home/me/data")
+
+
+def test_tilde_is_kept_for_a_remote_worker_whose_home_we_cannot_know() -> None:
+    w = worker("host: gpu2\nnproc: 1\npath: ~/job\ndata_path: '~'")
+    assert (w.path, w.data_path) == ("~/job", "~")
+
+
+def test_load_cluster_resolves_against_the_folder_of_the_file_not_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "c.yml").write_text("workers: [{host: launcher, nproc: 1, path: run}]")
+    monkeypatch.chdir(tmp_path)
+    spec = load_cluster("conf/c.yml", local_hostname=LOCAL)
+    assert spec.file == "conf/c.yml"
+    assert spec.folder == str(tmp_path / "conf")
+    assert spec.workers[0].path == str(tmp_path / "conf" / "run")
+
+
+def test_parse_cluster_folder_defaults_to_the_folder_of_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    spec = parse_cluster("workers: [{host: x, nproc: 1}]", file="a/c.yml", local_hostname="x")
+    assert spec.folder == str(tmp_path / "a")
+
+
+def test_local_worker_addr_defaults_to_the_controller_host() -> None:
+    spec = parse("controller: {host: 10.0.0.1}\nworkers: [{host: launcher, nproc: 1}]")
+    assert spec.workers[0].addr == "10.0.0.1"
+
+
+def test_remote_worker_addr_defaults_to_the_ssh_target() -> None:
+    assert worker("host: gpu2\nnproc: 1\npath: /x\nssh: {target: 10.0.0.2}").addr == "10.0.0.2"
+
+
+def test_remote_worker_addr_drops_a_user_prefix_from_the_ssh_target() -> None:
+    assert worker("host: gpu2\nnproc: 1\npath: /x\nssh: {target: me@10.0.0.2}").addr == "10.0.0.2"
+
+
+def test_remote_worker_addr_defaults_to_the_host_without_ssh_target() -> None:
+    assert worker("host: gpu2\nnproc: 1\npath: /x").addr == "gpu2"
+
+
+def test_explicit_addr_wins() -> None:
+    assert worker("host: gpu2\nnproc: 1\npath: /x\naddr: 192.168.1.2").addr == "192.168.1.2"
+    assert worker("host: launcher\nnproc: 1\naddr: 192.168.1.1").addr == "192.168.1.1"
+
+
+def test_identity_file_expands_tilde_and_resolves_relative_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HOME", "/home/me")
+    home = worker("host: gpu2\nnproc: 1\npath: /x\nssh: {identity_file: ~/.ssh/id}")
+    relative = worker("host: gpu2\nnproc: 1\npath: /x\nssh: {identity_file: keys/id}")
+    assert home.ssh.identity_file == "/home/me/.ssh/id"
+    assert relative.ssh.identity_file == f"{FOLDER}/keys/id"
+
+
+def test_ssh_options_are_kept_raw_in_declared_order() -> None:
+    w = worker("host: gpu2\nnproc: 1\npath: /x\nssh: {options: [B=2, A=1, ProxyJump=a@b:22]}")
+    assert w.ssh.options == ("B=2", "A=1", "ProxyJump=a@b:22")
+
+
+def test_ssh_option_may_have_spaces_around_the_equals_sign() -> None:
+    w = worker("host: gpu2\nnproc: 1\npath: /x\nssh: {options: ['BatchMode = yes']}")
+    assert w.ssh.options == ("BatchMode = yes",)
+
+
+@pytest.mark.parametrize("option", ["StrictHostKeyChecking", "=no", "-oBatchMode=yes", "A B=1"])
+def test_ssh_option_must_be_key_equals_value(option: str) -> None:
+    err = worker_error(f"host: gpu2\nnproc: 1\npath: /x\nssh: {{options: [A=1, '{option}']}}")
+    assert problem_at(err, "workers[0].ssh.options[1]").message.startswith("expected 'Key=Value'")
+
+
+@pytest.mark.parametrize("port", ["0", "65536"])
+def test_ssh_port_must_be_a_tcp_port(port: str) -> None:
+    err = worker_error(f"host: gpu2\nnproc: 1\npath: /x\nssh: {{port: {port}}}")
+    assert problem_at(err, "workers[0].ssh.port").message.startswith("must be between 1 and")
+
+
+# --------------------------------------------------------------------------------------------
+# env
+# --------------------------------------------------------------------------------------------
+
+
+def test_invalid_worker_env_name_names_file_line_and_key_path() -> None:
+    err = error("""
+        workers:
+          - host: launcher
+            nproc: 1
+          - host: gpu2
+            nproc: 1
+            path: /x
+            env: {"A B": x}
+    """)
+    assert 'cluster.yml:7: workers[1].env["A B"]: not a valid environment variable name' in str(err)
+
+
+def test_invalid_top_level_env_name_is_an_error() -> None:
+    err = error('env:\n  "1X": a\nworkers: [{host: launcher, nproc: 1}]')
+    assert str(problem_at(err, 'env["1X"]')) == (
+        'cluster.yml:2: env["1X"]: not a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)'
+    )
+
+
+@pytest.mark.parametrize("name", sorted(RESERVED_ENV_KEYS) + ["FLODL_INTERNAL_ANYTHING"])
+def test_reserved_env_names_are_errors_pointing_to_local_devices(name: str) -> None:
+    err = error(f"env: {{{name}: x}}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert problem_at(err, f'env["{name}"]').message == (
+        "is reserved (set by the launcher for each rank); GPU pinning belongs in local_devices"
+    )
+
+
+def test_reserved_env_names_are_errors_in_worker_env_too() -> None:
+    err = worker_error("host: launcher\nnproc: 1\nenv: {CUDA_VISIBLE_DEVICES: '0'}")
+    assert "is reserved" in problem_at(err, 'workers[0].env["CUDA_VISIBLE_DEVICES"]').message
+
+
+@pytest.mark.parametrize(
+    "name", ["FLODL_VERBOSITY", "LD_LIBRARY_PATH", "LD_PRELOAD", "NCCL_DEBUG", "NCCL_IB_HCA"]
+)
+def test_launcher_adjacent_env_names_are_allowed_on_purpose(name: str) -> None:
+    assert not is_reserved_env_key(name)
+    spec = parse(f"env: {{{name}: v}}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert spec.env == {name: "v"}
+
+
+def test_reserved_names_are_case_sensitive_like_the_environment() -> None:
+    assert is_reserved_env_key("RANK")
+    assert is_reserved_env_key("FLODL_INTERNAL_")
+    assert not is_reserved_env_key("rank")
+    assert not is_reserved_env_key("FLODL_INTERNALS")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("8", 'value must be a string, got integer 8 (quote it in YAML: "8")'),
+        ("1.5", 'value must be a string, got float 1.5 (quote it in YAML: "1.5")'),
+        ("true", 'value must be a string, got boolean true (quote it in YAML: "true")'),
+        ("null", 'value must be a string, got null (write "" for an empty value)'),
+        ("", 'value must be a string, got null (write "" for an empty value)'),
+        ("[a]", "value must be a string, got a list"),
+    ],
+)
+def test_env_values_must_be_strings(value: str, message: str) -> None:
+    err = error(f"env:\n  X: {value}\nworkers: [{{host: launcher, nproc: 1}}]")
+    problem = problem_at(err, 'env["X"]')
+    assert (problem.line, problem.message) == (2, message)
+
+
+def test_env_value_with_a_nul_character_is_an_error() -> None:
+    err = error('env: {X: "a\\0b"}\nworkers: [{host: launcher, nproc: 1}]')
+    assert "NUL" in problem_at(err, 'env["X"]').message
+
+
+def test_env_names_are_taken_as_written_not_as_yaml_booleans() -> None:
+    spec = parse("env: {NO: a, ON: b, Y: c}\nworkers: [{host: launcher, nproc: 1}]")
+    assert spec.env == {"NO": "a", "ON": "b", "Y": "c"}
+
+
+def test_empty_env_value_is_allowed() -> None:
+    assert parse('env: {X: ""}\nworkers: [{host: launcher, nproc: 1}]').env == {"X": ""}
+
+
+def test_env_name_regex_is_the_posix_portable_one() -> None:
+    assert ENV_NAME_RE.fullmatch("_a1")
+    assert not ENV_NAME_RE.fullmatch("1a")
+    assert not ENV_NAME_RE.fullmatch("A-B")
+    assert not ENV_NAME_RE.fullmatch("")
+
+
+def _file_with_env(env: dict[str, str]) -> str:
+    """A file whose top-level env and single worker env are both ``env``, dumped by PyYAML so
+    that any string (quotes, newlines, unicode) is written the way a careful user would."""
+    return yaml.safe_dump({"env": env, "workers": [{"host": LOCAL, "nproc": 1, "env": env}]})
+
+
+_valid_names = st.from_regex(ENV_NAME_RE, fullmatch=True).filter(
+    lambda name: not is_reserved_env_key(name)
+)
+_values_without_nul = st.text().filter(lambda value: "\0" not in value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(env=st.dictionaries(_valid_names, _values_without_nul, max_size=4))
+def test_any_valid_non_reserved_name_and_string_value_round_trips_exactly(
+    env: dict[str, str],
+) -> None:
+    spec = parse_cluster(_file_with_env(env), local_hostname=LOCAL, folder=FOLDER)
+    assert spec.env == env
+    assert spec.workers[0].env == env
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.text().filter(lambda name: not ENV_NAME_RE.fullmatch(name)))
+def test_any_name_outside_the_env_regex_is_rejected(name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_cluster(_file_with_env({name: "x"}), local_hostname=LOCAL, folder=FOLDER)
+    quoted = json.dumps(name, ensure_ascii=False)
+    for key in (f"env[{quoted}]", f"workers[0].env[{quoted}]"):
+        assert problem_at(info.value, key).message.startswith(
+            "not a valid environment variable name"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# elastic.max_failure
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [
+        (None, None),
+        (0, 0),
+        (3, 3),
+        ("3", 3),
+        ("25%", 0.25),
+        ("0%", 0.0),
+        ("100%", 1.0),
+        ("12.5%", 0.125),
+        (" 50% ", 0.5),
+    ],
+)
+def test_parse_max_failure_accepts_counts_and_percentages(value: object, parsed: object) -> None:
+    result = parse_max_failure(value)
+    assert result == parsed
+    assert type(result) is type(parsed)  # 1.0 means "all of them", 1 means "one worker"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-1, "must be >= 0, got -1"),
+        ("abc", "expected a count like 3 or a percentage like '25%', got 'abc'"),
+        ("-5%", "got '-5%'"),
+        ("150%", "a percentage must be between 0% and 100%, got '150%'"),
+        ("100.5%", "between 0% and 100%"),
+        (True, "got True"),
+        (0.25, "write a fraction as a percentage"),
+        ([1], "got list"),
+    ],
+)
+def test_parse_max_failure_rejects_everything_else_clearly(value: object, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_max_failure(value)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("written", "parsed"), [("2", 2), ("25%", 0.25), ("'3'", 3), ("null", None), ("", None)]
+)
+def test_elastic_max_failure_in_the_file(written: str, parsed: object) -> None:
+    spec = parse(f"elastic:\n  max_failure: {written}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert spec.elastic.max_failure == parsed
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("-1", "must be >= 0, got -1"),
+        ("lots", "expected a count like 3 or a percentage like '25%', got 'lots'"),
+        ("true", "expected a count like 3 or a percentage like '25%', got boolean true"),
+        ("0.25", "expected a count like 3 or a percentage like '25%', got float 0.25"),
+        ("200%", "a percentage must be between 0% and 100%, got '200%'"),
+    ],
+)
+def test_bad_elastic_max_failure_is_reported_at_its_line(written: str, message: str) -> None:
+    err = error(f"elastic:\n  max_failure: {written}\nworkers: [{{host: launcher, nproc: 1}}]")
+    problem = problem_at(err, "elastic.max_failure")
+    assert (problem.line, problem.message) == (2, message)
