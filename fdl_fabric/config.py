@@ -125,6 +125,8 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class ControllerSpec:
+    """Where every rank reports; loopback by default so a one-machine run needs no setup."""
+
     host: str = "127.0.0.1"
     port: int = 1337
 
@@ -140,6 +142,8 @@ class ElasticSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
+    """The whole file with defaults applied, so no other module re-reads or re-checks YAML."""
+
     file: str
     folder: str
     controller: ControllerSpec
@@ -286,7 +290,7 @@ def parse_cluster(
 # The schema, one function per block
 # --------------------------------------------------------------------------------------------
 
-_DEFAULT_KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
+_DEFAULT_KILL_GRACE = 10.0  # seconds a rank gets to exit cleanly before it is killed
 _DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary port
 
 _TOP_KEYS = ("controller", "command", "env", "kill_grace", "master_port", "elastic", "workers")
@@ -670,7 +674,8 @@ class _Reader:
             return None
         except ReaderError as exc:  # e.g. a control character in the text
             line = text.count("\n", 0, int(exc.position)) + 1
-            self.problems.append(Problem(self.file, "", line, f"invalid YAML: {exc}"))
+            reason = str(exc).splitlines()[0]  # the rest names "<unicode string>", not the file
+            self.problems.append(Problem(self.file, "", line, f"invalid YAML: {reason}"))
             return None
         if root is None:
             self.problems.append(

@@ -324,7 +324,8 @@ def test_yaml_control_character_is_reported_with_its_line() -> None:
     err = error("workers:\n  - host: a\x07b\n")
     (problem,) = err.problems
     assert problem.line == 2
-    assert "invalid YAML" in problem.message
+    assert problem.message.startswith("invalid YAML: unacceptable character #x0007")
+    assert "\n" not in str(err)
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
