@@ -113,6 +113,27 @@ def rank_wrapper(
         f"cd -- {quote(cwd)} || exit {EXIT_BAD_CWD}\n"
         f"command -v setsid >/dev/null || {{ echo 'fdl-fabric: setsid not found' >&2;"
         f" exit {EXIT_NO_SETSID}; }}\n"
+        "__fdl_pid=\n"
+        "__fdl_left=-1\n"
+        "__fdl_eof=0\n"
+        # Signal the rank's process group. In the first instant after the
+        # start the group may not exist yet (setsid has not run), so fall back
+        # to the pid, which is then the subshell about to become the rank.
+        # A trap can run between `&` and `__fdl_pid=$!`, hence `$!`.
+        "__fdl_signal() {\n"
+        '  set -- "$1" "${__fdl_pid:-$!}"\n'
+        '  [ -n "$2" ] || return 1\n'
+        '  kill "-$1" -- "-$2" 2>/dev/null || kill "-$1" "$2" 2>/dev/null\n'
+        "}\n"
+        "__fdl_stop() {\n"
+        '  if [ "$__fdl_left" -lt 0 ]; then\n'
+        f"    __fdl_signal TERM || exit 143\n"
+        f"    __fdl_left={ticks}\n"
+        "  fi\n"
+        "}\n"
+        "trap __fdl_stop HUP TERM INT\n"
+        "trap '__fdl_signal USR1' USR1\n"
+        "trap '__fdl_signal USR2' USR2\n"
         # The subshell prints its own pid, then becomes the rank: `exec` keeps
         # the pid, and setsid (not a group leader here) makes it the leader of
         # a new session and process group without forking.
@@ -122,23 +143,12 @@ def rank_wrapper(
         # From here on the wrapper itself is silent: bash would otherwise
         # print job notices ("Killed ...") into the rank's stderr.
         "exec 2>/dev/null\n"
-        "__fdl_left=-1\n"
-        "__fdl_eof=0\n"
-        "__fdl_stop() {\n"
-        '  if [ "$__fdl_left" -lt 0 ]; then\n'
-        '    kill -TERM -- "-$__fdl_pid" 2>/dev/null\n'
-        f"    __fdl_left={ticks}\n"
-        "  fi\n"
-        "}\n"
-        "trap __fdl_stop HUP TERM INT\n"
-        "trap 'kill -USR1 -- \"-$__fdl_pid\" 2>/dev/null' USR1\n"
-        "trap 'kill -USR2 -- \"-$__fdl_pid\" 2>/dev/null' USR2\n"
         'while kill -0 "$__fdl_pid" 2>/dev/null; do\n'
         '  if [ "$__fdl_eof" = 0 ]; then\n'
         f"    if IFS= read -r -t {WRAPPER_TICK} __fdl_line; then\n"
         '      case "$__fdl_line" in\n'
         "        TERM) __fdl_stop ;;\n"
-        '        KILL|INT|HUP|USR1|USR2) kill "-$__fdl_line" -- "-$__fdl_pid" 2>/dev/null ;;\n'
+        '        KILL|INT|HUP|USR1|USR2) __fdl_signal "$__fdl_line" ;;\n'
         "      esac\n"
         # read's status above 128 is a timeout; anything else is EOF.
         '    elif [ "$?" -le 128 ]; then\n'
@@ -151,7 +161,7 @@ def rank_wrapper(
         '  if [ "$__fdl_left" -gt 0 ]; then\n'
         "    __fdl_left=$((__fdl_left - 1))\n"
         '  elif [ "$__fdl_left" -eq 0 ]; then\n'
-        '    kill -KILL -- "-$__fdl_pid" 2>/dev/null\n'
+        "    __fdl_signal KILL\n"
         "    __fdl_left=-2\n"
         "  fi\n"
         "done\n"

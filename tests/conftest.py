@@ -1,0 +1,32 @@
+"""Shared fixtures: the sshd lab (fdl_fabric.testing) and a few helpers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["fdl_fabric.testing"]
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = str(ROOT / "tests" / "progs" / "rankprobe.py")
+
+
+@pytest.fixture
+def probe() -> str:
+    """Path of the test rank program."""
+    return PROBE
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_verbosity(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("FLODL_VERBOSITY", "FLODL_NET_TIMEOUT_SCALE", "FLODL_INTERNAL_PREBUILD_PER_HOST"):
+        monkeypatch.delenv(key, raising=False)
+    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
