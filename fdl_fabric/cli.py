@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from invoke import Program
+from invoke.program import Program
 
 from . import __version__
 from .tasks import ns

@@ -15,6 +15,7 @@ every started rank is stopped the same way, whatever went wrong.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -294,7 +295,7 @@ class Launch:
         supervised = [SupervisedRank(p.plan.rank, p.plan.host, p, state=RankState.STARTING)
                       for p in procs]
         for p, s in zip(procs, supervised):
-            p.on_pid(lambda pid, s=s: _mark_running(s))
+            p.on_pid(functools.partial(_mark_running, s))
         supervisor = Supervisor([], kill_grace=plan.cluster.kill_grace, events=self.events)
         spawn_error = self._spawn(plan, procs, ctx)
         supervisor.ranks = [s for p, s in zip(procs, supervised) if p.promise is not None]
@@ -340,7 +341,7 @@ class Launch:
         return failure[0] if failure else None
 
 
-def _mark_running(s: SupervisedRank) -> None:
+def _mark_running(s: SupervisedRank, pid: int) -> None:
     if s.state is RankState.STARTING:
         s.state = RankState.RUNNING
 

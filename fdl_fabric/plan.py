@@ -184,7 +184,8 @@ def build_plan(
             # Ranks write to pipes; without this Python buffers their output
             # for minutes. User env may turn it off.
             env["PYTHONUNBUFFERED"] = "1"
-            if entry and "LD_LIBRARY_PATH" not in cluster.env and "LD_LIBRARY_PATH" not in worker.env:
+            user_ld = "LD_LIBRARY_PATH" in cluster.env or "LD_LIBRARY_PATH" in worker.env
+            if entry and not user_ld:
                 env["LD_LIBRARY_PATH"] = entry.ld_library_path
             env.update(cluster.env)
             env.update(worker.env)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import contextlib
 import os
 import shutil
 import signal
@@ -27,8 +28,8 @@ from typing import IO, Any, Callable, Optional
 import paramiko
 import psutil
 from fabric.runners import Remote
-from invoke import Context
 from invoke.config import Config as InvokeConfig
+from invoke.context import Context
 from invoke.runners import Local, Promise
 
 from . import commands
@@ -226,10 +227,8 @@ class RankProcess:
         if self.promise is None:
             return
         runner = self.promise.runner
-        try:
+        with contextlib.suppress(Exception):
             runner.kill()
-        except Exception:
-            pass
         if not self.is_remote and self.pid is not None:
             kill_run_group(self.pid, self.run_id, signal.SIGKILL)
 
@@ -237,10 +236,8 @@ class RankProcess:
         """Reap the runner and join its output threads (all output delivered)."""
         if self.promise is None:
             return
-        try:
+        with contextlib.suppress(Exception):
             self.promise.join()
-        except Exception:
-            pass
 
 
 def kill_run_group(pgid: int, run_id: str, sig: int) -> int:
@@ -287,7 +284,7 @@ def start_local(rank: RankProcess, plan: LaunchPlan, console: Console, ctx: Cont
     out, err = rank.streams(console)
     env = {**inherited_environment(), **plan.rank_environment(rank.plan)}
     bash = shutil.which("bash") or "/bin/bash"
-    rank.promise = ctx.run(
+    rank.promise = ctx.run(  # type: ignore[assignment]
         rank.plan.wrapper(plan.cluster.kill_grace),
         asynchronous=True,
         shell=bash,
@@ -322,20 +319,20 @@ class HostSessions:
         with self._lock:
             conn = self.connections[-1]
             try:
-                return conn.run(command, **kwargs)
+                promise: Promise = conn.run(command, **kwargs)
+                return promise
             except paramiko.ChannelException as exc:
                 if exc.code != paramiko.common.OPEN_FAILED_CONNECT_FAILED:
                     raise
             conn = open_connection(self.settings, self.config)
             self.connections.append(conn)
-            return conn.run(command, **kwargs)
+            promise = conn.run(command, **kwargs)
+            return promise
 
     def close(self) -> None:
         for conn in self.connections:
-            try:
+            with contextlib.suppress(Exception):
                 conn.close()
-            except Exception:
-                pass
 
 
 def start_remote(

@@ -197,7 +197,7 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
             if folder:
                 os.makedirs(folder, mode=0o700, exist_ok=True)
             with open(self.known_hosts_file, "a", encoding="utf-8") as fh:
-                fh.write(entry.to_line())
+                fh.write(entry.to_line() or "")
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
@@ -216,7 +216,8 @@ class FdlConnection(Connection):  # type: ignore[misc]
     """
 
     def create_session(self) -> paramiko.Channel:
-        return self.transport.open_session(timeout=SESSION_OPEN_TIMEOUT)
+        channel: paramiko.Channel = self.transport.open_session(timeout=SESSION_OPEN_TIMEOUT)
+        return channel
 
 
 def apply_host_key_policy(client: paramiko.SSHClient, settings: SshSettings) -> None:
@@ -290,9 +291,9 @@ def describe_connect_error(exc: BaseException) -> str:
     """A one-line, actionable reason for a failed connect."""
     if isinstance(exc, paramiko.BadHostKeyException):
         return (
-            f"host key has CHANGED (got {exc.key.get_name()} "
-            f"{exc.key.get_fingerprint().hex()}, expected {exc.expected_key.get_fingerprint().hex()}"
-            "); refusing to connect. If the host was reinstalled, remove its old line from "
+            f"host key has CHANGED (got {exc.key.get_name()} {exc.key.get_fingerprint().hex()}, "
+            f"expected {exc.expected_key.get_fingerprint().hex()}); refusing to connect. "
+            "If the host was reinstalled, remove its old line from "
             "known_hosts."
         )
     if isinstance(exc, paramiko.SSHException) and "not found in known_hosts" in str(exc):

@@ -10,9 +10,13 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from invoke import Collection, Context, Exit, task
+from invoke.collection import Collection
+from invoke.context import Context
+from invoke.exceptions import Exit
+from invoke.tasks import task
 
-from .launcher import LaunchOptions, launch as run_launch
+from .launcher import LaunchOptions
+from .launcher import launch as run_launch
 
 
 def _remainder() -> list[str]:
