@@ -9,7 +9,6 @@ and env on stdin) and the rank reports what it received, byte for byte.
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -21,7 +20,6 @@ from hypothesis import strategies as st
 
 from fdl_fabric.config import parse_cluster
 from fdl_fabric.envelope import new_salt
-from fdl_fabric.output import Console
 from fdl_fabric.plan import build_plan
 from fdl_fabric.spawn import HostSessions, RankProcess, fabric_config, start_remote
 from fdl_fabric.ssh import open_connection, resolve_settings
@@ -100,7 +98,3 @@ def test_env_values_arguments_and_paths_reach_the_remote_rank_exactly(
     got = json.loads(collect.lines[-1])
     assert got == {"argv": args, "cwd": str(workdir), "v": value}
 
-
-def test_console_type_is_compatible() -> None:
-    # The property test passes a collector where a Console is expected.
-    assert hasattr(Console, "rank_line") and sys.version_info >= (3, 9)
