@@ -15,5 +15,5 @@ test:
 	$(PY) -m pytest -q
 
 lint:
-	$(PY) -m ruff check fdl_fabric tests bench examples tasks.py
+	$(PY) -m ruff check .
 	$(PY) -m mypy

@@ -50,6 +50,30 @@ CONTROL_SIGNALS = ("KILL", "TERM", "INT", "HUP", "USR1", "USR2")
 WRAPPER_TICK = 0.1
 
 
+#: Per-user folder, on every host, holding one record per running rank.
+REGISTRY_DIR = "/tmp/fdl-fabric-$UID"
+
+#: Records the rank in the run registry: its process group, its start time as
+#: the kernel reports it (field 22 of /proc/<pid>/stat) and the run id, in a
+#: file only the user can read. Cleanup signals a group only while the
+#: recorded start time still matches, so a recycled pid is never touched.
+REGISTER_SNIPPET = (
+    "__fdl_rec=\n"
+    f'__fdl_reg="{REGISTRY_DIR}"\n'
+    'if [ -n "${FLODL_INTERNAL_RUN_ID:-}" ] &&'
+    ' { [ -d "$__fdl_reg" ] || mkdir -m 700 "$__fdl_reg"; } &&'
+    ' [ -O "$__fdl_reg" ] && [ ! -L "$__fdl_reg" ] &&'
+    ' IFS= read -r __fdl_stat < "/proc/$__fdl_pid/stat"; then\n'
+    "  __fdl_stat=${__fdl_stat##*) }\n"
+    "  set -- $__fdl_stat\n"
+    '  __fdl_rec="$__fdl_reg/$FLODL_INTERNAL_RUN_ID.r${RANK:-x}"\n'
+    "  ( umask 077; printf 'pgid=%s start=%s run=%s cluster=%s host=%s rank=%s\\n'"
+    ' "$__fdl_pid" "${20}" "$FLODL_INTERNAL_RUN_ID" "${FLODL_INTERNAL_CLUSTER_KEY:-}"'
+    ' "${FLODL_HOST_NAME:-}" "${RANK:-}" > "$__fdl_rec" ) || __fdl_rec=\n'
+    "fi\n"
+)
+
+
 def quote(value: str) -> str:
     """Quote one value for a POSIX shell; the only quoting primitive we use."""
     return shlex.quote(value)
@@ -143,6 +167,8 @@ def rank_wrapper(
         # From here on the wrapper itself is silent: bash would otherwise
         # print job notices ("Killed ...") into the rank's stderr.
         "exec 2>/dev/null\n"
+        + REGISTER_SNIPPET
+        +
         'while kill -0 "$__fdl_pid" 2>/dev/null; do\n'
         '  if [ "$__fdl_eof" = 0 ]; then\n'
         f"    if IFS= read -r -t {WRAPPER_TICK} __fdl_line; then\n"
@@ -166,7 +192,19 @@ def rank_wrapper(
         "  fi\n"
         "done\n"
         'wait "$__fdl_pid"\n'
-        "exit $?\n"
+        "__fdl_rc=$?\n"
+        # Children that outlived the rank still hold its process group: they
+        # are orphans of this run, so they get the same TERM/KILL.
+        'if kill -0 -- "-$__fdl_pid" 2>/dev/null; then\n'
+        '  kill -TERM -- "-$__fdl_pid" 2>/dev/null\n'
+        f"  __fdl_left={ticks}\n"
+        '  while [ "$__fdl_left" -gt 0 ] && kill -0 -- "-$__fdl_pid" 2>/dev/null; do\n'
+        f"    sleep {WRAPPER_TICK}; __fdl_left=$((__fdl_left - 1))\n"
+        "  done\n"
+        '  kill -KILL -- "-$__fdl_pid" 2>/dev/null\n'
+        "fi\n"
+        '[ -n "$__fdl_rec" ] && rm -f -- "$__fdl_rec"\n'
+        'exit "$__fdl_rc"\n'
     )
     return "".join(parts)
 

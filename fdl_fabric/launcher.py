@@ -28,11 +28,12 @@ from types import FrameType
 from typing import Any, Optional
 
 from . import commands
-from .config import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster
+from .cleanup import sweep_args, sweep_hosts
+from .config import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster, this_host_name
 from .envelope import ENV_VERBOSITY, EnvelopeError, new_run_id, new_salt, prebuild_from_environ
 from .events import EventBus, Kind
 from .output import Console
-from .plan import LaunchPlan, build_plan
+from .plan import LaunchPlan, build_plan, cluster_key
 from .spawn import (
     HostSessions,
     RankProcess,
@@ -258,9 +259,33 @@ class Launch:
             raise LaunchError(f"{cluster.file}: {exc}", EXIT_CONFIG) from None
         self.events(Kind.LAUNCH, describe_plan(plan), data={"run_id": plan.run_id,
                                                             "world_size": plan.world_size})
+        self._sweep(plan, before=True)
         self._open_tunnels(plan)
         self._watch_connections(settings)
-        return self._spawn_and_supervise(plan).exit_code
+        try:
+            return self._spawn_and_supervise(plan).exit_code
+        finally:
+            self._sweep(plan, before=False)
+
+    def _sweep(self, plan: LaunchPlan, *, before: bool) -> None:
+        """Stop leftovers: of earlier runs of this cluster before, of this run after."""
+        local = [this_host_name()] if any(w.is_local for w in plan.cluster.workers) else []
+        remote = {h: s.connections[0] for h, s in self.sessions.items()
+                  if s.connections[0].is_connected}
+        args = (sweep_args(cluster=cluster_key(plan.cluster)) if before
+                else sweep_args(runs=[plan.run_id]))
+        for report in sweep_hosts(local, remote, args):
+            if report.error:
+                self.events(Kind.WARNING, f"cluster launcher: cleanup on {report.host} failed: "
+                            f"{report.error}", host=report.host)
+            elif report.stopped:
+                what = "leftovers of earlier runs of this cluster" if before else \
+                    "leftovers of this run"
+                self.events(Kind.WARNING, f"cluster launcher: stopped {what} on "
+                            f"{report.summary()}", host=report.host)
+            if report.leftovers:
+                self.events(Kind.WARNING, f"cluster launcher: could not stop on {report.host}: "
+                            f"{report.leftovers}", host=report.host)
 
     def _open_tunnels(self, plan: LaunchPlan) -> None:
         port = plan.cluster.controller.port

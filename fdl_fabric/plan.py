@@ -8,6 +8,7 @@ check it without any process or socket.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from . import commands
 from .config import ClusterSpec, WorkerSpec
 from .envelope import (
     ENV_CLUSTER_JSON,
+    ENV_CLUSTER_KEY,
     ENV_HOST_NAME,
     ENV_LOCAL_RANK,
     ENV_NET_TIMEOUT_SCALE,
@@ -96,6 +98,12 @@ def worker_devices(
     return list(worker.local_devices)
 
 
+def cluster_key(cluster: ClusterSpec) -> str:
+    """A stable id of the cluster file, so a launch finds its predecessors' leftovers."""
+    path = os.path.join(cluster.folder, os.path.basename(cluster.file))
+    return hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
+
+
 def bind_loopback(cluster: ClusterSpec) -> bool:
     """The coordinator binds loopback when no worker needs to dial it over the network."""
     return all(w.is_local or w.tunnel for w in cluster.workers)
@@ -133,6 +141,7 @@ def build_plan(
         w.addr for w, d in zip(cluster.workers, devices_by_worker) if d
     )
     loopback = bind_loopback(cluster)
+    cluster_id = cluster_key(cluster)
 
     ranks: list[RankPlan] = []
     envelopes: dict[str, SlimEnvelope] = {}
@@ -164,6 +173,7 @@ def build_plan(
                 ENV_LOCAL_RANK: str(local_rank),
                 ENV_HOST_NAME: worker.host,
                 ENV_RUN_ID: run_id,
+                ENV_CLUSTER_KEY: cluster_id,
                 "RANK": str(rank),
                 "LOCAL_RANK": str(local_rank),
                 "WORLD_SIZE": str(world_size),

@@ -45,7 +45,9 @@ class _Streaming:
     invoke keeps every byte of output in memory and re-joins the whole buffer
     for every chunk (for its watchers): fine for a command, quadratic for a
     training run that prints for days. It also decodes each 1000-byte chunk on
-    its own, which mangles a UTF-8 character split between two chunks.
+    its own, which mangles a UTF-8 character split between two chunks. Rank
+    output is streamed and never kept; hidden output (``hide=True``: short
+    helper commands such as cleanup or nvidia-smi) is kept as the result.
     """
 
     input_sleep = 0.05
@@ -59,14 +61,21 @@ class _Streaming:
             if not data:
                 break
             text = decoder.decode(data)
-            if text and not hide:
-                output.write(text)
+            if text:
+                self._deliver(text, buffer_, hide, output)
         tail = decoder.decode(b"", final=True)
-        if tail and not hide:
-            output.write(tail)
-        close = getattr(output, "close", None)
-        if close is not None and isinstance(output, RankStream):
-            close()
+        if tail:
+            self._deliver(tail, buffer_, hide, output)
+        if isinstance(output, RankStream):
+            output.close()
+
+    @staticmethod
+    def _deliver(text: str, buffer_: list[str], hide: bool, output: IO[str]) -> None:
+        """Stream visible output; keep hidden output (short helper commands) as a result."""
+        if hide:
+            buffer_.append(text)
+        else:
+            output.write(text)
 
 
 class StreamingLocal(_Streaming, Local):  # type: ignore[misc]
