@@ -13,7 +13,7 @@ import shlex
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TextIO
 
 from fabric import ThreadingGroup
 
@@ -144,3 +144,73 @@ def _group_run(group: ThreadingGroup, by_conn: dict[FdlConnection, str],
             rep = _from_output(host, res.stdout, res.stderr)
             out[host] = rep
     return out
+
+
+def run_cleanup(cluster_file: str, *, run_id: Optional[str] = None, all_runs: bool = False,
+                pattern: Optional[str] = None, out: Optional[TextIO] = None) -> int:
+    """``inv cleanup``: sweep every host of a cluster; 0 clean, 1 leftovers, 2 config."""
+    from .config import ConfigError, load_cluster, this_host_name
+    from .events import EventBus
+    from .launcher import LaunchError, connect_all, ssh_settings
+    from .output import Console
+    from .plan import cluster_key
+    from .spawn import fabric_config
+
+    console = Console(err=out) if out is not None else Console()
+    try:
+        cluster = load_cluster(cluster_file)
+        settings = ssh_settings(cluster, console)
+        sessions = connect_all(settings, fabric_config(), EventBus())
+    except ConfigError as exc:
+        console.message(str(exc))
+        return 2
+    except LaunchError as exc:
+        console.message(str(exc))
+        return exc.exit_code
+    try:
+        local = [this_host_name()] if any(w.is_local for w in cluster.workers) else []
+        remote = {h: s.connections[0] for h, s in sessions.items()}
+        args = sweep_args(runs=[run_id] if run_id else [],
+                          cluster=None if (run_id or all_runs) else cluster_key(cluster),
+                          all_runs=all_runs, pattern=pattern)
+        reports = sweep_hosts(local, remote, args)
+    finally:
+        for s in sessions.values():
+            s.close()
+    return report_and_verdict(reports, console)
+
+
+def report_and_verdict(reports: Sequence[HostReport], console: Any) -> int:
+    """Print one line per host and a verdict; non-zero when anything survived."""
+    for rep in reports:
+        console.message(f"cleanup: {rep.summary()}")
+    bad = [r.host for r in reports if not r.clean]
+    if bad:
+        console.message(f"cleanup: FAILED — leftovers or errors on {', '.join(bad)}")
+        return 1
+    stopped = sum(len(r.stopped) for r in reports)
+    console.message(f"cleanup: verified — nothing of the selected runs remains on "
+                    f"{len(reports)} host(s) ({stopped} group(s) stopped)")
+    return 0
+
+
+def adhoc_cleanup(conn: Any, *, run_id: Optional[str] = None,
+                  pattern: Optional[str] = None) -> HostReport:
+    """``fab -H host cleanup``: sweep one host through the Connection fab made.
+
+    fab builds its Connection with Fabric's AutoAddPolicy; it gets our
+    accept-new policy before it opens, like every other connection we make.
+    """
+    from .ssh import AcceptNewPolicy
+
+    if not conn.is_connected:
+        import os
+
+        known = os.path.expanduser("~/.ssh/known_hosts")
+        if os.path.exists(known):
+            conn.client.load_host_keys(known)
+        conn.client.set_missing_host_key_policy(AcceptNewPolicy(known))
+    args = sweep_args(runs=[run_id] if run_id else [], all_runs=not run_id, pattern=pattern)
+    res = conn.run(remote_command(conn.host, args), hide=True, warn=True, pty=False,
+                   in_stream=False)
+    return _from_output(conn.host, res.stdout, res.stderr)

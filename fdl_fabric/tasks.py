@@ -68,5 +68,35 @@ def launch(
         raise Exit(code=code)
 
 
+@task(
+    help={
+        "cluster": "cluster file whose hosts are swept (default: cluster.yml)",
+        "run-id": "stop only this run's ranks",
+        "all": "stop every recorded run of this user, not only this cluster's",
+        "pattern": "ALSO stop processes whose command line matches this regex, like "
+        "`pkill -f` (TERM, 1 s, KILL); may hit processes fdl-fabric did not start",
+    },
+    name="cleanup",
+)
+def cleanup(
+    c: Context,
+    cluster: str = "cluster.yml",
+    run_id: Optional[str] = None,
+    all: bool = False,
+    pattern: Optional[str] = None,
+) -> None:
+    """Stop leftover ranks on every host of the cluster, then verify none remains.
+
+    Only processes recorded by fdl-fabric's rank wrappers are stopped, and only
+    while their recorded start time still matches. Exit 1 if anything survives.
+    """
+    from .cleanup import run_cleanup
+
+    code = run_cleanup(cluster, run_id=run_id, all_runs=all, pattern=pattern)
+    if code:
+        raise Exit(code=code)
+
+
 ns = Collection("fdl")
 ns.add_task(launch)
+ns.add_task(cleanup)
