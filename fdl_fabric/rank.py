@@ -1,0 +1,453 @@
+"""The rank side of the coordinator protocol: join the cohort, heartbeat, hear verdicts.
+
+A training program launched by fdl-fabric calls `join()` once. From then on
+the launcher's coordinator knows the rank is alive (a heartbeat every second),
+tells it which ranks survive (`survivors()`), and can ask it to save and stop
+(`should_stop()`, `on_shutdown()`). A program that never calls `join()` keeps
+the launcher's kill-all semantics, which is the safe default for plain scripts.
+
+This module is deliberately standalone: standard library only, Python 3.9+,
+no imports from fdl_fabric, so it can be copied next to a training script on
+any host. That is why the framing (4-byte big-endian length, 32-byte
+HMAC-SHA256 tag over run id, NUL, 8-byte sequence number and payload, then a
+JSON object) is duplicated here from `fdl_fabric/coordinator.py`; keep both
+small and identical. docs/protocol.md is the contract, and tests/test_rank.py
+checks that the two encoders agree byte for byte.
+
+One client per process, kept in module state. A reader thread handles what
+the coordinator sends; a heartbeat thread sends a frame every second. On a
+clean interpreter exit, an atexit hook announces ``exiting`` so the rank is
+never counted dead. "Clean" is judged best-effort: an uncaught exception or
+``sys.exit(n)`` with a non-zero status skips the announcement, but a bare
+``raise SystemExit(n)`` cannot be seen from atexit; call `exiting()` yourself
+when the exit status matters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+ENV_CLUSTER_JSON = "FLODL_INTERNAL_CLUSTER_JSON"
+ENV_LOCAL_RANK = "FLODL_INTERNAL_LOCAL_RANK"
+ENV_RANK = "RANK"
+ENV_NET_TIMEOUT_SCALE = "FLODL_NET_TIMEOUT_SCALE"
+
+#: Seconds between heartbeats. Not scaled: the coordinator's timeout is what scales.
+HEARTBEAT_INTERVAL = 1.0
+#: Seconds between connection attempts while the coordinator is not up yet.
+CONNECT_RETRY = 0.5
+#: Socket timeout after the handshake: bounds a stalled write, paces the reader loop.
+SOCKET_TIMEOUT = 5.0
+#: The `on_shutdown` reason when the connection to the coordinator is gone.
+LOST_REASON = "lost the coordinator"
+
+TAG_BYTES = 32
+MAX_FRAME = 1 << 20
+_LENGTH = struct.Struct(">I")
+_SEQ = struct.Struct(">Q")
+
+
+class _ProtocolError(Exception):
+    """The coordinator's stream is not a valid frame sequence for this run."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who this process is in the cohort."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: Optional[int]
+    host: str
+
+
+# -- framing (duplicated from fdl_fabric/coordinator.py on purpose) -------------------------------
+def _tag(salt: bytes, run_id: str, seq: int, payload: bytes) -> bytes:
+    msg = run_id.encode("utf-8") + b"\0" + _SEQ.pack(seq) + payload
+    return hmac.new(salt, msg, hashlib.sha256).digest()
+
+
+def _encode(salt: bytes, run_id: str, seq: int, message: Dict[str, Any]) -> bytes:
+    payload = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body = _tag(salt, run_id, seq, payload) + payload
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _LENGTH.pack(len(body)) + body
+
+
+def _recv(sock: socket.socket, buf: bytearray, salt: bytes, run_id: str,
+          seq: int) -> Optional[Dict[str, Any]]:
+    """Block for one verified frame; None at end of stream. ``buf`` keeps partial frames."""
+    while True:
+        if len(buf) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(buf)
+            if not TAG_BYTES <= length <= MAX_FRAME:
+                raise _ProtocolError(f"bad frame length {length}")
+            end = _LENGTH.size + length
+            if len(buf) >= end:
+                tag = bytes(buf[_LENGTH.size:_LENGTH.size + TAG_BYTES])
+                payload = bytes(buf[_LENGTH.size + TAG_BYTES:end])
+                del buf[:end]
+                if not hmac.compare_digest(tag, _tag(salt, run_id, seq, payload)):
+                    raise _ProtocolError("bad tag")
+                try:
+                    obj = json.loads(payload.decode("utf-8"))
+                except (UnicodeDecodeError, ValueError):
+                    raise _ProtocolError("payload is not UTF-8 JSON") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+                    raise _ProtocolError("payload is not a typed JSON object")
+                return obj
+        data = sock.recv(65536)
+        if not data:
+            return None
+        buf += data
+
+
+# -- environment -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Config:
+    run_id: str
+    salt: bytes
+    controller_host: str
+    controller_port: int
+    membership: Membership
+    scale: float
+
+
+def _env_int(name: str) -> Optional[int]:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise RuntimeError(f"cluster rank: {name}={raw!r} is not an integer") from None
+
+
+def _read_config() -> _Config:
+    """Parse the slim envelope and the rank variables; every error names its variable."""
+    raw = os.environ.get(ENV_CLUSTER_JSON, "").strip()
+    if not raw:
+        raise RuntimeError(f"cluster rank: {ENV_CLUSTER_JSON} is not set — was this program "
+                           "started by the cluster launcher?")
+    try:
+        env = json.loads(bytes.fromhex(raw).decode("utf-8"))
+        controller, worker = env["controller"], env["worker"]
+        run_id = str(env.get("run_id", ""))
+        salt = bytes.fromhex(str(env.get("salt", "00" * 16)))
+        host, port = str(controller["host"]), int(controller["port"])
+        world_size = int(env["world_size"])
+        worker_host = str(worker["host"])
+        ranks = [int(r) for r in worker["ranks"]]
+        devices = worker.get("local_devices")
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise RuntimeError(f"cluster rank: {ENV_CLUSTER_JSON} is not a valid envelope: "
+                           f"{exc!r}") from None
+    rank, local_rank = _env_int(ENV_RANK), _env_int(ENV_LOCAL_RANK)
+    if local_rank is None and rank is not None and rank in ranks:
+        local_rank = ranks.index(rank)
+    if local_rank is None:
+        raise RuntimeError(f"cluster rank: {ENV_LOCAL_RANK} is not set")
+    if not 0 <= local_rank < len(ranks):
+        raise RuntimeError(f"cluster rank: {ENV_LOCAL_RANK}={local_rank} is out of range "
+                           f"0..{len(ranks) - 1} for worker {worker_host!r}")
+    if rank is None:
+        rank = ranks[local_rank]
+    if not 0 <= rank < world_size:
+        raise RuntimeError(f"cluster rank: {ENV_RANK}={rank} is out of range "
+                           f"0..{world_size - 1}")
+    device: Optional[int] = None
+    if isinstance(devices, list) and local_rank < len(devices):
+        device = int(devices[local_rank])
+    raw_scale = os.environ.get(ENV_NET_TIMEOUT_SCALE, "").strip() or "1"
+    try:
+        scale = float(raw_scale)
+    except ValueError:
+        scale = -1.0
+    if not scale > 0:
+        raise RuntimeError(f"cluster rank: {ENV_NET_TIMEOUT_SCALE}={raw_scale!r} must be a "
+                           "positive number")
+    member = Membership(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                        host=worker_host)
+    return _Config(run_id, salt, host, port, member, scale)
+
+
+# -- the client --------------------------------------------------------------------------------
+class _Client:
+    """A joined rank's connection: reader and heartbeat threads, stop state, callbacks."""
+
+    def __init__(self, sock: socket.socket, buf: bytearray, config: _Config,
+                 members: List[int]) -> None:
+        self.sock = sock
+        self.buf = buf
+        self.config = config
+        self.membership = config.membership
+        self.members = members
+        self.tx_seq = 1  # the hello was 0
+        self.rx_seq = 1  # the welcome was 0
+        self.send_lock = threading.Lock()
+        self.state_lock = threading.Lock()
+        self.closed = threading.Event()
+        self.stop_reason: Optional[str] = None
+        self.callbacks: List[Callable[[str], None]] = []
+
+    def start(self) -> None:
+        self.sock.settimeout(SOCKET_TIMEOUT)
+        for target, name in ((self._read_loop, "fdl-rank-reader"),
+                             (self._heartbeat_loop, "fdl-rank-heartbeat")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def send(self, message: Dict[str, Any]) -> bool:
+        """Send one frame; a failure wakes the reader, which reports the loss."""
+        with self.send_lock:
+            if self.closed.is_set():
+                return False
+            frame = _encode(self.config.salt, self.config.run_id, self.tx_seq, message)
+            self.tx_seq += 1
+            try:
+                self.sock.sendall(frame)
+                return True
+            except OSError:
+                self._wake_reader()
+                return False
+
+    def exiting(self) -> None:
+        """Announce a clean exit, then close without reporting a loss."""
+        with self.send_lock:
+            if self.closed.is_set():
+                return
+            frame = _encode(self.config.salt, self.config.run_id, self.tx_seq, {"type": "exiting"})
+            self.tx_seq += 1
+            with contextlib.suppress(OSError):
+                self.sock.sendall(frame)
+            self.closed.set()
+            self._wake_reader()
+
+    def on_shutdown(self, callback: Callable[[str], None]) -> None:
+        with self.state_lock:
+            reason = self.stop_reason
+            if reason is None:
+                self.callbacks.append(callback)
+                return
+        _call(callback, reason)  # registered after the fact: call it now, once
+
+    def _stop(self, reason: str) -> None:
+        with self.state_lock:
+            if self.stop_reason is not None:
+                return
+            self.stop_reason = reason
+            callbacks = list(self.callbacks)
+        for callback in callbacks:
+            _call(callback, reason)
+
+    def _wake_reader(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _heartbeat_loop(self) -> None:
+        while not self.closed.wait(HEARTBEAT_INTERVAL):
+            self.send({"type": "heartbeat"})
+
+    def _read_loop(self) -> None:
+        try:
+            while not self.closed.is_set():
+                try:
+                    message = _recv(self.sock, self.buf, self.config.salt, self.config.run_id,
+                                    self.rx_seq)
+                except socket.timeout:
+                    continue
+                except (OSError, _ProtocolError):
+                    return
+                if message is None:
+                    return
+                self.rx_seq += 1
+                self._on_message(message)
+        finally:
+            lost = not self.closed.is_set()
+            self.closed.set()
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            if lost:
+                self._stop(LOST_REASON)
+
+    def _on_message(self, message: Dict[str, Any]) -> None:
+        kind = message["type"]
+        members = message.get("members")
+        if isinstance(members, list) and all(isinstance(r, int) for r in members):
+            with self.state_lock:
+                self.members = list(members)
+        if kind == "membership":
+            dead = message.get("dead")
+            if isinstance(dead, list) and self.membership.rank in dead:
+                self._stop("declared dead by the coordinator")
+        elif kind == "shutdown":
+            self.send({"type": "ack_shutdown"})
+            self._stop(str(message.get("reason", "shutdown")))
+
+
+def _call(callback: Callable[[str], None], reason: str) -> None:
+    """Run a user callback; its exception is printed, never allowed to kill our thread."""
+    try:
+        callback(reason)
+    except Exception:
+        traceback.print_exc()
+
+
+_lock = threading.Lock()
+_client: Optional[_Client] = None
+_exit_failed = False
+
+
+def _connect(config: _Config, deadline: float, budget: float) -> socket.socket:
+    """Dial until the coordinator answers, every CONNECT_RETRY seconds, until the deadline."""
+    address = (config.controller_host, config.controller_port)
+    last: Optional[OSError] = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(f"cluster rank: could not reach the coordinator at "
+                               f"{address[0]}:{address[1]} within {budget:g}s: {last}")
+        try:
+            return socket.create_connection(address, timeout=min(remaining, SOCKET_TIMEOUT))
+        except OSError as exc:
+            last = exc
+        time.sleep(max(0.0, min(CONNECT_RETRY, deadline - time.monotonic())))
+
+
+def _handshake(config: _Config, deadline: float, budget: float) -> _Client:
+    """Send hello, wait for welcome or reject; any failure is a RuntimeError."""
+    me = config.membership
+    sock = _connect(config, deadline, budget)
+    buf = bytearray()
+    try:
+        sock.settimeout(max(deadline - time.monotonic(), 1.0))
+        hello = {"type": "hello", "rank": me.rank, "host": me.host, "pid": os.getpid()}
+        sock.sendall(_encode(config.salt, config.run_id, 0, hello))
+        reply = _recv(sock, buf, config.salt, config.run_id, 0)
+    except socket.timeout:
+        sock.close()
+        raise RuntimeError(f"cluster rank: rank {me.rank}: the coordinator did not answer "
+                           f"hello within {budget:g}s") from None
+    except (OSError, _ProtocolError) as exc:
+        sock.close()
+        raise RuntimeError(f"cluster rank: rank {me.rank}: handshake with the coordinator "
+                           f"failed: {exc}") from None
+    if reply is None or reply["type"] != "welcome":
+        sock.close()
+        if reply is None:
+            raise RuntimeError(f"cluster rank: rank {me.rank}: the coordinator closed the "
+                               "connection during the handshake (salt or run id mismatch?)")
+        if reply["type"] == "reject":
+            raise RuntimeError(f"cluster rank: the coordinator rejected rank {me.rank}: "
+                               f"{reply.get('reason', 'no reason given')}")
+        raise RuntimeError(f"cluster rank: rank {me.rank}: expected welcome, got "
+                           f"{reply['type']!r}")
+    if reply.get("rank") != me.rank or reply.get("world_size") != me.world_size:
+        sock.close()
+        raise RuntimeError(f"cluster rank: the coordinator welcomed rank {reply.get('rank')} of "
+                           f"{reply.get('world_size')}, expected rank {me.rank} of "
+                           f"{me.world_size}")
+    members = reply.get("members")
+    if not isinstance(members, list):
+        members = list(range(me.world_size))
+    return _Client(sock, buf, config, [int(r) for r in members])
+
+
+def join(timeout: float = 30.0) -> Membership:
+    """Join the cohort; returns who this process is. Idempotent within a process.
+
+    ``timeout`` (scaled by FLODL_NET_TIMEOUT_SCALE) bounds dialing plus the
+    handshake; the coordinator may start after the rank. Raises RuntimeError
+    on a reject, a timeout or a bad environment.
+    """
+    global _client
+    with _lock:
+        if _client is not None:
+            return _client.membership
+        config = _read_config()
+        budget = timeout * config.scale
+        client = _handshake(config, time.monotonic() + budget, budget)
+        client.start()
+        _client = client
+        _install_exit_hooks()
+        return client.membership
+
+
+def should_stop() -> bool:
+    """True after a save-and-shutdown broadcast, or once the coordinator is lost."""
+    client = _client
+    return client is not None and client.stop_reason is not None
+
+
+def on_shutdown(callback: Callable[[str], None]) -> None:
+    """Call ``callback(reason)`` once when the run must stop (from the reader thread).
+
+    Registered after the stop already happened, it is called at once. Before
+    `join()` it raises, because nothing could ever call it.
+    """
+    client = _client
+    if client is None:
+        raise RuntimeError("cluster rank: on_shutdown() needs join() first")
+    client.on_shutdown(callback)
+
+
+def survivors() -> List[int]:
+    """The live members of the cohort ([] before `join()`)."""
+    client = _client
+    if client is None:
+        return []
+    with client.state_lock:
+        return list(client.members)
+
+
+def exiting() -> None:
+    """Announce a clean exit now and close the connection (no-op before `join()`)."""
+    client = _client
+    if client is not None:
+        client.exiting()
+
+
+def is_launched() -> bool:
+    """True when this process was started by the cluster launcher."""
+    return bool(os.environ.get(ENV_CLUSTER_JSON, "").strip())
+
+
+# -- clean-exit detection ----------------------------------------------------------------------
+def _install_exit_hooks() -> None:
+    """Note failing exits so the atexit hook does not announce them as clean."""
+    previous_hook = sys.excepthook
+    previous_exit = sys.exit
+
+    def excepthook(kind: Any, value: Any, tb: Any) -> None:
+        global _exit_failed
+        _exit_failed = True
+        previous_hook(kind, value, tb)
+
+    def exit_(status: Any = None) -> None:
+        global _exit_failed
+        if not (status is None or (isinstance(status, int) and status == 0)):
+            _exit_failed = True
+        previous_exit(status)
+
+    setattr(sys, "excepthook", excepthook)  # noqa: B010 - keeps mypy off typeshed's signature
+    setattr(sys, "exit", exit_)  # noqa: B010
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    if not _exit_failed and _client is not None:
+        _client.exiting()

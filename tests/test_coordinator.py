@@ -1,0 +1,588 @@
+"""The coordinator: policy arithmetic, the ledger, and the wire protocol over real loopback sockets.
+
+Fake ranks here speak the protocol by hand (through the coordinator's own
+framing helpers), so each test can break exactly one rule and check that only
+that connection pays for it.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fdl_fabric.coordinator import (
+    MAX_FRAME,
+    Coordinator,
+    CoordinatorError,
+    CoordinatorSpec,
+    DeadRanks,
+    FrameError,
+    decode_payload,
+    encode_frame,
+    frame_tag,
+    max_failure_limit,
+    take_frame,
+)
+from fdl_fabric.events import EventBus, EventLog, Kind
+from fdl_fabric.supervisor import Verdict
+
+SALT = bytes(range(16))
+RUN = "20250101-000000-abcd1234"
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
+    """Poll ``predicate`` until true or ``timeout``; bounded so tests never hang."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+class FakeRank:
+    """A hand-driven rank connection: send frames (good or bad), read verified frames."""
+
+    def __init__(self, port: int, *, salt: bytes = SALT, run_id: str = RUN) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=3.0)
+        self.salt, self.run_id = salt, run_id
+        self.tx = 0
+        self.rx = 0
+        self.buf = bytearray()
+        self.sent: list[bytes] = []
+
+    @property
+    def local_port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    def frame(self, message: dict[str, Any], seq: Optional[int] = None) -> bytes:
+        data = encode_frame(self.salt, self.run_id, self.tx if seq is None else seq, message)
+        if seq is None:
+            self.tx += 1
+        return data
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = self.frame(message)
+        self.sent.append(data)
+        self.sock.sendall(data)
+
+    def raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def hello(self, rank: int, host: str = "h0") -> dict[str, Any]:
+        self.send({"type": "hello", "rank": rank, "host": host, "pid": 4242})
+        return self.recv()
+
+    def recv(self, timeout: float = 3.0) -> dict[str, Any]:
+        self.sock.settimeout(timeout)
+        while True:
+            frame = take_frame(self.buf)
+            if frame is not None:
+                tag, payload = frame
+                assert tag == frame_tag(self.salt, self.run_id, self.rx, payload)
+                self.rx += 1
+                return decode_payload(payload)
+            data = self.sock.recv(65536)
+            if not data:
+                raise EOFError("coordinator closed the connection")
+            self.buf += data
+
+    def recv_all(self, timeout: float = 0.3) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        try:
+            while True:
+                out.append(self.recv(timeout))
+        except (socket.timeout, EOFError):
+            return out
+
+    def is_closed(self, timeout: float = 3.0) -> bool:
+        """True when the coordinator closed our connection (EOF or reset) within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                return False
+            except OSError:
+                return True
+            if not data:
+                return True
+            self.buf += data
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Harness:
+    def __init__(self, coord: Coordinator, log: EventLog) -> None:
+        self.coord, self.log = coord, log
+        self.ranks: list[FakeRank] = []
+
+    def rank(self, **kw: Any) -> FakeRank:
+        fake = FakeRank(self.coord.port, **kw)
+        self.ranks.append(fake)
+        return fake
+
+    def messages(self, kind: Kind) -> list[str]:
+        return [e.message for e in self.log.of(kind)]
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., Harness]]:
+    made: list[Harness] = []
+
+    def _make(world_size: int = 2, **kw: Any) -> Harness:
+        spec = CoordinatorSpec(run_id=RUN, salt=SALT, world_size=world_size,
+                               bind_host="127.0.0.1", port=0, **kw)
+        log = EventLog()
+        coord = Coordinator(spec, EventBus(log))
+        coord.start()
+        harness = Harness(coord, log)
+        made.append(harness)
+        return harness
+
+    yield _make
+    for harness in made:
+        for fake in harness.ranks:
+            fake.close()
+        harness.coord.stop()
+
+
+def form(h: Harness, world_size: int) -> list[FakeRank]:
+    fakes = [h.rank() for _ in range(world_size)]
+    for r, fake in enumerate(fakes):
+        assert fake.hello(r, host=f"h{r}")["type"] == "welcome"
+    assert wait_for(lambda: h.coord.cohort_formed)
+    for fake in fakes:
+        assert fake.recv()["type"] == "formed"
+    return fakes
+
+
+# -- max_failure arithmetic -------------------------------------------------------------------
+@pytest.mark.parametrize(("max_failure", "world_size", "limit"), [
+    (0.2, 10, 2), (0.2, 11, 3), (0.2, 5, 1), (0.2, 3, 1), (0.0, 10, 0), (1.0, 7, 7),
+    (2.5, 4, 4), (-0.3, 4, 0), (0.25, 8, 2), (0.5, 0, 0), (3, 4, 3), (9, 4, 9), (None, 4, None),
+])
+def test_max_failure_limit_follows_the_spec_table(
+        max_failure: Any, world_size: int, limit: Optional[int]) -> None:
+    assert max_failure_limit(max_failure, world_size) == limit
+
+
+def test_percent_limit_is_exact_for_round_percentages() -> None:
+    # ceil(0.7 * 10.0) is 8 in floating point; 70% of 10 ranks is 7.
+    assert max_failure_limit(0.7, 10) == 7
+    assert max_failure_limit(0.3, 10) == 3
+
+
+@given(st.floats(allow_nan=False), st.integers(min_value=0, max_value=10_000))
+def test_percent_limit_stays_within_zero_and_world_size(p: float, world_size: int) -> None:
+    limit = max_failure_limit(p, world_size)
+    assert limit is not None and 0 <= limit <= world_size
+    if 0 < p <= 1 and world_size > 0:
+        assert limit >= 1 and limit == math.ceil(limit)
+
+
+# -- spec validation --------------------------------------------------------------------------
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("salt", b"short", "salt must be 16 bytes"),
+    ("world_size", 0, "world_size must be an int >= 1"),
+    ("run_id", "", "run_id must be a non-empty"),
+    ("port", 70000, "port must be in 0..65535"),
+    ("heartbeat_timeout", 0, "heartbeat_timeout must be a positive"),
+    ("formation_timeout", -1.0, "formation_timeout must be a positive"),
+    ("max_failure", -1, "max_failure must be >= 0"),
+    ("max_failure", "25%", "max_failure must be an int"),
+    ("max_failure", float("nan"), "must not be NaN"),
+])
+def test_spec_rejects_bad_values_with_a_clear_message(field: str, value: Any, words: str) -> None:
+    kw: dict[str, Any] = {"run_id": RUN, "salt": SALT, "world_size": 2,
+                          "bind_host": "127.0.0.1", "port": 0, field: value}
+    with pytest.raises(ValueError, match=words):
+        CoordinatorSpec(**kw)
+
+
+# -- the ledger -------------------------------------------------------------------------------
+def test_dead_ranks_ledger_is_idempotent_and_ignores_out_of_range() -> None:
+    ledger = DeadRanks(4)
+    assert ledger.world_size == 4
+    assert ledger.declare_dead(2) is True
+    assert ledger.declare_dead(2) is False
+    assert ledger.declare_dead(4) is False and ledger.declare_dead(-1) is False
+    assert ledger.is_dead(2) and not ledger.is_dead(1) and not ledger.is_dead(9)
+    assert ledger.dead_count() == 1 and ledger.ranks() == [2]
+
+
+# -- framing ----------------------------------------------------------------------------------
+@given(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=20), max_size=5),
+       st.integers(min_value=0, max_value=2**64 - 1))
+def test_a_frame_round_trips_and_is_bound_to_its_sequence(body: dict[str, Any], seq: int) -> None:
+    message = {**body, "type": "heartbeat"}
+    buf = bytearray(encode_frame(SALT, RUN, seq, message))
+    frame = take_frame(buf)
+    assert frame is not None and not buf
+    tag, payload = frame
+    assert tag == frame_tag(SALT, RUN, seq, payload)
+    assert tag != frame_tag(SALT, RUN, (seq + 1) % 2**64, payload)
+    assert tag != frame_tag(SALT, RUN + "x", seq, payload)
+    assert decode_payload(payload) == message
+
+
+def test_an_oversize_length_is_refused_before_its_body_arrives() -> None:
+    with pytest.raises(FrameError, match="too large"):
+        take_frame(bytearray(struct.pack(">I", MAX_FRAME + 1)))
+
+
+# -- formation --------------------------------------------------------------------------------
+def test_cohort_forms_when_every_rank_says_hello(make: Callable[..., Harness]) -> None:
+    h = make(3)
+    fakes = [h.rank() for _ in range(3)]
+    first = fakes[0].hello(0, host="alpha")
+    assert first == {"type": "welcome", "rank": 0, "world_size": 3, "members": [0, 1, 2],
+                     "formed": False}
+    assert fakes[1].hello(1, host="alpha")["formed"] is False
+    assert not h.coord.cohort_formed
+    assert fakes[2].hello(2, host="beta")["formed"] is True
+    assert wait_for(lambda: h.coord.cohort_formed)
+    for fake in fakes:
+        assert fake.recv() == {"type": "formed", "members": [0, 1, 2]}
+    assert h.messages(Kind.JOIN) == [
+        "cluster coordinator: rank 0 of alpha joined",
+        "cluster coordinator: rank 1 of alpha joined",
+        "cluster coordinator: rank 2 of beta joined",
+    ]
+    assert h.messages(Kind.FORMED) == ["cluster coordinator: cohort formed — 3 ranks"]
+    assert h.coord.joined == {0, 1, 2}
+    assert h.coord.abort_reason() is None
+
+
+def test_a_duplicate_rank_is_rejected_and_the_first_keeps_its_place(
+        make: Callable[..., Harness]) -> None:
+    h = make(2)
+    first = h.rank()
+    assert first.hello(0)["type"] == "welcome"
+    dup = h.rank()
+    assert dup.hello(0) == {"type": "reject", "reason": "rank 0 already joined"}
+    assert dup.is_closed()
+    assert h.messages(Kind.WARNING) == [
+        f"cluster coordinator: rejected hello from 127.0.0.1:{dup.local_port}: "
+        "rank 0 already joined"]
+    assert h.rank().hello(1)["type"] == "welcome"
+    assert wait_for(lambda: h.coord.cohort_formed)
+
+
+@pytest.mark.parametrize(("rank", "reason"), [
+    (2, "rank 2 is out of range 0..1 (world size 2)"),
+    (-1, "rank -1 is out of range 0..1 (world size 2)"),
+    ("0", "rank must be an integer, got '0'"),
+    (True, "rank must be an integer, got True"),
+])
+def test_a_rank_outside_the_world_is_rejected(
+        make: Callable[..., Harness], rank: Any, reason: str) -> None:
+    h = make(2)
+    bad = h.rank()
+    bad.send({"type": "hello", "rank": rank, "host": "h0", "pid": 1})
+    assert bad.recv() == {"type": "reject", "reason": reason}
+    assert bad.is_closed()
+    assert len(h.log.of(Kind.WARNING)) == 1
+    assert h.coord.joined == set()
+
+
+def test_a_rank_declared_dead_cannot_join_again(make: Callable[..., Harness]) -> None:
+    h = make(2)
+    h.coord.report_dead([1], "status 1")
+    assert wait_for(lambda: h.coord.dead.is_dead(1))
+    assert h.rank().hello(1) == {"type": "reject", "reason": "rank 1 was declared dead"}
+
+
+# -- one bad connection never hurts the run ---------------------------------------------------
+def _bad_tag(f: FakeRank) -> None:
+    data = bytearray(f.frame({"type": "hello", "rank": 1, "host": "h", "pid": 1}))
+    data[10] ^= 0xFF
+    f.raw(bytes(data))
+
+
+def _other_salt(f: FakeRank) -> None:
+    f.salt = bytes(16)
+    f.send({"type": "hello", "rank": 1, "host": "h", "pid": 1})
+
+
+def _other_run(f: FakeRank) -> None:
+    f.run_id = "another-run"
+    f.send({"type": "hello", "rank": 1, "host": "h", "pid": 1})
+
+
+def _replay(f: FakeRank) -> None:
+    f.hello(1)
+    f.raw(f.sent[0])
+
+
+def _out_of_order(f: FakeRank) -> None:
+    f.hello(1)
+    f.raw(f.frame({"type": "heartbeat"}, seq=5))
+
+
+def _oversize(f: FakeRank) -> None:
+    f.raw(struct.pack(">I", 2 * MAX_FRAME))
+
+
+def _short(f: FakeRank) -> None:
+    f.raw(struct.pack(">I", 3) + b"abc")
+
+
+def _frame_of(payload: bytes) -> Callable[[FakeRank], None]:
+    def send(f: FakeRank) -> None:
+        body = frame_tag(f.salt, f.run_id, 0, payload) + payload
+        f.raw(struct.pack(">I", len(body)) + body)
+    return send
+
+
+def _unknown_type(f: FakeRank) -> None:
+    f.hello(1)
+    f.send({"type": "gossip"})
+
+
+def _heartbeat_first(f: FakeRank) -> None:
+    f.send({"type": "heartbeat"})
+
+
+def _second_hello(f: FakeRank) -> None:
+    f.hello(1)
+    f.send({"type": "hello", "rank": 1, "host": "h", "pid": 1})
+
+
+@pytest.mark.parametrize(("attack", "reason"), [
+    (_bad_tag, "bad tag"),
+    (_other_salt, "bad tag"),
+    (_other_run, "bad tag"),
+    (_replay, "replayed frame (sequence 0, expected 1)"),
+    (_out_of_order, "out-of-order frame (sequence 5, expected 1)"),
+    (_oversize, f"frame too large ({2 * MAX_FRAME} bytes, limit {MAX_FRAME})"),
+    (_short, "frame too short (3 bytes)"),
+    (_frame_of(b"{not json"), "payload is not UTF-8 JSON"),
+    (_frame_of(b"\xff\xfe"), "payload is not UTF-8 JSON"),
+    (_frame_of(b"[1, 2]"), "payload is not a JSON object"),
+    (_frame_of(b'{"rank": 1}'), "payload has no string 'type'"),
+    (_unknown_type, "unknown message type 'gossip'"),
+    (_heartbeat_first, "first frame must be hello, got 'heartbeat'"),
+    (_second_hello, "second hello on one connection"),
+], ids=lambda v: v.__name__.strip("_") if callable(v) else None)
+def test_a_bad_connection_is_dropped_with_one_line_and_the_run_carries_on(
+        make: Callable[..., Harness], attack: Callable[[FakeRank], None], reason: str) -> None:
+    h = make(3)
+    good = h.rank()
+    assert good.hello(0)["type"] == "welcome"
+    bad = h.rank()
+    attack(bad)
+    assert bad.is_closed()
+    assert wait_for(lambda: len(h.log.of(Kind.WARNING)) >= 1)
+    time.sleep(0.1)
+    assert h.messages(Kind.WARNING) == [
+        f"cluster coordinator: dropped connection from 127.0.0.1:{bad.local_port}: {reason}"]
+    good.send({"type": "heartbeat"})
+    for r in (1, 2):
+        if r not in h.coord.joined:
+            assert h.rank().hello(r)["type"] == "welcome"
+    assert wait_for(lambda: h.coord.cohort_formed)
+    assert good.recv()["type"] == "formed"
+    assert h.coord.abort_reason() is None and h.coord.dead.dead_count() == 0
+
+
+def test_a_connection_that_never_says_hello_is_dropped(make: Callable[..., Harness]) -> None:
+    h = make(2, hello_timeout=0.2)
+    idle = h.rank()
+    assert idle.is_closed()
+    assert h.messages(Kind.WARNING) == [
+        f"cluster coordinator: dropped connection from 127.0.0.1:{idle.local_port}: "
+        "no hello within 0.2s"]
+
+
+# -- formation timeout ------------------------------------------------------------------------
+def test_formation_timeout_names_the_ranks_that_never_joined(
+        make: Callable[..., Harness]) -> None:
+    h = make(4, formation_timeout=0.3)
+    h.rank().hello(0)
+    h.rank().hello(1)
+    assert wait_for(lambda: h.coord.abort_reason() is not None)
+    assert h.coord.abort_reason() == (
+        "cluster launcher: cohort did not form within 0.3s: rank(s) [2, 3] never joined")
+    assert not h.coord.cohort_formed
+    late = h.rank().hello(2)
+    assert late == {"type": "reject",
+                    "reason": "the cohort did not form in time; the run is being aborted"}
+    assert not h.coord.cohort_formed
+
+
+def test_without_any_hello_the_coordinator_stays_passive(make: Callable[..., Harness]) -> None:
+    h = make(2, formation_timeout=0.1)
+    time.sleep(0.4)
+    assert h.coord.abort_reason() is None
+    assert not h.coord.cohort_formed
+
+
+# -- deaths -----------------------------------------------------------------------------------
+def test_a_silent_rank_is_declared_dead_after_the_heartbeat_timeout(
+        make: Callable[..., Harness]) -> None:
+    h = make(2, heartbeat_timeout=0.5)
+    alive, silent = form(h, 2)
+    deadline = time.monotonic() + 1.2
+    while time.monotonic() < deadline:
+        alive.send({"type": "heartbeat", "step": 1})
+        time.sleep(0.1)
+    assert h.coord.dead.ranks() == [1]
+    assert alive.recv() == {"type": "membership", "members": [0], "dead": [1]}
+    assert silent.is_closed()
+    [death] = h.messages(Kind.DEATH)
+    assert death.startswith("cluster coordinator: rank 1 declared dead (no frame for 0.")
+    assert death.endswith("s, heartbeat timeout 0.5s); 1 of 2 alive")
+
+
+def test_a_rank_that_announced_exiting_is_never_declared_dead(
+        make: Callable[..., Harness]) -> None:
+    h = make(2, heartbeat_timeout=0.3)
+    keeper, leaver = form(h, 2)
+    leaver.send({"type": "exiting"})
+    leaver.close()
+    assert wait_for(lambda: h.coord.exited == {1})
+    h.coord.report_dead([1], "status 1")
+    deadline = time.monotonic() + 0.8
+    while time.monotonic() < deadline:
+        keeper.send({"type": "heartbeat"})
+        time.sleep(0.1)
+    assert h.coord.dead.dead_count() == 0
+    assert h.coord.verdict(2, 1)[0] is Verdict.OK
+
+
+def test_a_closed_connection_alone_is_not_a_death(make: Callable[..., Harness]) -> None:
+    h = make(2, heartbeat_timeout=5.0)
+    _, gone = form(h, 2)
+    gone.close()
+    assert wait_for(lambda: len(h.log.of(Kind.INFO)) == 1)
+    time.sleep(0.2)
+    assert h.coord.dead.dead_count() == 0
+    assert "lost the connection to rank 1 of h1 without an exiting message" in \
+        h.messages(Kind.INFO)[0]
+
+
+def test_report_dead_is_idempotent(make: Callable[..., Harness]) -> None:
+    h = make(3)
+    fakes = form(h, 3)
+    h.coord.report_dead([2], "status 1")
+    h.coord.report_dead([2], "status 1")
+    h.coord.report_dead([2, 7], "signal 9")
+    assert wait_for(lambda: h.coord.dead.is_dead(2))
+    time.sleep(0.2)
+    assert h.messages(Kind.DEATH) == [
+        "cluster coordinator: rank 2 declared dead (status 1); 2 of 3 alive"]
+    assert fakes[0].recv_all() == [{"type": "membership", "members": [0, 1], "dead": [2]}]
+    assert h.coord.shutdown_sent is None
+
+
+def test_max_failure_breach_broadcasts_save_and_shutdown_once(
+        make: Callable[..., Harness]) -> None:
+    h = make(4, max_failure=0.5)
+    fakes = form(h, 4)
+    h.coord.report_dead([1], "status 1")
+    assert wait_for(lambda: h.coord.dead.dead_count() == 1)
+    assert h.coord.shutdown_sent is None
+    h.coord.report_dead([3], "signal 9")
+    assert wait_for(lambda: h.coord.shutdown_sent is not None)
+    h.coord.report_dead([2], "status 1")
+    assert wait_for(lambda: h.coord.dead.dead_count() == 3)
+    time.sleep(0.2)
+    assert h.coord.shutdown_sent == "max_failure reached (2/4 dead, threshold 2)"
+    assert h.messages(Kind.SHUTDOWN) == [
+        "cluster coordinator: max_failure reached (2/4 dead, threshold 2) — broadcasting "
+        "save-and-shutdown"]
+    received = fakes[0].recv_all()
+    assert [m for m in received if m["type"] == "shutdown"] == [
+        {"type": "shutdown", "reason": "max_failure reached (2/4 dead, threshold 2)",
+         "save": True}]
+    assert received[-1] == {"type": "membership", "members": [0], "dead": [1, 2, 3]}
+    assert h.coord.verdict(4, 3) == (
+        Verdict.FAILED,
+        "cluster launcher: max_failure exceeded (3/4 ranks dead, threshold 2); coordinator "
+        "dispatched save-and-shutdown — consensus checkpoint saved if a save path was armed")
+
+
+def test_losing_every_rank_without_max_failure_still_broadcasts_shutdown(
+        make: Callable[..., Harness]) -> None:
+    h = make(2)
+    form(h, 2)
+    h.coord.report_dead([0, 1], "status 1")
+    assert wait_for(lambda: h.coord.shutdown_sent is not None)
+    assert h.coord.shutdown_sent == "every rank was lost (2/2 dead)"
+    assert h.coord.verdict(2, 2)[0] is Verdict.FAILED
+
+
+# -- verdicts ---------------------------------------------------------------------------------
+def _idle(world_size: int, max_failure: Any = None, dead: tuple[int, ...] = ()) -> Coordinator:
+    spec = CoordinatorSpec(run_id=RUN, salt=SALT, world_size=world_size, bind_host="127.0.0.1",
+                           port=0, max_failure=max_failure)
+    coord = Coordinator(spec, EventBus())
+    for r in dead:
+        coord.dead.declare_dead(r)
+    return coord
+
+
+@pytest.mark.parametrize(("coord", "tolerated", "verdict", "message"), [
+    (_idle(3, dead=(0, 1, 2)), 3, Verdict.FAILED,
+     "cluster launcher: every rank was lost; consensus checkpoint saved if a save path was armed"),
+    (_idle(4, 2, dead=(0, 3)), 2, Verdict.FAILED,
+     "cluster launcher: max_failure exceeded (2/4 ranks dead, threshold 2); coordinator "
+     "dispatched save-and-shutdown — consensus checkpoint saved if a save path was armed"),
+    (_idle(10, 0.2, dead=(4, 5)), 2, Verdict.FAILED,
+     "cluster launcher: max_failure exceeded (2/10 ranks dead, threshold 2); coordinator "
+     "dispatched save-and-shutdown — consensus checkpoint saved if a save path was armed"),
+    (_idle(4, 3, dead=(1, 2)), 2, Verdict.DEGRADED,
+     "cluster launcher: run completed DEGRADED — 2 of 4 ranks lost along the way (tolerated by "
+     "elastic membership); survivors carried the full workload"),
+    (_idle(4, dead=(1,)), 1, Verdict.DEGRADED,
+     "cluster launcher: run completed DEGRADED — 1 of 4 ranks lost along the way (tolerated by "
+     "elastic membership); survivors carried the full workload"),
+    (_idle(4), 2, Verdict.OK,
+     "cluster launcher: run completed; 2 child exit(s) in the teardown window were tolerated "
+     "(never registered as rank deaths) — full workload delivered, nothing redistributed"),
+    (_idle(4), 0, Verdict.OK, "cluster launcher: run completed — all 4 ranks exited 0"),
+    (_idle(4, 0.0), 0, Verdict.OK, "cluster launcher: run completed — all 4 ranks exited 0"),
+], ids=["all-lost", "absolute", "percent", "degraded", "degraded-no-limit", "teardown", "ok",
+        "zero-limit-no-deaths"])
+def test_verdict_wording_is_exact(
+        coord: Coordinator, tolerated: int, verdict: Verdict, message: str) -> None:
+    assert coord.verdict(coord.spec.world_size, tolerated) == (verdict, message)
+
+
+# -- lifecycle --------------------------------------------------------------------------------
+def test_a_bind_failure_names_the_address() -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        spec = CoordinatorSpec(run_id=RUN, salt=SALT, world_size=1, bind_host="127.0.0.1",
+                               port=port)
+        with pytest.raises(CoordinatorError) as info:
+            Coordinator(spec, EventBus()).start()
+        assert str(info.value) == (f"cluster launcher: coordinator could not bind "
+                                   f"127.0.0.1:{port}: [Errno 98] Address already in use")
+    finally:
+        taken.close()
+
+
+def test_stop_closes_every_rank_and_is_idempotent(make: Callable[..., Harness]) -> None:
+    h = make(1)
+    [fake] = form(h, 1)
+    h.coord.stop()
+    assert fake.is_closed()
+    h.coord.stop()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", h.coord.port), timeout=1.0)
