@@ -490,7 +490,7 @@ class Coordinator:
                 fresh = rank not in self._exited
                 self._exited.add(rank)
             if fresh:
-                self.events(Kind.INFO, f"cluster coordinator: rank {rank} of {self._hosts[rank]} "
+                self.events(Kind.DEBUG, f"cluster coordinator: rank {rank} of {self._hosts[rank]} "
                             "announced a clean exit", host=self._hosts[rank], rank=rank)
 
     def _hello(self, conn: _Conn, message: dict[str, Any]) -> None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
@@ -29,8 +30,24 @@ from typing import Any, Optional
 
 from . import commands
 from .cleanup import sweep_args, sweep_hosts
-from .config import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster, this_host_name
-from .envelope import ENV_VERBOSITY, EnvelopeError, new_run_id, new_salt, prebuild_from_environ
+from .config import (
+    ClusterSpec,
+    ConfigError,
+    Problem,
+    WorkerSpec,
+    load_cluster,
+    parse_max_failure,
+    this_host_name,
+)
+from .coordinator import Coordinator, CoordinatorError, CoordinatorSpec
+from .envelope import (
+    ENV_NET_TIMEOUT_SCALE,
+    ENV_VERBOSITY,
+    EnvelopeError,
+    new_run_id,
+    new_salt,
+    prebuild_from_environ,
+)
 from .events import EventBus, Kind
 from .output import Console
 from .plan import LaunchPlan, build_plan, cluster_key
@@ -65,6 +82,7 @@ class LaunchOptions:
     kill_grace: Optional[float] = None
     verbosity: int = 1
     quiet: bool = False
+    max_failure: Optional[str] = None
     env_overrides: dict[str, str] = field(default_factory=dict)
 
 
@@ -89,6 +107,41 @@ def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
         return commands.split_command(text)
     except ValueError as exc:
         raise LaunchError(f"{cluster.file}: command: {exc}", EXIT_CONFIG) from None
+
+
+def net_timeout_scale(environ: Mapping[str, str]) -> float:
+    """FLODL_NET_TIMEOUT_SCALE: a finite float >= 0.1 multiplying every network deadline."""
+    raw = environ.get(ENV_NET_TIMEOUT_SCALE, "").strip() or "1"
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not math.isfinite(scale) or scale < 0.1:
+        raise LaunchError(f"{ENV_NET_TIMEOUT_SCALE}={raw!r} must be a number >= 0.1",
+                          EXIT_CONFIG)
+    return scale
+
+
+def coordinator_spec(plan: LaunchPlan, opts: LaunchOptions, scale: float) -> CoordinatorSpec:
+    """The coordinator for this plan: loopback when no worker dials it over the network."""
+    cluster = plan.cluster
+    max_failure = cluster.elastic.max_failure
+    if opts.max_failure is not None:
+        try:
+            max_failure = parse_max_failure(opts.max_failure)
+        except ValueError as exc:
+            raise LaunchError(f"--max-failure: {exc}", EXIT_CONFIG) from None
+    return CoordinatorSpec(
+        run_id=plan.run_id,
+        salt=plan.salt,
+        world_size=plan.world_size,
+        bind_host="127.0.0.1" if plan.bind_loopback else cluster.controller.host,
+        port=cluster.controller.port,
+        formation_timeout=cluster.elastic.formation_timeout * scale,
+        heartbeat_timeout=cluster.elastic.heartbeat_timeout * scale,
+        max_failure=max_failure,
+        hello_timeout=10.0 * scale,
+    )
 
 
 def ssh_settings(cluster: ClusterSpec, console: Console) -> dict[str, SshSettings]:
@@ -247,6 +300,7 @@ class Launch:
             raise LaunchError(str(exc), EXIT_CONFIG) from None
         launcher_env = dict(os.environ)
         launcher_env.update(opts.env_overrides)
+        scale = net_timeout_scale(launcher_env)
 
         config = fabric_config()
         self.sessions = connect_all(settings, config, self.events)
@@ -259,11 +313,17 @@ class Launch:
             raise LaunchError(f"{cluster.file}: {exc}", EXIT_CONFIG) from None
         self.events(Kind.LAUNCH, describe_plan(plan), data={"run_id": plan.run_id,
                                                             "world_size": plan.world_size})
+        coordinator = Coordinator(coordinator_spec(plan, opts, scale), self.events)
         self._sweep(plan, before=True)
+        try:
+            coordinator.start()
+        except CoordinatorError as exc:
+            raise LaunchError(f"{exc} — nothing was started") from None
+        self.stack.callback(coordinator.stop)
         self._open_tunnels(plan)
         self._watch_connections(settings)
         try:
-            return self._spawn_and_supervise(plan).exit_code
+            return self._spawn_and_supervise(plan, coordinator).exit_code
         finally:
             self._sweep(plan, before=False)
 
@@ -314,14 +374,15 @@ class Launch:
             if transport is not None:
                 self.monitor.watch(host, transport, settings[host])
 
-    def _spawn_and_supervise(self, plan: LaunchPlan) -> RunResult:
+    def _spawn_and_supervise(self, plan: LaunchPlan, coordinator: Coordinator) -> RunResult:
         ctx = local_context()
         procs = [RankProcess(r, plan.run_id) for r in plan.ranks]
         supervised = [SupervisedRank(p.plan.rank, p.plan.host, p, state=RankState.STARTING)
                       for p in procs]
         for p, s in zip(procs, supervised):
             p.on_pid(functools.partial(_mark_running, s))
-        supervisor = Supervisor([], kill_grace=plan.cluster.kill_grace, events=self.events)
+        supervisor = Supervisor([], kill_grace=plan.cluster.kill_grace, events=self.events,
+                                elastic=coordinator)
         spawn_error = self._spawn(plan, procs, ctx)
         supervisor.ranks = [s for p, s in zip(procs, supervised) if p.promise is not None]
         if spawn_error:

@@ -15,7 +15,7 @@ from .commands import PID_MARKER
 from .events import Event, Kind
 
 #: Event kinds shown only with -v: routine progress that would drown the rank output.
-_VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.RUNNING}
+_VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.RUNNING, Kind.JOIN}
 
 
 class Console:

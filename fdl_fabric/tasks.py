@@ -38,6 +38,8 @@ def _remainder() -> list[str]:
         "kill-grace": "seconds between TERM and KILL when stopping ranks (default: kill_grace)",
         "quiet": "show only launcher status and events, not rank output",
         "verbose": "more detail (-v, -vv); also sets FLODL_VERBOSITY for the ranks",
+        "max-failure": "after the cohort forms, stop the run once this many ranks died "
+        "(a count, or a percentage such as 25%%); default: elastic.max_failure",
     },
     incrementable=["verbose"],
 )
@@ -48,6 +50,7 @@ def launch(
     kill_grace: Optional[float] = None,
     quiet: bool = False,
     verbose: int = 0,
+    max_failure: Optional[str] = None,
 ) -> None:
     """Launch the job described by the cluster file and supervise it to a verdict.
 
@@ -62,6 +65,7 @@ def launch(
         kill_grace=float(kill_grace) if kill_grace is not None else None,
         verbosity=1 + int(verbose),
         quiet=quiet,
+        max_failure=max_failure,
     )
     code = run_launch(opts)
     if code:

@@ -8,7 +8,7 @@ want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
 
 if [ "$want_test" = 1 ]; then
-  "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt -e . 2>&1 \
+  "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r requirements-torch.txt -e . 2>&1 \
     | grep -v -e "Running pip as the 'root' user" -e "is ignored: it is neither" || true
   if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
     if [ "$(id -u)" = 0 ]; then

@@ -83,3 +83,60 @@ def processes_of_run(run_id: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+class LiveLaunch:
+    """A running `inv launch` whose output lines are collected as they arrive."""
+
+    def __init__(self, cluster: Path | str, *args: str,
+                 env: Optional[dict[str, str]] = None) -> None:
+        import threading
+
+        self.proc = start_launch(cluster, *args, env=env)
+        self.out: list[tuple[float, str]] = []
+        self.err: list[tuple[float, str]] = []
+        self._threads = []
+        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            t = threading.Thread(target=self._pump, args=(stream, sink), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    @staticmethod
+    def _pump(stream: Any, sink: list[tuple[float, str]]) -> None:
+        for line in stream:
+            sink.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_line(self, pattern: str, *, stderr: bool = False, timeout: float = 30) -> Any:
+        import re
+
+        regex = re.compile(pattern)
+        sink = self.err if stderr else self.out
+
+        def find() -> Any:
+            for _, line in list(sink):
+                m = regex.search(line)
+                if m:
+                    return m
+            return None
+
+        return wait_for(find, timeout, f"a line matching {pattern!r}")
+
+    def finish(self, timeout: float = 60) -> int:
+        code = self.proc.wait(timeout)
+        for t in self._threads:
+            t.join(5)
+        return code
+
+    @property
+    def stderr_lines(self) -> list[str]:
+        return [line for _, line in self.err]
+
+    @property
+    def stdout_lines(self) -> list[str]:
+        return [line for _, line in self.out]
+
+    def kill(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
