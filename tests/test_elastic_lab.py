@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from labutil import ROOT, LiveLaunch, run_launch
 
 from fdl_fabric.testing import SshdLab
+from labutil import ROOT, LiveLaunch, run_launch
 
 pytestmark = pytest.mark.lab
 
