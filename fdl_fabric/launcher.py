@@ -40,6 +40,7 @@ from .config import (
     this_host_name,
 )
 from .coordinator import Coordinator, CoordinatorError, CoordinatorSpec
+from .dryrun import describe_dry_run, dry_run_devices, plan_as_json
 from .envelope import (
     ENV_NET_TIMEOUT_SCALE,
     ENV_VERBOSITY,
@@ -48,8 +49,8 @@ from .envelope import (
     new_salt,
     prebuild_from_environ,
 )
-from .events import EventBus, Kind
-from .output import Console
+from .events import Event, EventBus, Kind
+from .output import Console, LiveConsole, RankRow, RunLog, summary_table
 from .plan import LaunchPlan, build_plan, cluster_key
 from .spawn import (
     HostSessions,
@@ -68,7 +69,14 @@ from .ssh import (
     open_connection,
     resolve_settings,
 )
-from .supervisor import RankState, RunResult, SupervisedRank, Supervisor, Verdict
+from .supervisor import (
+    RankState,
+    RunResult,
+    SupervisedRank,
+    Supervisor,
+    Verdict,
+    summary_rows,
+)
 
 EXIT_CONFIG = 2
 EXIT_FAILURE = 1
@@ -83,6 +91,8 @@ class LaunchOptions:
     verbosity: int = 1
     quiet: bool = False
     max_failure: Optional[str] = None
+    log_dir: Optional[str] = None
+    dry_run: bool = False
     env_overrides: dict[str, str] = field(default_factory=dict)
 
 
@@ -270,6 +280,7 @@ class Launch:
         self.sessions: dict[str, HostSessions] = {}
         self.stack = contextlib.ExitStack()
         self.monitor: Optional[KeepaliveMonitor] = None
+        self.log: Optional[RunLog] = None
 
     def run(self) -> int:
         try:
@@ -302,15 +313,21 @@ class Launch:
         launcher_env.update(opts.env_overrides)
         scale = net_timeout_scale(launcher_env)
 
+        if opts.dry_run:
+            plan = self._plan(cluster, argv, dry_run_devices(cluster), prebuild, launcher_env)
+            self.console.out.write(describe_dry_run(plan))
+            self.console.out.flush()
+            return 0
+
         config = fabric_config()
         self.sessions = connect_all(settings, config, self.events)
         resolved = resolve_all_devices(cluster, self.sessions)
-        try:
-            plan = build_plan(cluster, argv=argv, run_id=new_run_id(), salt=new_salt(),
-                              resolved_devices=resolved, prebuild=prebuild,
-                              launcher_env=launcher_env)
-        except ValueError as exc:
-            raise LaunchError(f"{cluster.file}: {exc}", EXIT_CONFIG) from None
+        plan = self._plan(cluster, argv, resolved, prebuild, launcher_env)
+        if opts.log_dir:
+            self.log = RunLog(opts.log_dir, plan.run_id)
+            self.stack.callback(self.log.close)
+            self.events.add(self.log)
+            self.log.write_cluster(plan_as_json(plan))
         self.events(Kind.LAUNCH, describe_plan(plan), data={"run_id": plan.run_id,
                                                             "world_size": plan.world_size})
         coordinator = Coordinator(coordinator_spec(plan, opts, scale), self.events)
@@ -326,6 +343,15 @@ class Launch:
             return self._spawn_and_supervise(plan, coordinator).exit_code
         finally:
             self._sweep(plan, before=False)
+
+    def _plan(self, cluster: ClusterSpec, argv: list[str], resolved: dict[str, list[int]],
+              prebuild: Any, launcher_env: dict[str, str]) -> LaunchPlan:
+        try:
+            return build_plan(cluster, argv=argv, run_id=new_run_id(), salt=new_salt(),
+                              resolved_devices=resolved, prebuild=prebuild,
+                              launcher_env=launcher_env)
+        except ValueError as exc:
+            raise LaunchError(f"{cluster.file}: {exc}", EXIT_CONFIG) from None
 
     def _sweep(self, plan: LaunchPlan, *, before: bool) -> None:
         """Stop leftovers: of earlier runs of this cluster before, of this run after."""
@@ -381,16 +407,31 @@ class Launch:
                       for p in procs]
         for p, s in zip(procs, supervised):
             p.on_pid(functools.partial(_mark_running, s))
+        by_rank = {s.rank: s for s in supervised}
+        self.events.add(_JoinTracker(by_rank))
         supervisor = Supervisor([], kill_grace=plan.cluster.kill_grace, events=self.events,
                                 elastic=coordinator)
-        spawn_error = self._spawn(plan, procs, ctx)
-        supervisor.ranks = [s for p, s in zip(procs, supervised) if p.promise is not None]
-        if spawn_error:
-            supervisor.request_abort(spawn_error)
-        with signal_handlers(supervisor, self.console):
-            result = supervisor.run()
+
+        def rows() -> list[RankRow]:
+            return [RankRow(p.plan.host, p.plan.rank,
+                            "cpu" if p.plan.device is None else str(p.plan.device), p.pid,
+                            s.state.value, s.started, s.ended, p.last_line)
+                    for p, s in zip(procs, supervised)]
+
+        self.console.start_status(rows)
+        try:
+            spawn_error = self._spawn(plan, procs, ctx)
+            supervisor.ranks = [s for p, s in zip(procs, supervised) if p.promise is not None]
+            if spawn_error:
+                supervisor.request_abort(spawn_error)
+            with signal_handlers(supervisor, self.console):
+                result = supervisor.run()
+        finally:
+            self.console.stop_status()
         if spawn_error and result.verdict is Verdict.FAILED:
             result = RunResult(result.verdict, result.exit_code, spawn_error, result.ranks)
+        if result.ranks and self.console.verbosity >= 0:
+            self.console.message(summary_table(summary_rows(result.ranks)))
         self.events(Kind.VERDICT, result.message, data={"exit_code": result.exit_code,
                                                          "verdict": result.verdict.value})
         return result
@@ -407,9 +448,9 @@ class Launch:
                         return
                 try:
                     if p.plan.worker.is_local:
-                        start_local(p, plan, self.console, ctx)
+                        start_local(p, plan, self.console, ctx, self.log)
                     else:
-                        start_remote(p, plan, self.console, self.sessions[host])
+                        start_remote(p, plan, self.console, self.sessions[host], self.log)
                     self.events(Kind.SPAWN, f"cluster launcher: started {p.plan.label}",
                                 host=host, rank=p.plan.rank)
                 except Exception as exc:
@@ -432,15 +473,35 @@ def _mark_running(s: SupervisedRank, pid: int) -> None:
         s.state = RankState.RUNNING
 
 
+class _JoinTracker:
+    """Moves a rank to JOINED when the coordinator reports its hello."""
+
+    def __init__(self, ranks: dict[int, SupervisedRank]) -> None:
+        self.ranks = ranks
+
+    def emit(self, event: Event) -> None:
+        if event.kind is Kind.JOIN and event.rank in self.ranks:
+            s = self.ranks[event.rank]
+            if s.state in (RankState.STARTING, RankState.RUNNING):
+                s.state = RankState.JOINED
+
+
 def _with_kill_grace(cluster: ClusterSpec, grace: float) -> ClusterSpec:
     import dataclasses
 
     return dataclasses.replace(cluster, kill_grace=grace)
 
 
+def make_console(opts: LaunchOptions) -> Console:
+    """A live status view on a terminal; plain event lines in CI and pipes."""
+    if sys.stdout.isatty() and not opts.dry_run and os.environ.get("TERM") != "dumb":
+        return LiveConsole(verbosity=opts.verbosity, show_rank_output=not opts.quiet)
+    return Console(verbosity=opts.verbosity, show_rank_output=not opts.quiet)
+
+
 def launch(opts: LaunchOptions, *, console: Optional[Console] = None) -> int:
     """Run one launch and return its exit code (0 ok, 1 failure, 2 config, 130/143)."""
-    console = console or Console(verbosity=opts.verbosity, show_rank_output=not opts.quiet)
+    console = console or make_console(opts)
     events = EventBus(console)
     if opts.verbosity >= 2:
         opts.env_overrides.setdefault(ENV_VERBOSITY, str(opts.verbosity))

@@ -34,7 +34,7 @@ from invoke.runners import Local, Promise
 
 from . import commands
 from .envelope import ENV_RUN_ID
-from .output import Console, RankStream
+from .output import Console, RankStream, RunLog
 from .plan import LaunchPlan, RankPlan
 from .ssh import FdlConnection, SshSettings, open_connection
 
@@ -173,7 +173,8 @@ class RankProcess:
         self._on_pid: Optional[Callable[[int], None]] = None
 
     # -- wiring -----------------------------------------------------------
-    def streams(self, console: Console) -> tuple[RankStream, RankStream]:
+    def streams(self, console: Console,
+                log: Optional[RunLog] = None) -> tuple[RankStream, RankStream]:
         def got_pid(pid: int) -> None:
             self.pid = pid
             if self._on_pid is not None:
@@ -183,8 +184,11 @@ class RankProcess:
             self.last_line = line
 
         prefix = self.plan.label
-        out = RankStream(console, prefix, stderr=False, on_line=got_line)
-        err = RankStream(console, prefix, stderr=True, on_pid=got_pid, on_line=got_line)
+        rank = self.plan.rank
+        out = RankStream(console, prefix, stderr=False, on_line=got_line,
+                         log=log.rank_file(rank, "stdout") if log else None)
+        err = RankStream(console, prefix, stderr=True, on_pid=got_pid, on_line=got_line,
+                         log=log.rank_file(rank, "stderr") if log else None)
         return out, err
 
     def on_pid(self, callback: Callable[[int], None]) -> None:
@@ -288,9 +292,10 @@ def inherited_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")}
 
 
-def start_local(rank: RankProcess, plan: LaunchPlan, console: Console, ctx: Context) -> None:
+def start_local(rank: RankProcess, plan: LaunchPlan, console: Console, ctx: Context,
+                log: Optional[RunLog] = None) -> None:
     """Start a local rank; its environment (envelope included) goes by env, never argv."""
-    out, err = rank.streams(console)
+    out, err = rank.streams(console, log)
     env = {**inherited_environment(), **plan.rank_environment(rank.plan)}
     bash = shutil.which("bash") or "/bin/bash"
     rank.promise = ctx.run(  # type: ignore[assignment]
@@ -345,12 +350,13 @@ class HostSessions:
 
 
 def start_remote(
-    rank: RankProcess, plan: LaunchPlan, console: Console, sessions: HostSessions
+    rank: RankProcess, plan: LaunchPlan, console: Console, sessions: HostSessions,
+    log: Optional[RunLog] = None,
 ) -> None:
     """Start a remote rank: the wrapper in argv, envelope and env on stdin."""
     from .commands import stdin_preamble
 
-    out, err = rank.streams(console)
+    out, err = rank.streams(console, log)
     preamble = stdin_preamble(plan.envelope_hex(rank.plan.host), rank.plan.env)
     rank.stdin = ControlStdin(preamble)
     rank.promise = sessions.run(

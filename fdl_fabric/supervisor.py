@@ -96,6 +96,32 @@ class SupervisedRank:
     def label(self) -> str:
         return f"rank {self.rank} of {self.host}"
 
+    @property
+    def cause(self) -> str:
+        """Why the rank ended, in the words of the run summary."""
+        return _CAUSES.get(self.state, self.state.value)
+
+    @property
+    def exit_text(self) -> str:
+        if self.exit is None or self.exit.lost:
+            return "-"
+        if self.exit.signal is not None:
+            return f"signal {self.exit.signal}"
+        return str(self.exit.code)
+
+    @property
+    def duration(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+
+_CAUSES = {
+    RankState.SUCCEEDED: "ok",
+    RankState.FAILED: "failed",
+    RankState.STOPPED: "stopped by the launcher",
+    RankState.DEAD_TOLERATED: "tolerated",
+    RankState.LOST: "lost",
+}
+
 
 class Verdict(str, Enum):
     OK = "ok"
@@ -296,3 +322,8 @@ class Supervisor:
                              message, ranks)
         return RunResult(Verdict.OK, 0,
                          f"cluster launcher: run completed — all {world} ranks exited 0", ranks)
+
+
+def summary_rows(ranks: Sequence[SupervisedRank]) -> list[tuple[int, str, str, str, str]]:
+    """Rows of the end-of-run table: rank, host, exit, cause, duration."""
+    return [(r.rank, r.host, r.exit_text, r.cause, f"{r.duration:.1f}s") for r in ranks]

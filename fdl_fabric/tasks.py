@@ -38,6 +38,8 @@ def _remainder() -> list[str]:
         "kill-grace": "seconds between TERM and KILL when stopping ranks (default: kill_grace)",
         "quiet": "show only launcher status and events, not rank output",
         "verbose": "more detail (-v, -vv); also sets FLODL_VERBOSITY for the ranks",
+        "log-dir": "keep <dir>/<run_id>/r<rank>/{stdout,stderr}.log, events.jsonl, cluster.json",
+        "dry-run": "print the resolved plan and each host's exact command; connect nowhere",
         "max-failure": "after the cohort forms, stop the run once this many ranks died "
         "(a count, or a percentage such as 25%%); default: elastic.max_failure",
     },
@@ -51,6 +53,8 @@ def launch(
     quiet: bool = False,
     verbose: int = 0,
     max_failure: Optional[str] = None,
+    log_dir: Optional[str] = None,
+    dry_run: bool = False,
 ) -> None:
     """Launch the job described by the cluster file and supervise it to a verdict.
 
@@ -66,6 +70,8 @@ def launch(
         verbosity=1 + int(verbose),
         quiet=quiet,
         max_failure=max_failure,
+        log_dir=log_dir,
+        dry_run=dry_run,
     )
     code = run_launch(opts)
     if code:
