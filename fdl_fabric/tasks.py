@@ -18,6 +18,16 @@ from invoke.tasks import task
 from .launcher import LaunchOptions
 from .launcher import launch as run_launch
 
+#: Defaults for the ``fdl`` config section: set them in invoke.yaml / fabric.yaml
+#: (``fdl: {cluster: lab.yml, log_dir: runs/logs}``) or the environment
+#: (``INVOKE_FDL_CLUSTER=lab.yml``); command-line flags win.
+CONFIG_DEFAULTS = {"cluster": "cluster.yml", "log_dir": ""}
+
+
+def _settings(c: Context) -> dict[str, str]:
+    section = c.config.get("fdl", {}) or {}
+    return {key: section.get(key, default) or default for key, default in CONFIG_DEFAULTS.items()}
+
 
 def _remainder() -> list[str]:
     """Words after a standalone ``--`` on the command line, exactly as typed.
@@ -47,7 +57,7 @@ def _remainder() -> list[str]:
 )
 def launch(
     c: Context,
-    cluster: str = "cluster.yml",
+    cluster: Optional[str] = None,
     cmd: Optional[str] = None,
     kill_grace: Optional[float] = None,
     quiet: bool = False,
@@ -62,15 +72,16 @@ def launch(
     130/143 interrupted by SIGINT/SIGTERM.
     """
     argv = _remainder()
+    settings = _settings(c)
     opts = LaunchOptions(
-        cluster_file=cluster,
+        cluster_file=cluster or settings["cluster"],
         command=cmd,
         argv=argv,
         kill_grace=float(kill_grace) if kill_grace is not None else None,
         verbosity=1 + int(verbose),
         quiet=quiet,
         max_failure=max_failure,
-        log_dir=log_dir,
+        log_dir=log_dir or settings["log_dir"] or None,
         dry_run=dry_run,
     )
     code = run_launch(opts)
@@ -90,7 +101,7 @@ def launch(
 )
 def cleanup(
     c: Context,
-    cluster: str = "cluster.yml",
+    cluster: Optional[str] = None,
     run_id: Optional[str] = None,
     all: bool = False,
     pattern: Optional[str] = None,
@@ -102,7 +113,8 @@ def cleanup(
     """
     from .cleanup import run_cleanup
 
-    code = run_cleanup(cluster, run_id=run_id, all_runs=all, pattern=pattern)
+    code = run_cleanup(cluster or _settings(c)["cluster"], run_id=run_id, all_runs=all,
+                       pattern=pattern)
     if code:
         raise Exit(code=code)
 
@@ -110,3 +122,4 @@ def cleanup(
 ns = Collection("fdl")
 ns.add_task(launch)
 ns.add_task(cleanup)
+ns.configure({"fdl": dict(CONFIG_DEFAULTS)})
