@@ -119,7 +119,17 @@ def cleanup(
         raise Exit(code=code)
 
 
+@task(help={"run-dir": "<log-dir>/<run_id> of a run launched with --log-dir",
+            "output": "SVG file to write (default: <run-dir>/timeline.svg)"})
+def plot_run(c: Context, run_dir: str, output: str = "") -> None:
+    """Draw a run's timeline (ranks against time, deaths, cohort formation) as SVG."""
+    from .plot import plot_run as draw
+
+    print(draw(run_dir, output))
+
+
 ns = Collection("fdl")
 ns.add_task(launch)
 ns.add_task(cleanup)
+ns.add_task(plot_run, name="plot-run")
 ns.configure({"fdl": dict(CONFIG_DEFAULTS)})
