@@ -502,6 +502,12 @@ def make_console(opts: LaunchOptions) -> Console:
 def launch(opts: LaunchOptions, *, console: Optional[Console] = None) -> int:
     """Run one launch and return its exit code (0 ok, 1 failure, 2 config, 130/143)."""
     console = console or make_console(opts)
+    if opts.verbosity >= 3:
+        import logging
+
+        # -vv: paramiko's own transport log (negotiation, auth, channels).
+        logging.basicConfig(stream=sys.stderr, format="ssh: %(name)s: %(message)s")
+        logging.getLogger("paramiko").setLevel(logging.INFO)
     events = EventBus(console)
     if opts.verbosity >= 2:
         opts.env_overrides.setdefault(ENV_VERBOSITY, str(opts.verbosity))
