@@ -420,11 +420,14 @@ class Launch:
 
         self.console.start_status(rows)
         try:
-            spawn_error = self._spawn(plan, procs, ctx)
-            supervisor.ranks = [s for p, s in zip(procs, supervised) if p.promise is not None]
-            if spawn_error:
-                supervisor.request_abort(spawn_error)
+            # Handlers first: a Ctrl-C while ranks are still starting must stop
+            # the ones already started, like any other stop.
             with signal_handlers(supervisor, self.console):
+                spawn_error = self._spawn(plan, procs, ctx)
+                supervisor.ranks = [s for p, s in zip(procs, supervised)
+                                    if p.promise is not None]
+                if spawn_error:
+                    supervisor.request_abort(spawn_error)
                 result = supervisor.run()
         finally:
             self.console.stop_status()

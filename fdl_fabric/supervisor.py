@@ -29,6 +29,9 @@ POLL_INTERVAL = 0.05
 FORCE_MARGIN = 3.0
 #: Extra seconds past that before a rank that still reports nothing is abandoned.
 ABANDON_MARGIN = 3.0
+#: Seconds survivors get to save and exit after a save-and-shutdown broadcast,
+#: before the launcher stops them (a checkpoint can take a while to write).
+SHUTDOWN_GRACE = 120.0
 
 
 class RankState(str, Enum):
@@ -150,6 +153,9 @@ class ElasticPolicy(Protocol):
 
     def abort_reason(self) -> Optional[str]: ...
 
+    @property
+    def shutdown_sent(self) -> Optional[str]: ...
+
     def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]: ...
 
 
@@ -175,6 +181,7 @@ class Supervisor:
         self._stop_started: Optional[float] = None
         self._forced = False
         self._interrupt: Optional[int] = None
+        self._shutdown_seen: Optional[float] = None
         self._requests: list[tuple[str, Optional[str]]] = []
         self._lock = threading.Lock()
 
@@ -214,12 +221,25 @@ class Supervisor:
                 reason = self.elastic.abort_reason()
                 if reason is not None:
                     self._fail(reason, announce=False)
+                self._watch_shutdown()
             self._escalate()
             if self.live():
                 time.sleep(self.poll_interval)
         for r in self.ranks:
             r.handle.finish()
         return self._result()
+
+    def _watch_shutdown(self) -> None:
+        """Survivors told to save and stop get SHUTDOWN_GRACE seconds, then are stopped."""
+        assert self.elastic is not None
+        if self.elastic.shutdown_sent is None or self._stop_started is not None:
+            return
+        if self._shutdown_seen is None:
+            self._shutdown_seen = time.monotonic()
+        elif time.monotonic() - self._shutdown_seen > SHUTDOWN_GRACE:
+            self.events(Kind.STOPPING, f"cluster launcher: {len(self.live())} rank(s) did not "
+                        f"exit within {SHUTDOWN_GRACE:g}s of save-and-shutdown; stopping them")
+            self._stop_all()
 
     def _drain_requests(self) -> None:
         with self._lock:

@@ -149,6 +149,10 @@ class FormedCohort:
     def abort_reason(self) -> Optional[str]:
         return None
 
+    @property
+    def shutdown_sent(self) -> Optional[str]:
+        return None
+
     def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]:
         return Verdict.DEGRADED, f"degraded {len(self.dead)}/{world_size}"
 
