@@ -50,7 +50,10 @@ def timeline_svg(events: list[dict[str, Any]]) -> str:
             row["how"] = "tolerated" if kind == "tolerated" else "failed"
     left, top, width, row_h = 150, 40, 700, 22
     height = top + row_h * len(ranks) + 50
-    x = lambda t: left + (t - t0) / span * width  # noqa: E731 - tiny local scale
+
+    def x(t: float) -> float:
+        return left + (t - t0) / span * width
+
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 30}" '
              f'height="{height}" font-family="monospace" font-size="12">',
              '<rect width="100%" height="100%" fill="white"/>',
