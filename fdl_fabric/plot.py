@@ -25,8 +25,8 @@ def timeline_svg(events: list[dict[str, Any]]) -> str:
     """The SVG text; one row per rank seen in the events."""
     if not events:
         raise ValueError("no events to plot")
-    t0 = events[0]["time"]
-    t_end = max(e["time"] for e in events)
+    t0 = float(events[0]["time"])
+    t_end = float(max(e["time"] for e in events))
     span = max(t_end - t0, 1e-3)
     ranks: dict[int, dict[str, Any]] = {}
     formed = None
