@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, TextIO
 
-from fabric import ThreadingGroup
-
 from . import sweep
 from .ssh import FdlConnection
 
@@ -66,9 +64,15 @@ def sweep_args(*, runs: Sequence[str] = (), cluster: Optional[str] = None,
 
 
 def remote_command(host: str, args: Sequence[str]) -> str:
-    """``python3 -c <sweep source> --host H ...``: no file needs to exist remotely."""
-    words = ["python3", "-c", sweep.module_source(), "--host", host, *args]
-    return " ".join(shlex.quote(w) for w in words)
+    """``python3 -c <sweep source> --host H ...``: no file needs to exist remotely.
+
+    The sweep is standard library only, so the system interpreter is preferred
+    over whatever ``python3`` the login PATH finds first (a pyenv or conda
+    shim costs 100 ms or more per start).
+    """
+    words = ["-I", "-c", sweep.module_source(), "--host", host, *args]
+    return ('p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" '
+            + " ".join(shlex.quote(w) for w in words))
 
 
 def _local(host: str, args: Sequence[str]) -> HostReport:
@@ -115,6 +119,8 @@ def sweep_hosts(
         t.start()
         threads.append(t)
     if remote:
+        from fabric import ThreadingGroup
+
         by_conn = {conn: host for host, conn in remote.items()}
         group = ThreadingGroup.from_connections(list(remote.values()))
         reports.update(_group_run(group, by_conn, args))
@@ -124,7 +130,7 @@ def sweep_hosts(
     return [reports[h] for h in order if h in reports]
 
 
-def _group_run(group: ThreadingGroup, by_conn: dict[FdlConnection, str],
+def _group_run(group: Any, by_conn: dict[FdlConnection, str],
                args: Sequence[str]) -> dict[str, HostReport]:
     """Run the sweep on every connection at once; the host name comes from the mapping."""
     command = remote_command("", args)

@@ -213,9 +213,11 @@ def remote_command(wrapper: str) -> str:
     """The command string for an SSH session: bash runs the wrapper.
 
     The wrapper is quoted once as a whole, so it works under any login shell
-    (sh, zsh, fish) and its own quoting reaches bash untouched.
+    (sh, zsh, fish) and its own quoting reaches bash untouched. ``--norc``:
+    the login shell has already read the user's rc file and exported its
+    environment; bash would read it a second time for a command run by sshd.
     """
-    return f"exec bash -c {quote(wrapper)}"
+    return f"exec bash --norc -c {quote(wrapper)}"
 
 
 def split_command(command: str) -> list[str]:

@@ -246,7 +246,12 @@ class RankProcess:
             kill_run_group(self.pid, self.run_id, signal.SIGKILL)
 
     def finish(self) -> None:
-        """Reap the runner and join its output threads (all output delivered)."""
+        """Reap the runner and join its output threads (all output delivered).
+
+        The rank has exited, so its stdin is closed first: invoke's stdin
+        thread would otherwise sit in `ControlStdin.read` until its timeout.
+        """
+        self.stdin.close()
         if self.promise is None:
             return
         with contextlib.suppress(Exception):

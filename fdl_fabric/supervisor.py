@@ -225,8 +225,12 @@ class Supervisor:
             self._escalate()
             if self.live():
                 time.sleep(self.poll_interval)
-        for r in self.ranks:
-            r.handle.finish()
+        finishers = [threading.Thread(target=r.handle.finish, name=f"fdl-finish-r{r.rank}")
+                     for r in self.ranks]
+        for t in finishers:
+            t.start()
+        for t in finishers:
+            t.join()
         return self._result()
 
     def _watch_shutdown(self) -> None:

@@ -69,7 +69,7 @@ def test_dry_run_prints_the_plan_and_connects_nowhere(sshd_lab, tmp_path: Path) 
     assert "host lab1: ssh " in text and "rank 2 (local 1, cpu)" in text
     assert "WANDB_API_KEY='***'" in text and "wandb-secret-123" not in text
     assert "hf-secret-456" not in text
-    assert "exec bash -c" in text and "rankprobe.py" in text
+    assert "exec bash --norc -c" in text and "rankprobe.py" in text
 
 
 def test_the_run_summary_names_each_rank_exit_and_cause(sshd_lab, tmp_path: Path) -> None:
