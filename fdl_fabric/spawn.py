@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Optional
 
@@ -300,24 +299,22 @@ def inherited_environment() -> dict[str, str]:
 def start_local(rank: RankProcess, plan: LaunchPlan, console: Console, ctx: Context,
                 log: Optional[RunLog] = None) -> None:
     """Start a local rank; its environment (envelope included) goes by env, never argv."""
-    out, err = rank.streams(console, log)
     env = {**inherited_environment(), **plan.rank_environment(rank.plan)}
-    bash = shutil.which("bash") or "/bin/bash"
     rank.promise = ctx.run(  # type: ignore[assignment]
         rank.plan.wrapper(plan.cluster.kill_grace),
-        asynchronous=True,
-        shell=bash,
+        shell=shutil.which("bash") or "/bin/bash",
         env=env,
         replace_env=True,
-        pty=False,
-        warn=True,
-        hide=False,
-        echo=False,
-        in_stream=rank.stdin,
-        out_stream=out,
-        err_stream=err,
-        encoding="utf-8",
+        **_run_options(rank, console, log),
     )
+
+
+def _run_options(rank: RankProcess, console: Console, log: Optional[RunLog]) -> dict[str, Any]:
+    """What every rank's ``run()`` shares: async, no pty, our stdin and line streams."""
+    out, err = rank.streams(console, log)
+    return {"asynchronous": True, "pty": False, "warn": True, "hide": False, "echo": False,
+            "in_stream": rank.stdin, "out_stream": out, "err_stream": err,
+            "encoding": "utf-8"}
 
 
 class HostSessions:
@@ -359,25 +356,9 @@ def start_remote(
     log: Optional[RunLog] = None,
 ) -> None:
     """Start a remote rank: the wrapper in argv, envelope and env on stdin."""
-    from .commands import stdin_preamble
-
-    out, err = rank.streams(console, log)
-    preamble = stdin_preamble(plan.envelope_hex(rank.plan.host), rank.plan.env)
-    rank.stdin = ControlStdin(preamble)
+    rank.stdin = ControlStdin(
+        commands.stdin_preamble(plan.envelope_hex(rank.plan.host), rank.plan.env))
     rank.promise = sessions.run(
         commands.remote_command(rank.plan.wrapper(plan.cluster.kill_grace)),
-        asynchronous=True,
-        pty=False,
-        warn=True,
-        hide=False,
-        echo=False,
-        in_stream=rank.stdin,
-        out_stream=out,
-        err_stream=err,
-        encoding="utf-8",
+        **_run_options(rank, console, log),
     )
-
-
-def environment_of(pid: int) -> Mapping[str, str]:
-    """A local process's environment (tests and diagnostics)."""
-    return dict(psutil.Process(pid).environ())
