@@ -134,7 +134,7 @@ def rank_wrapper(
             f'export {envelope_var}="$__fdl_envelope"; unset __fdl_envelope\n'
         )
     parts.append(
-        f"cd -- {quote(cwd)} || exit {EXIT_BAD_CWD}\n"
+        f"cd -- {cwd_word(cwd)} || exit {EXIT_BAD_CWD}\n"
         f"command -v setsid >/dev/null || {{ echo 'fdl-fabric: setsid not found' >&2;"
         f" exit {EXIT_NO_SETSID}; }}\n"
         "__fdl_pid=\n"
@@ -207,6 +207,15 @@ def rank_wrapper(
         'exit "$__fdl_rc"\n'
     )
     return "".join(parts)
+
+
+def cwd_word(path: str) -> str:
+    """A working directory as one shell word; ``~`` and ``~/x`` mean the rank's home."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + quote(path[2:])
+    return quote(path)
 
 
 def remote_command(wrapper: str) -> str:

@@ -94,6 +94,7 @@ class LaunchOptions:
     log_dir: Optional[str] = None
     dry_run: bool = False
     env_overrides: dict[str, str] = field(default_factory=dict)
+    preflight: bool = True
 
 
 class LaunchError(Exception):
@@ -320,6 +321,8 @@ class Launch:
             return 0
 
         config = fabric_config()
+        if opts.preflight:
+            self._preflight(cluster, argv, settings, config)
         self.sessions = connect_all(settings, config, self.events)
         resolved = resolve_all_devices(cluster, self.sessions)
         plan = self._plan(cluster, argv, resolved, prebuild, launcher_env)
@@ -343,6 +346,30 @@ class Launch:
             return self._spawn_and_supervise(plan, coordinator).exit_code
         finally:
             self._sweep(plan, before=False)
+
+    def _preflight(self, cluster: ClusterSpec, argv: list[str],
+                   settings: dict[str, SshSettings], config: Any) -> None:
+        """The fast pre-flight (ssh, paths, program, port) on every host, in parallel.
+
+        Each of these would otherwise fail the launch after some ranks started, with
+        the cause buried in rank output; here nothing has started yet.
+        """
+        from .preflight import Status, run_checks
+
+        report = run_checks(cluster, argv=argv, fast=True, settings=settings, config=config)
+        for check in report.checks:
+            if check.status is Status.WARN:
+                self.events(Kind.WARNING, f"cluster launcher: pre-flight: {check.host}: "
+                            f"{check.name}: {check.reason}", host=check.host)
+        failed = report.failed()
+        if failed:
+            lines = [f"cluster launcher: pre-flight: {c.host}: {c.name}: FAIL: {c.reason}"
+                     for c in failed]
+            lines.append("cluster launcher: pre-flight failed, nothing was started "
+                         "(`inv prebuild-check` checks more; --no-preflight skips this)")
+            raise LaunchError("\n".join(lines))
+        self.events(Kind.DEBUG, f"cluster launcher: pre-flight passed "
+                    f"({len(report.checks)} checks in {report.elapsed:.2f} s)")
 
     def _plan(self, cluster: ClusterSpec, argv: list[str], resolved: dict[str, list[int]],
               prebuild: Any, launcher_env: dict[str, str]) -> LaunchPlan:
@@ -375,18 +402,20 @@ class Launch:
 
     def _open_tunnels(self, plan: LaunchPlan) -> None:
         port = plan.cluster.controller.port
+        # The forward delivers to wherever the coordinator listens.
+        target = "127.0.0.1" if plan.bind_loopback else plan.cluster.controller.host
         for w in plan.cluster.workers:
             if not w.tunnel:
                 continue
             conn = self.sessions[w.host].connections[0]
             try:
                 self.stack.enter_context(
-                    conn.forward_remote(port, local_port=port, local_host="127.0.0.1"))
+                    conn.forward_remote(port, local_port=port, local_host=target))
             except Exception as exc:
                 raise LaunchError(f"cluster launcher: host {w.host!r}: tunnel could not bind "
                                   f"127.0.0.1:{port} on the remote side: {exc}") from None
             self.events(Kind.CONNECT, f"cluster launcher: tunnel {w.host}:127.0.0.1:{port} -> "
-                        f"controller 127.0.0.1:{port}", host=w.host)
+                        f"controller {target}:{port}", host=w.host)
 
     def _watch_connections(self, settings: dict[str, SshSettings]) -> None:
         def dead(host: str, silent: float) -> None:

@@ -141,6 +141,9 @@ def build_plan(
         w.addr for w, d in zip(cluster.workers, devices_by_worker) if d
     )
     loopback = bind_loopback(cluster)
+    if not loopback and cluster.controller.host in ("0.0.0.0", "::", ""):
+        raise ValueError(f"controller.host {cluster.controller.host!r} is a wildcard: remote "
+                         "workers need an address they can dial")
     cluster_id = cluster_key(cluster)
 
     ranks: list[RankPlan] = []

@@ -50,6 +50,8 @@ def _remainder() -> list[str]:
         "verbose": "more detail (-v, -vv); also sets FLODL_VERBOSITY for the ranks",
         "log-dir": "keep <dir>/<run_id>/r<rank>/{stdout,stderr}.log, events.jsonl, cluster.json",
         "dry-run": "print the resolved plan and each host's exact command; connect nowhere",
+        "preflight": "check ssh, paths, program and port on every host before starting any "
+        "rank (default); --no-preflight skips it",
         "max-failure": "after the cohort forms, stop the run once this many ranks died "
         "(a count, or a percentage such as 25%%); default: elastic.max_failure",
     },
@@ -65,6 +67,7 @@ def launch(
     max_failure: Optional[str] = None,
     log_dir: Optional[str] = None,
     dry_run: bool = False,
+    preflight: bool = True,
 ) -> None:
     """Launch the job described by the cluster file and supervise it to a verdict.
 
@@ -83,6 +86,7 @@ def launch(
         max_failure=max_failure,
         log_dir=log_dir or settings["log_dir"] or None,
         dry_run=dry_run,
+        preflight=preflight,
     )
     code = run_launch(opts)
     if code:
@@ -119,6 +123,46 @@ def cleanup(
         raise Exit(code=code)
 
 
+@task(
+    help={
+        "cluster": "cluster file (default: cluster.yml)",
+        "json": "print the report as JSON: {\"checks\": [...], \"ok\": bool}",
+        "cmd": "command whose program is checked on every host (default: `command:` of the "
+        "cluster file); or give the words after `--`",
+        "fast": "only what `inv launch` checks before spawning: ssh, paths, program, port",
+    },
+    name="prebuild-check",
+)
+def prebuild_check(
+    c: Context,
+    cluster: Optional[str] = None,
+    json: bool = False,
+    cmd: Optional[str] = None,
+    fast: bool = False,
+) -> None:
+    """Check every host of the cluster before launching: one row per host and check.
+
+    SSH and host keys, shell tools, paths and disk, the program, platform, GPUs,
+    data_path, clock skew and the controller port, all hosts in parallel.
+    Exit 0 when nothing FAILs, 1 otherwise, 2 on a config error.
+    """
+    from .preflight import main as preflight_main
+
+    args = ["--cluster", cluster or _settings(c)["cluster"]]
+    if json:
+        args.append("--json")
+    if cmd is not None:
+        args += ["--cmd", cmd]
+    if fast:
+        args.append("--fast")
+    rest = _remainder()
+    if rest:
+        args += ["--", *rest]
+    code = preflight_main(args)
+    if code:
+        raise Exit(code=code)
+
+
 @task(help={"run-dir": "<log-dir>/<run_id> of a run launched with --log-dir",
             "output": "SVG file to write (default: <run-dir>/timeline.svg)"})
 def plot_run(c: Context, run_dir: str, output: str = "") -> None:
@@ -131,5 +175,6 @@ def plot_run(c: Context, run_dir: str, output: str = "") -> None:
 ns = Collection("fdl")
 ns.add_task(launch)
 ns.add_task(cleanup)
+ns.add_task(prebuild_check)
 ns.add_task(plot_run, name="plot-run")
 ns.configure({"fdl": dict(CONFIG_DEFAULTS)})

@@ -158,7 +158,8 @@ def test_a_coordinator_that_cannot_bind_fails_the_launch_before_any_rank(
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", port))
         blocker.listen()
-        out = run_launch(cluster, "--cmd", f"python3 {TOY} --checkpoint-dir {tmp_path}")
+        out = run_launch(cluster, "--no-preflight", "--cmd",
+                         f"python3 {TOY} --checkpoint-dir {tmp_path}")
     assert out.returncode == 1
     assert "coordinator could not bind" in out.stderr and str(port) in out.stderr
     assert "joined" not in out.stdout

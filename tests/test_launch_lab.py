@@ -161,7 +161,7 @@ def test_an_unreachable_host_fails_naming_it_before_any_rank_starts(
     lab = sshd_lab(n_hosts=2)
     cluster = _cluster(lab, tmp_path)
     lab.hosts[1].stop()
-    out = run_launch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d")
+    out = run_launch(cluster, "--no-preflight", "--cmd", f"python3 {PROBE} --dump {tmp_path}/d")
     assert out.returncode == 1
     assert "cannot connect to host 'lab2'" in out.stderr and "unreachable" in out.stderr
     assert not (tmp_path / "d").exists()
@@ -184,7 +184,8 @@ def test_a_missing_remote_path_stops_the_ranks_already_started(sshd_lab, tmp_pat
     w = lab.worker(lab.hosts[0], path=str(tmp_path / "does-not-exist"))
     local = {"host": "localhost", "nproc": 2, "path": str(ROOT)}
     cluster = lab.write_cluster([local, w])
-    out = run_launch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d --sleep 300")
+    out = run_launch(cluster, "--no-preflight", "--cmd",
+                     f"python3 {PROBE} --dump {tmp_path}/d --sleep 300")
     assert out.returncode == 1
     assert "does-not-exist" in out.stderr
     assert "rank 2 of lab1 exited with status 126" in out.stderr
@@ -210,7 +211,7 @@ def test_a_tunnel_that_cannot_bind_fails_loudly(sshd_lab, tmp_path: Path) -> Non
     lab = sshd_lab(n_hosts=1)
     w = lab.worker(lab.hosts[0], tunnel=True)
     cluster = lab.write_cluster([w])
-    out = run_launch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d")
+    out = run_launch(cluster, "--no-preflight", "--cmd", f"python3 {PROBE} --dump {tmp_path}/d")
     assert out.returncode == 1
     assert "tunnel could not bind" in out.stderr and "lab1" in out.stderr
     assert not (tmp_path / "d").exists()
@@ -230,3 +231,26 @@ def test_ssh_config_host_alias_is_honoured(sshd_lab, tmp_path: Path) -> None:
     out = run_launch(cluster, "--cmd", f"python3 {PROBE}", env={"HOME": str(home)})
     assert out.returncode == 0, out.stderr
     assert "[lab1:cpu:r0] hello from rank 0" in out.stdout
+
+
+def test_the_launch_preflight_refuses_a_missing_path_naming_host_and_check(
+        sshd_lab, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=2)
+    local = {"host": "localhost", "nproc": 1, "path": str(ROOT)}
+    bad = lab.worker(lab.hosts[1], path=str(tmp_path / "missing"))
+    cluster = lab.write_cluster([local, lab.worker(lab.hosts[0]), bad])
+    out = run_launch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d --sleep 30")
+    assert out.returncode == 1
+    assert "pre-flight: lab2: paths: FAIL" in out.stderr and "missing" in out.stderr
+    assert "nothing was started" in out.stderr
+    assert not (tmp_path / "d").exists()
+    assert all(h.session_pids() == [] for h in lab.hosts)
+
+
+def test_the_launch_preflight_refuses_a_program_missing_on_a_host(
+        sshd_lab, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=1)
+    cluster = lab.write_cluster([lab.worker(lab.hosts[0])])
+    out = run_launch(cluster, "--cmd", "nosuchprog-xyz --flag")
+    assert out.returncode == 1
+    assert "pre-flight: lab1: program: FAIL" in out.stderr and "nosuchprog-xyz" in out.stderr
