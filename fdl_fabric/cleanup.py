@@ -220,3 +220,35 @@ def adhoc_cleanup(conn: Any, *, run_id: Optional[str] = None,
     res = conn.run(remote_command(conn.host, args), hide=True, warn=True, pty=False,
                    in_stream=False)
     return _from_output(conn.host, res.stdout, res.stderr)
+
+
+def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
+                        pattern: Optional[str] = None) -> int:
+    """``fab -H a,b cleanup``: every host in parallel; a failing host never stops the others."""
+    reports: list[HostReport] = []
+    lock = threading.Lock()
+
+    def one(conn: Any) -> None:
+        try:
+            rep = adhoc_cleanup(conn, run_id=run_id, pattern=pattern)
+        except Exception as exc:  # unreachable, refused, ...: a row, not an abort
+            from .ssh import describe_connect_error
+
+            rep = HostReport(conn.host, error=describe_connect_error(exc))
+        with lock:
+            reports.append(rep)
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    order = {c.host: i for i, c in enumerate(conns)}
+    reports.sort(key=lambda r: order.get(r.host, 0))
+
+    class _Print:
+        @staticmethod
+        def message(text: str) -> None:
+            print(text, flush=True)
+
+    return report_and_verdict(reports, _Print())

@@ -140,6 +140,7 @@ def rank_wrapper(
         "__fdl_pid=\n"
         "__fdl_left=-1\n"
         "__fdl_eof=0\n"
+        "__fdl_buf=\n"
         # Signal the rank's process group. In the first instant after the
         # start the group may not exist yet (setsid has not run), so fall back
         # to the pid, which is then the subshell about to become the rank.
@@ -171,15 +172,19 @@ def rank_wrapper(
         +
         'while kill -0 "$__fdl_pid" 2>/dev/null; do\n'
         '  if [ "$__fdl_eof" = 0 ]; then\n'
-        f"    if IFS= read -r -t {WRAPPER_TICK} __fdl_line; then\n"
+        f"    if IFS= read -r -t {WRAPPER_TICK} __fdl_part; then\n"
+        '      __fdl_line="$__fdl_buf$__fdl_part"; __fdl_buf=\n'
         '      case "$__fdl_line" in\n'
         "        TERM) __fdl_stop ;;\n"
         '        KILL|INT|HUP|USR1|USR2) __fdl_signal "$__fdl_line" ;;\n'
         "      esac\n"
-        # read's status above 128 is a timeout; anything else is EOF.
-        '    elif [ "$?" -le 128 ]; then\n'
-        "      __fdl_eof=1\n"
-        "      __fdl_stop\n"
+        "    else\n"
+        # Above 128 is a timeout, which may leave the first bytes of a line
+        # that was arriving; keep them. Anything else is EOF.
+        '      if [ "$?" -gt 128 ]; then __fdl_buf="$__fdl_buf$__fdl_part"; else\n'
+        "        __fdl_eof=1\n"
+        "        __fdl_stop\n"
+        "      fi\n"
         "    fi\n"
         "  else\n"
         f"    sleep {WRAPPER_TICK}\n"

@@ -431,7 +431,7 @@ class Launch:
 
     def _spawn_and_supervise(self, plan: LaunchPlan, coordinator: Coordinator) -> RunResult:
         ctx = local_context()
-        procs = [RankProcess(r, plan.run_id) for r in plan.ranks]
+        procs = [RankProcess(r, plan.run_id, plan.cluster.kill_grace) for r in plan.ranks]
         supervised = [SupervisedRank(p.plan.rank, p.plan.host, p, state=RankState.STARTING)
                       for p in procs]
         for p, s in zip(procs, supervised):

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Optional
 
@@ -162,13 +163,15 @@ class ExitInfo:
 class RankProcess:
     """One running rank, local or remote, behind the supervisor's interface."""
 
-    def __init__(self, plan: RankPlan, run_id: str) -> None:
+    def __init__(self, plan: RankPlan, run_id: str, kill_grace: float = 10.0) -> None:
         self.plan = plan
         self.run_id = run_id
         self.pid: Optional[int] = None
         self.last_line = ""
         self.stdin = ControlStdin()
         self.promise: Optional[Promise] = None
+        self.kill_grace = kill_grace
+        self._orphan_handled = False
         self._on_pid: Optional[Callable[[int], None]] = None
 
     # -- wiring -----------------------------------------------------------
@@ -208,13 +211,51 @@ class RankProcess:
         try:
             if not runner.process_is_finished:
                 return None
-            return ExitInfo.from_status(runner.returncode())
+            status = runner.returncode()
         except Exception:
-            return ExitInfo(lost=True)
+            status = None
+        info = ExitInfo.from_status(status)
+        wrapper_killed = status is not None and status < 0  # local: the wrapper got a signal
+        if self.is_remote:
+            wrapper_killed = getattr(getattr(runner, "channel", None), "exit_signal", None) \
+                is not None
+        if info.lost or wrapper_killed:
+            self._reap_orphan()
+        return info
+
+    def _reap_orphan(self) -> None:
+        """The wrapper itself died (killed, or its session vanished): its rank may live on.
+
+        A local rank's group is stopped here (TERM, KILL after the grace),
+        touching only processes that carry this run's id. A remote one is
+        left to the host's wrapper (stdin EOF) and the post-run sweep; its
+        session is closed so that joining its output cannot hang.
+        """
+        if self._orphan_handled:
+            return
+        self._orphan_handled = True
+        if self.is_remote:
+            with contextlib.suppress(Exception):
+                self.promise.runner.channel.close()  # type: ignore[union-attr]
+            return
+        if self.pid is None:
+            return
+        pid, run_id, grace = self.pid, self.run_id, self.kill_grace
+
+        def reap() -> None:
+            if kill_run_group(pid, run_id, signal.SIGTERM):
+                time.sleep(grace)
+                kill_run_group(pid, run_id, signal.SIGKILL)
+
+        threading.Thread(target=reap, name=f"fdl-reap-r{self.plan.rank}", daemon=True).start()
 
     def stop(self) -> None:
-        """Graceful stop: EOF on the wrapper's stdin (TERM, then KILL after grace)."""
-        self.stdin.close()
+        """Graceful stop: the wrapper sends TERM, then KILL after the kill grace.
+
+        A control line rather than EOF, so that a later `kill` can still
+        reach the wrapper (a second Ctrl-C).
+        """
+        self.stdin.send("TERM")
 
     def kill(self) -> None:
         """Immediate KILL of the rank's process group, then EOF."""

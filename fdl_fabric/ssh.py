@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import threading
 import time
@@ -207,6 +208,46 @@ class _RecordOnlyPolicy(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: Any) -> None:
         client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+def _record_exit_signal() -> None:
+    """Make paramiko treat an ``exit-signal`` request as the end of the session.
+
+    When a remote command dies from a signal, sshd sends ``exit-signal``
+    instead of ``exit-status``; paramiko ignores it, so the session would look
+    alive for as long as anything still holds its output open (an orphaned
+    rank, when its wrapper was killed). We record it as a shell would report
+    the status (128 + the signal number) and keep the signal name in
+    ``channel.exit_signal``, so the launcher knows the session's own process
+    died and that its rank may be orphaned.
+    """
+    original = paramiko.Channel._handle_request  # type: ignore[attr-defined]
+    if getattr(original, "_fdl_patched", False):
+        return
+
+    def handle(self: paramiko.Channel, m: paramiko.Message) -> None:
+        pos = m.packet.tell()
+        key = m.get_text()
+        name = ""
+        if key == "exit-signal":
+            m.get_boolean()  # want_reply
+            name = m.get_text()
+        m.packet.seek(pos)
+        original(self, m)
+        if key == "exit-signal" and not self.status_event.is_set():
+            number = getattr(signal.Signals, f"SIG{name}", None)
+            self.exit_signal = name  # type: ignore[attr-defined]
+            self.exit_status = 128 + int(number) if number is not None else -1
+            self.status_event.set()
+
+    handle._fdl_patched = True  # type: ignore[attr-defined]
+    paramiko.Channel._handle_request = handle  # type: ignore[method-assign,attr-defined]
+    # The transport dispatches through a table of the functions themselves.
+    table = paramiko.Transport._channel_handler_table  # type: ignore[attr-defined]
+    table[paramiko.common.MSG_CHANNEL_REQUEST] = handle
+
+
+_record_exit_signal()
 
 
 class FdlConnection(Connection):  # type: ignore[misc]

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 #: Seconds between TERM and KILL in a sweep (the seed's `sleep 1`).
 SWEEP_GRACE = 1.0
@@ -138,16 +138,29 @@ def _signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def _stop(pids_of: dict[str, list[int]], grace: float) -> None:
-    """TERM every group, wait up to ``grace``, KILL what is left."""
-    every = [p for pids in pids_of.values() for p in pids]
-    _signal_all(every, signal.SIGTERM)
+def _stop(current: Callable[[], list[int]], grace: float) -> None:
+    """TERM every target, wait up to ``grace``, KILL what is left.
+
+    ``current`` is asked again at every step: a leftover may start processes
+    while it is being stopped (a TERM handler that uploads a checkpoint), and
+    those belong to the same group and run.
+    """
+    termed: set[int] = set()
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in every):
+    while time.monotonic() < deadline:
+        pids = [p for p in current() if _alive(p)]
+        if not pids:
+            return
+        fresh = [p for p in pids if p not in termed]
+        _signal_all(fresh, signal.SIGTERM)
+        termed.update(fresh)
         time.sleep(0.05)
-    _signal_all([p for p in every if _alive(p)], signal.SIGKILL)
     deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and any(_alive(p) for p in every):
+    while time.monotonic() < deadline:
+        pids = [p for p in current() if _alive(p)]
+        if not pids:
+            return
+        _signal_all(pids, signal.SIGKILL)
         time.sleep(0.05)
 
 
@@ -197,7 +210,13 @@ def sweep(
             targets["pattern"] = hits
             report.stopped.append({"pattern": pattern, "pids": hits,
                                    "cmdlines": [_cmdline(p) for p in hits]})
-    _stop(targets, grace)
+    stopping = [rec for rec in selected if rec.path in targets]
+    pattern_hits = targets.get("pattern", [])
+
+    def current() -> list[int]:
+        return [p for rec in stopping for p in members_of(rec)] + pattern_hits
+
+    _stop(current, grace)
     for rec in selected:
         left = members_of(rec)
         if left:

@@ -43,6 +43,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -62,9 +63,12 @@ except ImportError:  # pragma: no cover - exercised only where pytest is absent
 
 __all__ = [
     "MARKER_ENV",
+    "REGISTRY_MOUNTPOINT",
     "LabError",
     "LabHost",
+    "NetnsLab",
     "SshdLab",
+    "netns_available",
     "sshd_available",
 ]
 
@@ -72,6 +76,13 @@ __all__ = [
 #: the lab and host, so ``stop()`` can find session processes that escaped the sshd process
 #: tree (``setsid cmd &`` re-parents them to init, out of reach of ``children()``).
 MARKER_ENV = "FDL_FABRIC_LAB_HOST"
+
+#: The run registry that fdl-fabric's rank wrappers write on every host (see
+#: ``fdl_fabric.commands.REGISTRY_DIR``).  With ``private_registry=True`` each lab host's
+#: sshd runs in its own mount namespace where this folder is a bind mount of a folder of
+#: the lab, so every host has a registry of its own, as on a real cluster, and cleanup
+#: tests never touch the records of ranks that other test runs keep in the real one.
+REGISTRY_MOUNTPOINT = f"/tmp/fdl-fabric-{os.getuid()}"
 
 #: Where Debian/Ubuntu put sshd; preferred because root's PATH may not include sbin dirs.
 _SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
@@ -397,6 +408,28 @@ def _stop_hosts(hosts: Sequence[LabHost], grace: float = 2.0) -> None:
         _terminate(late, grace)
 
 
+def _require_tool(name: str) -> str:
+    """Absolute path of a system tool (``ip``, ``unshare``), or LabError."""
+    found = shutil.which(name) or shutil.which(name, path=_SBIN_PATH)
+    if found is None:
+        raise LabError(f"{name} not found (needed for this lab; install iproute2/util-linux)")
+    return found
+
+
+def _ensure_registry_mountpoint() -> None:
+    """Make sure REGISTRY_MOUNTPOINT exists as a real folder, so hosts can mount over it.
+
+    It is created exactly as a rank wrapper would create it (mode 0700, owned by us).
+    """
+    if os.geteuid() != 0:
+        raise LabError("private_registry needs root (a mount namespace per lab host)")
+    path = REGISTRY_MOUNTPOINT
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    if os.path.islink(path) or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+        raise LabError(f"{path} is not a folder owned by this user; refusing to mount over it")
+
+
 # --------------------------------------------------------------------------------------
 # sshd configuration
 # --------------------------------------------------------------------------------------
@@ -415,6 +448,9 @@ class _SshdSettings:
     extra: tuple[str, ...]
     startup_timeout: float
     kill_grace: float
+    #: sshd's ClientAliveInterval / ClientAliveCountMax: how long a silent client is kept.
+    client_alive_interval: int = 5
+    client_alive_count_max: int = 3
 
 
 def _render_sshd_config(
@@ -453,8 +489,8 @@ def _render_sshd_config(
         "PrintMotd no",
         "PrintLastLog no",
         "Subsystem sftp internal-sftp",
-        "ClientAliveInterval 5",
-        "ClientAliveCountMax 3",
+        f"ClientAliveInterval {settings.client_alive_interval}",
+        f"ClientAliveCountMax {settings.client_alive_count_max}",
         f"SetEnv {env}",
     ]
     if settings.max_sessions is not None:
@@ -525,6 +561,11 @@ class LabHost:
     #: Value of MARKER_ENV in this host's sessions.
     marker: str = field(default="", repr=False)
     _settings: Optional[_SshdSettings] = field(default=None, repr=False)
+    #: Network namespace the listener runs in (NetnsLab), or None for the root namespace.
+    netns: Optional[str] = field(default=None, repr=False)
+    #: This host's private registry folder (``private_registry=True``), or None when the
+    #: host shares the real REGISTRY_MOUNTPOINT with this machine.
+    registry_dir: Optional[str] = field(default=None, repr=False)
 
     # -- introspection -----------------------------------------------------------------
 
@@ -556,6 +597,11 @@ class LabHost:
                 pids.append(kid.pid)
         return sorted(pids)
 
+    @property
+    def registry(self) -> str:
+        """Where this host's rank wrappers keep their run records, as seen from the test."""
+        return self.registry_dir or REGISTRY_MOUNTPOINT
+
     def log_text(self) -> str:
         """This host's sshd log (``sshd -e`` output, LogLevel VERBOSE)."""
         return Path(self.log_path).read_text(errors="replace")
@@ -582,7 +628,13 @@ class LabHost:
 
     def _spawn(self) -> None:
         """Start the listener; its stderr (``-e``) is appended to the host's log."""
-        self.sshd = _spawn_sshd(self._require_settings().sshd, self.config_path, self.log_path)
+        self.sshd = _spawn_sshd(
+            self._require_settings().sshd,
+            self.config_path,
+            self.log_path,
+            netns=self.netns,
+            registry_dir=self.registry_dir,
+        )
 
     def restart(self) -> None:
         """Make the listener re-read its config and host key, keeping addr and port.
@@ -629,17 +681,41 @@ class LabHost:
         _stop_hosts([self], grace)
 
 
-def _spawn_sshd(sshd: str, config: str, log_path: str) -> subprocess.Popen[bytes]:
+#: Run inside the listener's new mount namespace: bind the host's private registry over
+#: REGISTRY_MOUNTPOINT, then become sshd (same pid all the way: unshare and sh exec).
+_BIND_REGISTRY = 'mount --bind -- "$1" "$2" || exit 97; shift 2; exec "$@"'
+
+
+def _spawn_sshd(
+    sshd: str,
+    config: str,
+    log_path: str,
+    *,
+    netns: Optional[str] = None,
+    registry_dir: Optional[str] = None,
+) -> subprocess.Popen[bytes]:
     """``sshd -D -e -f config`` with output appended to ``log_path``.
 
     * absolute sshd path: sshd re-execs itself for every connection and on SIGHUP;
     * absolute config path: sshd chdirs to / so a relative ``-f`` breaks SIGHUP restarts;
     * own session: Ctrl-C in the test terminal must not hit the listeners before the
-      fixture teardown gets to stop them in order.
+      fixture teardown gets to stop them in order;
+    * ``registry_dir``: sshd runs in its own mount namespace (``unshare --mount``) where
+      REGISTRY_MOUNTPOINT is that folder; sessions inherit the namespace;
+    * ``netns``: sshd runs in that network namespace (``ip netns exec``).
+
+    ``ip netns exec``, ``unshare`` and ``sh`` all exec, so the Popen's pid is sshd's.
     """
+    argv = [sshd, "-D", "-e", "-f", config]
+    if registry_dir is not None:
+        unshare = _require_tool("unshare")
+        argv = [unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+                _BIND_REGISTRY, "fdl-lab-registry", registry_dir, REGISTRY_MOUNTPOINT, *argv]
+    if netns is not None:
+        argv = [_require_tool("ip"), "netns", "exec", netns, *argv]
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sshd, "-D", "-e", "-f", config],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -747,6 +823,9 @@ class SshdLab:
     address (e.g. "127.0.0.2") instead of a random one; ``extra_sshd_config`` appends
     lines to every sshd_config (e.g. ``["MaxStartups 100"]``; a second SetEnv line would
     be ignored by sshd); ``startup_timeout`` and ``kill_grace`` tune start and stop.
+    ``private_registry=True`` gives every host a run registry of its own (root only; see
+    REGISTRY_MOUNTPOINT and ``LabHost.registry``); ``client_alive_interval`` and
+    ``client_alive_count_max`` set sshd's ClientAlive* (how soon sshd drops a silent client).
     """
 
     def __init__(
@@ -761,6 +840,9 @@ class SshdLab:
         extra_sshd_config: Sequence[str] = (),
         startup_timeout: float = 10.0,
         kill_grace: float = 2.0,
+        private_registry: bool = False,
+        client_alive_interval: int = 5,
+        client_alive_count_max: int = 3,
     ) -> None:
         """Prepare (but do not start) a lab; see ``start()``.
 
@@ -794,6 +876,9 @@ class SshdLab:
         self.extra_sshd_config = tuple(extra_sshd_config)
         self.startup_timeout = startup_timeout
         self.kill_grace = kill_grace
+        self.private_registry = private_registry
+        self.client_alive_interval = client_alive_interval
+        self.client_alive_count_max = client_alive_count_max
         self.hosts: list[LabHost] = []
         self.identity_file = str(self.root / "id_ed25519")
         self.known_hosts = str(self.root / "known_hosts")
@@ -850,13 +935,23 @@ class SshdLab:
             extra=self.extra_sshd_config,
             startup_timeout=self.startup_timeout,
             kill_grace=self.kill_grace,
+            client_alive_interval=self.client_alive_interval,
+            client_alive_count_max=self.client_alive_count_max,
         )
+        if self.private_registry:
+            _ensure_registry_mountpoint()
 
-        for name, addr in zip(names, _pick_addresses(self.n_hosts, self.base_addr)):
+        for name, addr in zip(names, self._host_addresses(names)):
             host_path = self.root / "hosts" / name
             host_path.mkdir(parents=True, exist_ok=True)
             key = key_dir / f"{name}_ed25519"
-            port = _free_port(addr)
+            port = self._host_port(addr)
+            registry: Optional[str] = None
+            if self.private_registry:
+                registry = str(self.root / "registry" / name)
+                os.makedirs(registry, mode=0o700, exist_ok=True)
+                os.chmod(registry, 0o700)
+            netns = self._host_netns(name)
             config = str(self.root / f"{name}.sshd_config")
             log = str(self.root / f"{name}.log")
             marker = f"{self.lab_id}:{name}"
@@ -869,13 +964,15 @@ class SshdLab:
                     addr=addr,
                     port=port,
                     path=str(host_path),
-                    sshd=_spawn_sshd(sshd, config, log),
+                    sshd=_spawn_sshd(sshd, config, log, netns=netns, registry_dir=registry),
                     host_key_pub=key.with_name(key.name + ".pub").read_text().strip(),
                     host_key_path=str(key),
                     config_path=config,
                     log_path=log,
                     marker=marker,
                     _settings=settings,
+                    netns=netns,
+                    registry_dir=registry,
                 )
             )
 
@@ -891,10 +988,22 @@ class SshdLab:
                     + "; ".join(f"{h.name} log:\n{_log_tail(h.log_path)}" for h in retry)
                 )
             for host in retry:  # lost the race for the port probed by _free_port
-                host.port = _free_port(host.addr)
+                host.port = self._host_port(host.addr)
                 host._write_config()
                 host._spawn()
             pending = retry
+
+    # -- per-host hooks (NetnsLab overrides them) -------------------------------------
+
+    def _host_addresses(self, names: Sequence[str]) -> list[str]:
+        """One listen address per host name."""
+        return _pick_addresses(len(names), self.base_addr)
+
+    def _host_port(self, addr: str) -> int:
+        return _free_port(addr)
+
+    def _host_netns(self, name: str) -> Optional[str]:
+        return None
 
     def stop(self) -> None:
         """Stop every listener and all their descendants, plus escaped session processes.
@@ -988,6 +1097,206 @@ class SshdLab:
 
 
 # --------------------------------------------------------------------------------------
+# Network-namespace lab: hosts that can be partitioned
+# --------------------------------------------------------------------------------------
+
+#: Every namespace and interface a NetnsLab creates starts with this, then the lab's token.
+NETNS_PREFIX = "fdlt"
+#: The private /16 NetnsLab picks its /24 from; it is only ever routed to our veths and, by
+#: a blackhole route, nowhere else (never out of this machine's real interfaces).
+NETNS_SUPERNET = ipaddress.IPv4Network("10.231.0.0/16")
+
+
+def netns_available() -> Optional[str]:
+    """None if a NetnsLab can run here, else the reason it cannot (for ``pytest.skip``)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux-only"
+    if os.geteuid() != 0:
+        return "NetnsLab needs root (ip netns, veth pairs, mount namespaces)"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None and shutil.which(tool, path=_SBIN_PATH) is None:
+            return f"{tool} not found (install iproute2 / util-linux)"
+    if not sshd_available():
+        return "sshd not found (install openssh-server)"
+    return None
+
+
+def _ip(*args: str, netns: Optional[str] = None, check: bool = True) -> str:
+    argv = [_require_tool("ip")]
+    if netns is not None:
+        argv += ["-n", netns]
+    argv += list(args)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    if check and out.returncode != 0:
+        raise LabError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out.stdout
+
+
+def _netns_pids(netns: str) -> list[int]:
+    out = _ip("netns", "pids", netns, check=False)
+    return sorted(int(p) for p in out.split() if p.isdigit())
+
+
+@dataclass
+class _Netns:
+    """One host's plumbing: its namespace, the veth pair and the two ends' addresses."""
+
+    name: str
+    veth_root: str
+    veth_host: str
+    root_addr: str
+    host_addr: str
+
+
+class NetnsLab(SshdLab):
+    """Lab hosts that each live in a network namespace of their own, behind a veth pair.
+
+    Host ``i`` is ``sshd`` inside namespace ``fdlt-<token>-<i>``; the namespace reaches
+    the root namespace through a veth pair whose ends hold the two usable addresses of a
+    private /30 (``10.231.<lab octet>.<4i+1>`` on the root side, ``<4i+2>`` on the host
+    side).  Nothing else is routed: the namespace has no default route, and the lab's
+    whole /24 gets a blackhole route in the root namespace, so while a link is down
+    packets to the host are dropped here instead of following the default route out of
+    the machine.  ``link_down(host)``/``link_up(host)`` cut and restore the wire the way
+    a switch port or cable failure would: no FIN, no RST, silence.
+
+    sshd's ClientAlive defaults to 1 s x 3 here, so the server side drops a silent
+    client within a few seconds (pass other values to test other policies).  ``stop()``
+    stops the lab's processes, kills whatever is still inside its namespaces (processes
+    in a namespace we created are ours by construction) and deletes every namespace,
+    interface and route the lab added.  Root only; see ``netns_available()``.
+    """
+
+    def __init__(
+        self,
+        root: Union[str, os.PathLike[str]],
+        n_hosts: int = 1,
+        *,
+        client_alive_interval: int = 1,
+        client_alive_count_max: int = 3,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("name_prefix", "ns")
+        super().__init__(
+            root,
+            n_hosts,
+            client_alive_interval=client_alive_interval,
+            client_alive_count_max=client_alive_count_max,
+            **kwargs,
+        )
+        if n_hosts > 63:
+            raise ValueError("a NetnsLab has at most 63 hosts (one /30 each in a /24)")
+        self.token = secrets.token_hex(3)
+        self.subnet: Optional[ipaddress.IPv4Network] = None
+        self._nets: dict[str, _Netns] = {}
+        self._blackhole = False
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def _host_addresses(self, names: Sequence[str]) -> list[str]:
+        reason = netns_available()
+        if reason is not None:
+            raise LabError(reason)
+        self.subnet = self._pick_subnet()
+        _ip("route", "add", "blackhole", str(self.subnet))
+        self._blackhole = True
+        base = self.subnet.network_address
+        addrs = []
+        for i, name in enumerate(names):
+            net = _Netns(
+                name=f"{NETNS_PREFIX}-{self.token}-{i}",
+                veth_root=f"{NETNS_PREFIX}{self.token}{i}r",
+                veth_host=f"{NETNS_PREFIX}{self.token}{i}n",
+                root_addr=str(base + 4 * i + 1),
+                host_addr=str(base + 4 * i + 2),
+            )
+            self._nets[name] = net
+            _ip("netns", "add", net.name)
+            _ip("link", "add", net.veth_root, "type", "veth", "peer", "name", net.veth_host,
+                "netns", net.name)
+            _ip("addr", "add", f"{net.root_addr}/30", "dev", net.veth_root)
+            _ip("link", "set", net.veth_root, "up")
+            _ip("addr", "add", f"{net.host_addr}/30", "dev", net.veth_host, netns=net.name)
+            _ip("link", "set", net.veth_host, "up", netns=net.name)
+            _ip("link", "set", "lo", "up", netns=net.name)
+            addrs.append(net.host_addr)
+        return addrs
+
+    def _host_port(self, addr: str) -> int:
+        return 22  # the namespace is ours alone: the standard port is free
+
+    def _host_netns(self, name: str) -> Optional[str]:
+        net = self._nets.get(name)
+        return net.name if net else None
+
+    def _pick_subnet(self) -> ipaddress.IPv4Network:
+        """A /24 of NETNS_SUPERNET that no address or route of this machine touches."""
+        used = []
+        for line in (_ip("-4", "-o", "addr", "show") + _ip("-4", "route", "show", "table",
+                                                            "all")).splitlines():
+            for word in line.split():
+                with contextlib.suppress(ValueError):
+                    if "/" in word or word.count(".") == 3:
+                        used.append(ipaddress.IPv4Network(word, strict=False))
+        candidates = list(NETNS_SUPERNET.subnets(new_prefix=24))
+        random.shuffle(candidates)
+        for net in candidates:
+            if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
+                return net
+        raise LabError(f"no free /24 left in {NETNS_SUPERNET}")
+
+    # -- faults ------------------------------------------------------------------------
+
+    def netns_of(self, host: LabHost) -> str:
+        return self._nets[host.name].name
+
+    def veth_root(self, host: LabHost) -> str:
+        """The root-namespace end of ``host``'s veth pair (what ``link_down`` sets down)."""
+        return self._nets[host.name].veth_root
+
+    def set_link(self, host: LabHost, up: bool) -> None:
+        """``ip link set <root-side veth> up|down``: cut or restore the host's only wire."""
+        _ip("link", "set", self.veth_root(host), "up" if up else "down")
+
+    def link_down(self, host: LabHost) -> None:
+        self.set_link(host, False)
+
+    def link_up(self, host: LabHost) -> None:
+        self.set_link(host, True)
+
+    def namespace_pids(self, host: LabHost) -> list[int]:
+        """Pids of every process inside ``host``'s network namespace."""
+        net = self._nets.get(host.name)
+        return _netns_pids(net.name) if net else []
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop the lab's processes, then remove its namespaces, veths and route."""
+        try:
+            super().stop()
+        finally:
+            self._teardown_network()
+
+    def _teardown_network(self) -> None:
+        skip = _own_lineage()
+        for host_name, net in list(self._nets.items()):
+            procs = []
+            for pid in _netns_pids(net.name):
+                if pid in skip:
+                    continue
+                with contextlib.suppress(psutil.Error):
+                    procs.append(psutil.Process(pid))
+            _terminate(procs, 1.0)
+            _ip("link", "del", net.veth_root, check=False)
+            _ip("netns", "del", net.name, check=False)
+            del self._nets[host_name]
+        if self._blackhole and self.subnet is not None:
+            _ip("route", "del", "blackhole", str(self.subnet), check=False)
+            self._blackhole = False
+
+
+# --------------------------------------------------------------------------------------
 # pytest plugin
 # --------------------------------------------------------------------------------------
 
@@ -1017,6 +1326,30 @@ if _HAVE_PYTEST:
             lab = SshdLab(tmp_path / f"lab{len(labs)}", n_hosts, **kwargs)
             labs.append(lab)
             return lab.start()
+
+        try:
+            yield factory
+        finally:
+            for lab in reversed(labs):
+                lab.stop()
+
+    @pytest.fixture
+    def netns_lab(tmp_path: Path) -> Iterator[Callable[..., NetnsLab]]:
+        """Factory fixture: ``netns_lab(n_hosts=1, **kwargs)`` returns a started NetnsLab.
+
+        Skips (with the reason) where network namespaces cannot be made, i.e. when not
+        root; CI runs as root, so there it always runs.  Every namespace the factory made
+        is deleted at teardown, whether the test passed or not.
+        """
+        reason = netns_available()
+        if reason is not None:
+            pytest.skip(reason)
+        labs: list[NetnsLab] = []
+
+        def factory(n_hosts: int = 1, **kwargs: Any) -> NetnsLab:
+            lab = NetnsLab(tmp_path / f"netns{len(labs)}", n_hosts, **kwargs)
+            labs.append(lab)
+            return lab.start()  # type: ignore[return-value]
 
         try:
             yield factory
