@@ -174,3 +174,25 @@ def test_a_partitioned_host_is_detected_within_the_keepalive_time_and_leaves_no_
                     p.kill()
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+
+
+def test_a_tunneled_host_joins_the_cohort_through_its_ssh_connection(
+        netns_lab, tmp_path: Path) -> None:
+    """The namespace host cannot reach the controller's loopback except through the
+    remote forward on its Connection: its ranks dial 127.0.0.1:<port> on their side."""
+    lab: NetnsLab = netns_lab(n_hosts=1)
+    (host,) = lab.hosts
+    cluster = lab.write_cluster(
+        [{"host": "localhost", "nproc": 1, "path": str(ROOT)},
+         lab.worker(host, nproc=2, tunnel=True)], kill_grace=KILL_GRACE)
+    toy = ROOT / "examples" / "toy_train.py"
+    out = subprocess.run(
+        launch_argv(cluster, "--cmd", f"python3 {toy} --steps 3 --step-time 0.05 "
+                    f"--checkpoint-dir {tmp_path}/ck"),
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=str(ROOT), timeout=90)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cohort formed — 3 ranks" in out.stderr
+    for r in (1, 2):
+        assert f"[ns1:cpu:r{r}] rank {r}/3 joined on ns1" in out.stdout
+    saved = json.loads((tmp_path / "ck" / "checkpoint-r2.json").read_text())
+    assert saved["reason"] == "done"
