@@ -33,7 +33,6 @@ from .cleanup import sweep_args, sweep_hosts
 from .config import (
     ClusterSpec,
     ConfigError,
-    Problem,
     WorkerSpec,
     load_cluster,
     parse_max_failure,
@@ -63,11 +62,9 @@ from .spawn import (
 from .ssh import (
     KeepaliveMonitor,
     SshConnectError,
-    SshOptionError,
     SshSettings,
-    batchmode_warning,
     open_connection,
-    resolve_settings,
+    resolve_all_settings,
 )
 from .supervisor import (
     RankState,
@@ -157,22 +154,7 @@ def coordinator_spec(plan: LaunchPlan, opts: LaunchOptions, scale: float) -> Coo
 
 def ssh_settings(cluster: ClusterSpec, console: Console) -> dict[str, SshSettings]:
     """Resolve every remote worker's SSH settings; a bad option is a config error."""
-    settings: dict[str, SshSettings] = {}
-    problems: list[Problem] = []
-    for w in cluster.workers:
-        if w.is_local:
-            continue
-        warning = batchmode_warning(w.ssh.options, w.host)
-        if warning:
-            console.message(warning)
-        try:
-            settings[w.host] = resolve_settings(w)
-        except SshOptionError as exc:
-            problems.append(Problem(cluster.file, f"workers[{w.index}].ssh.options", w.line,
-                                    str(exc)))
-    if problems:
-        raise ConfigError(problems)
-    return settings
+    return resolve_all_settings(cluster, console.message)
 
 
 def connect_all(

@@ -51,17 +51,16 @@ from typing import Any, Optional
 
 import paramiko
 
-from .config import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster
+from .config import ClusterSpec, ConfigError, WorkerSpec, load_cluster
 from .envelope import ENV_PREBUILD, EnvelopeError, PrebuildEntry, parse_prebuild
 from .plan import bind_loopback, controller_dial_host
 from .ssh import (
     SshConnectError,
-    SshOptionError,
     SshSettings,
     batchmode_warning,
     make_connection,
     open_connection,
-    resolve_settings,
+    resolve_all_settings,
 )
 
 __all__ = [
@@ -1113,23 +1112,6 @@ def _prebuild_rows(cluster: ClusterSpec,
                     f"{ENV_PREBUILD}: {len(entries)} prebuilt binary(ies) for "
                     f"{', '.join(sorted(entries)) or 'no host'}")
     return [row], {h: e for h, e in entries.items() if h in hosts}
-
-
-def resolve_all_settings(cluster: ClusterSpec) -> dict[str, SshSettings]:
-    """Every remote worker's SSH settings; a bad option is a ConfigError (exit 2)."""
-    settings: dict[str, SshSettings] = {}
-    problems: list[Problem] = []
-    for w in cluster.workers:
-        if w.is_local:
-            continue
-        try:
-            settings[w.host] = resolve_settings(w)
-        except SshOptionError as exc:
-            problems.append(Problem(cluster.file, f"workers[{w.index}].ssh.options", w.line,
-                                    str(exc)))
-    if problems:
-        raise ConfigError(problems)
-    return settings
 
 
 def run_checks(

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import paramiko
 from fabric import Config, Connection
 
-from .config import WorkerSpec
+from .config import ClusterSpec, ConfigError, Problem, WorkerSpec
 
 #: OpenSSH options we understand, by lowercase name.
 SUPPORTED_OPTIONS = {
@@ -175,6 +175,28 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
         proxy_jump=opts.get("proxyjump") if opts.get("proxyjump", "none") != "none" else None,
         batch_mode=opts["batchmode"].lower() == "yes",
     )
+
+
+def resolve_all_settings(
+    cluster: ClusterSpec, warn: Optional[Callable[[str], None]] = None
+) -> dict[str, SshSettings]:
+    """Every remote worker's SSH settings; a bad option is a ConfigError (exit 2)."""
+    settings: dict[str, SshSettings] = {}
+    problems: list[Problem] = []
+    for w in cluster.workers:
+        if w.is_local:
+            continue
+        warning = batchmode_warning(w.ssh.options, w.host)
+        if warning and warn is not None:
+            warn(warning)
+        try:
+            settings[w.host] = resolve_settings(w)
+        except SshOptionError as exc:
+            problems.append(Problem(cluster.file, f"workers[{w.index}].ssh.options", w.line,
+                                    str(exc)))
+    if problems:
+        raise ConfigError(problems)
+    return settings
 
 
 _known_hosts_lock = threading.Lock()
