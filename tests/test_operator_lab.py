@@ -145,3 +145,28 @@ def test_the_collection_imports_into_an_ops_repo_and_launches(sshd_lab, tmp_path
     assert "[lab1:cpu:r1] hello from rank 1" in out.stdout
     (run_dir,) = (tmp_path / "logs").iterdir()  # the log dir came from INVOKE_FDL_LOG_DIR
     assert (run_dir / "r1" / "stdout.log").exists()
+
+
+def test_verbose_shows_routine_events_and_sets_flodl_verbosity(sshd_lab, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=1)
+    cluster = lab.write_cluster([lab.worker(lab.hosts[0], nproc=1)])
+    quiet = run_launch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/q")
+    assert "started lab1:cpu:r0" not in quiet.stderr
+    out = run_launch(cluster, "-vv", "--cmd", f"python3 {PROBE} --dump {tmp_path}/v")
+    assert out.returncode == 0, out.stderr
+    assert "cluster launcher: started lab1:cpu:r0" in out.stderr
+    assert "connected to lab1" in out.stderr
+    env = json.loads((tmp_path / "v" / "env-r0.json").read_text())["env"]
+    assert env["FLODL_VERBOSITY"] == "3"
+    assert "FLODL_VERBOSITY" not in json.loads((tmp_path / "q" / "env-r0.json").read_text())["env"]
+
+
+def test_invalid_utf8_never_stops_forwarding(sshd_lab) -> None:
+    lab = sshd_lab(n_hosts=1)
+    cluster = lab.write_cluster([lab.worker(lab.hosts[0], nproc=1)])
+    prog = ("import sys; sys.stdout.buffer.write(b'bad \\xff\\xfe bytes\\n'); "
+            "sys.stdout.buffer.write('ok é 日本\\n'.encode()); sys.stdout.flush()")
+    out = run_launch(cluster, "--", "python3", "-c", prog)
+    assert out.returncode == 0, out.stderr
+    assert "[lab1:cpu:r0] bad \ufffd\ufffd bytes\n" in out.stdout
+    assert "[lab1:cpu:r0] ok é 日本\n" in out.stdout
