@@ -33,7 +33,6 @@ from .cleanup import sweep_args, sweep_hosts
 from .config import (
     ClusterSpec,
     ConfigError,
-    WorkerSpec,
     load_cluster,
     parse_max_failure,
     this_host_name,
@@ -528,11 +527,4 @@ def launch(opts: LaunchOptions, *, console: Optional[Console] = None) -> int:
     return Launch(opts, console, events).run()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:  # pragma: no cover - thin shim
-    from .cli import program
-
-    program.run(list(argv) if argv is not None else sys.argv)
-    return 0
-
-
-__all__ = ["LaunchOptions", "launch", "WorkerSpec"]
+__all__ = ["LaunchOptions", "launch"]
