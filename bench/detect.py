@@ -53,7 +53,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -275,13 +274,7 @@ class LiveCommand(LiveLaunch):  # type: ignore[misc, valid-type]
         self.proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      cwd=str(cwd), start_new_session=True)
-        self.out: list[tuple[float, str]] = []
-        self.err: list[tuple[float, str]] = []
-        self._threads = []
-        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            t = threading.Thread(target=self._pump, args=(stream, sink), daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._start_pumps()
 
 
 # --------------------------------------------------------------------------------------

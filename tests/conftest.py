@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,3 +33,14 @@ def _no_inherited_verbosity(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("FLODL_VERBOSITY", "FLODL_NET_TIMEOUT_SCALE", "FLODL_INTERNAL_PREBUILD_PER_HOST"):
         monkeypatch.delenv(key, raising=False)
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+
+
+@pytest.fixture
+def spawned() -> Iterator[list[subprocess.Popen[Any]]]:
+    """Processes a test started itself (launchers, leftovers, decoys); killed by pid at teardown."""
+    procs: list[subprocess.Popen[Any]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)

@@ -90,9 +90,13 @@ class LiveLaunch:
 
     def __init__(self, cluster: Path | str, *args: str,
                  env: Optional[dict[str, str]] = None) -> None:
+        self.proc = start_launch(cluster, *args, env=env)
+        self._start_pumps()
+
+    def _start_pumps(self) -> None:
+        """Collect ``self.proc``'s output lines, with the time each one arrived."""
         import threading
 
-        self.proc = start_launch(cluster, *args, env=env)
         self.out: list[tuple[float, str]] = []
         self.err: list[tuple[float, str]] = []
         self._threads = []

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -92,18 +92,8 @@ def _wait_stably_empty(scan: Callable[[], Sequence[object]], timeout: float, wha
     raise AssertionError(f"timed out after {timeout}s waiting for {what}: {left}")
 
 
-@pytest.fixture
-def launcher() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-
-
 def test_a_partitioned_host_is_detected_within_the_keepalive_time_and_leaves_no_orphan(
-        netns_lab, launcher, tmp_path: Path) -> None:
+        netns_lab, spawned, tmp_path: Path) -> None:
     lab: NetnsLab = netns_lab(n_hosts=1, private_registry=True,
                               client_alive_interval=ALIVE_INTERVAL,
                               client_alive_count_max=ALIVE_COUNT)
@@ -118,7 +108,7 @@ def test_a_partitioned_host_is_detected_within_the_keepalive_time_and_leaves_no_
         launch_argv(cluster, "--cmd", f"python3 {SIGPROBE} {d} --fork --sleep 300"),
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         cwd=str(ROOT), start_new_session=True)
-    launcher.append(proc)
+    spawned.append(proc)
     err = _Lines(proc.stderr)
     run = ""
     try:

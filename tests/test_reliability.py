@@ -143,17 +143,6 @@ def launches() -> Iterator[Callable[..., Launch]]:
             kill_run(run)
 
 
-@pytest.fixture
-def spawned() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test started itself (leftovers, decoys); killed at teardown by pid."""
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
-
-
 def kill_run(run: str) -> None:
     """SIGKILL every process carrying this run's id: only what our own tests started."""
     for proc in processes_of_run(run):
