@@ -43,7 +43,7 @@ def _pid_of(run: LiveLaunch, rank: int) -> int:
 
 
 def test_ddp_on_two_lab_hosts_trains_and_parameters_agree(sshd_lab, tmp_path: Path) -> None:
-    pytest.importorskip("torch", reason="CI installs requirements-torch.txt")
+    import torch  # noqa: F401  - installed by `make test` (requirements-torch.txt); never skipped
     lab = sshd_lab(n_hosts=2)
     workers = [lab.worker(h, nproc=2, nccl_socket_ifname="lo") for h in lab.hosts]
     cluster = lab.write_cluster(workers, master_port=_free_port())
