@@ -12,6 +12,7 @@ key is recorded, a changed key is refused. Fabric's own default,
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -24,7 +25,18 @@ from typing import Any, Callable, Optional
 import paramiko
 from fabric import Config, Connection
 
-from .config import ClusterSpec, ConfigError, Problem, WorkerSpec
+from .config import (
+    ClusterSpec,
+    ConfigError,
+    Problem,
+    WorkerSpec,
+    host_name_problem,
+    single_line_problem,
+    ssh_option_value_problem,
+    ssh_target_problem,
+    user_name_problem,
+)
+from .limits import PORT_MAX
 
 #: OpenSSH options we understand, by lowercase name.
 SUPPORTED_OPTIONS = {
@@ -91,19 +103,37 @@ class SshSettings:
 
 
 def parse_options(options: Sequence[str]) -> dict[str, str]:
-    """Lowercase option name to value; the first occurrence wins, as in OpenSSH."""
+    """Lowercase option name to value; the first occurrence wins, as in OpenSSH.
+
+    Values follow config's grammar (one line, a port in 1-65535, a host name for HostName,
+    ...), the same one a cluster file is checked against, so options given in code cannot
+    carry a second line ("...\\nProxyCommand ...") or a port 0 that paramiko reads as 22.
+    """
     parsed: dict[str, str] = {}
     for raw in options:
+        problem = single_line_problem(raw)
+        if problem:
+            raise SshOptionError(f"ssh option {_shown(raw)} {problem}")
         key, sep, value = raw.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key:
-            raise SshOptionError(f"{raw!r} is not of the form Key=Value")
+            raise SshOptionError(f"{_shown(raw)} is not of the form Key=Value")
         name = key.lower()
         if name not in SUPPORTED_OPTIONS:
             known = ", ".join(sorted(SUPPORTED_OPTIONS.values()))
-            raise SshOptionError(f"ssh option {key!r} is not supported (supported: {known})")
+            raise SshOptionError(
+                f"ssh option {_shown(key)} is not supported (supported: {known})"
+            )
+        problem = ssh_option_value_problem(key, value)
+        if problem:
+            raise SshOptionError(problem)
         parsed.setdefault(name, value)
     return parsed
+
+
+def _shown(text: str) -> str:
+    """repr() of a user's text, shortened so an error stays one readable line."""
+    return repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
 
 
 def batchmode_warning(options: Sequence[str], host: str) -> Optional[str]:
@@ -124,9 +154,27 @@ def _number(name: str, value: str) -> float:
         number = float(value)
     except ValueError:
         raise SshOptionError(f"{SUPPORTED_OPTIONS[name]}={value!r} must be a number") from None
+    if not math.isfinite(number):  # float() takes "nan" and "inf"; no timeout can be either
+        raise SshOptionError(f"{SUPPORTED_OPTIONS[name]}={value!r} must be a finite number")
     if number < 0:
         raise SshOptionError(f"{SUPPORTED_OPTIONS[name]}={value!r} must not be negative")
     return number
+
+
+def _check_spec_names(worker: WorkerSpec) -> None:
+    """The names ``resolve_settings`` hands to paramiko, held to config's grammar again: a
+    WorkerSpec can be built in code, without the cluster file's checks."""
+    spec = worker.ssh
+    problems = [
+        ("host", host_name_problem(worker.host)),
+        ("ssh.target", spec.target and ssh_target_problem(spec.target)),
+        ("ssh.user", spec.user and user_name_problem(spec.user)),
+    ]
+    for key, problem in problems:
+        if problem:
+            raise SshOptionError(f"{key}: {problem}")
+    if spec.port is not None and not 1 <= spec.port <= PORT_MAX:
+        raise SshOptionError(f"ssh.port: must be between 1 and {PORT_MAX}, got {spec.port}")
 
 
 def resolve_settings(worker: WorkerSpec) -> SshSettings:
@@ -138,6 +186,7 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
     ProxyJump for Host aliases).
     """
     spec = worker.ssh
+    _check_spec_names(worker)
     opts = {**DEFAULT_OPTIONS, **parse_options(spec.options)}
     strict = opts["stricthostkeychecking"].lower()
     if strict == "off":
@@ -151,10 +200,7 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
         )
     port: Optional[int] = spec.port
     if port is None and "port" in opts:
-        try:
-            port = int(opts["port"])
-        except ValueError:
-            raise SshOptionError(f"Port={opts['port']!r} must be an integer") from None
+        port = int(opts["port"])  # parse_options made sure it is 1..65535
     identities = [spec.identity_file] if spec.identity_file else []
     if "identityfile" in opts:
         identities.append(os.path.expanduser(opts["identityfile"]))

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import shlex
+import tempfile
 import textwrap
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fdl_fabric import config as config_module
 from fdl_fabric.config import (
     ENV_NAME_RE,
     RESERVED_ENV_KEYS,
@@ -24,11 +32,27 @@ from fdl_fabric.config import (
     Problem,
     SshSpec,
     WorkerSpec,
+    host_name_problem,
     is_reserved_env_key,
     load_cluster,
     parse_cluster,
     parse_max_failure,
+    shell_words,
     this_host_name,
+)
+from fdl_fabric.limits import (
+    ARG_STRLEN_MAX,
+    COMMAND_MAX_BYTES,
+    DEPTH_MAX,
+    ENV_NAME_MAX,
+    ENV_VARS_MAX,
+    FILE_MAX_BYTES,
+    PATH_MAX_BYTES,
+    PROBLEMS_MAX,
+    RANKS_MAX,
+    RANKS_PER_WORKER_MAX,
+    SSH_OPTIONS_MAX,
+    WORKERS_MAX,
 )
 
 FOLDER = "/srv/cluster"
@@ -284,7 +308,7 @@ def test_config_error_lists_every_problem_one_per_line_sorted_by_line() -> None:
     assert str(err).splitlines() == [
         "cluster.yml:1: master_port: must be between 1 and 65535, got 0",
         "cluster.yml:2: kill_grace: must be >= 0, got -1",
-        "cluster.yml:5: workers[0].nproc: must be >= 1, got 0",
+        "cluster.yml:5: workers[0].nproc: must be between 1 and 1024, got 0",
     ]
 
 
@@ -591,7 +615,7 @@ def test_worker_without_nproc_or_local_devices_is_an_error() -> None:
 
 def test_nproc_must_be_at_least_one() -> None:
     err = worker_error("host: launcher\nnproc: 0")
-    assert problem_at(err, "workers[0].nproc").message == "must be >= 1, got 0"
+    assert problem_at(err, "workers[0].nproc").message == "must be between 1 and 1024, got 0"
 
 
 def test_local_devices_is_a_tuple_of_gpu_indices_in_declared_order() -> None:
@@ -609,7 +633,7 @@ def test_local_devices_all_is_kept_as_the_string_all() -> None:
         ("ALL", "local_devices", "expected a list of GPU indices or \"all\", got 'ALL'"),
         ("3", "local_devices", 'expected a list of GPU indices or "all", got integer 3'),
         ("[]", "local_devices", 'must list at least one GPU index (or be "all")'),
-        ("[0, -1]", "local_devices[1]", "must be >= 0, got -1"),
+        ("[0, -1]", "local_devices[1]", "must be between 0 and 1023, got -1"),
         ("[0, x]", "local_devices[1]", "expected a GPU index (an integer), got string 'x'"),
         ("[0, true]", "local_devices[1]", "expected a GPU index (an integer), got boolean true"),
         (
@@ -913,7 +937,7 @@ def _file_with_env(env: dict[str, str]) -> str:
 
 
 _valid_names = st.from_regex(ENV_NAME_RE, fullmatch=True).filter(
-    lambda name: not is_reserved_env_key(name)
+    lambda name: not is_reserved_env_key(name) and len(name) <= ENV_NAME_MAX
 )
 _values_without_nul = st.text().filter(lambda value: "\0" not in value)
 
@@ -929,7 +953,7 @@ def test_any_valid_non_reserved_name_and_string_value_round_trips_exactly(
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.text().filter(lambda name: not ENV_NAME_RE.fullmatch(name)))
+@given(name=st.text(max_size=40).filter(lambda name: not ENV_NAME_RE.fullmatch(name)))
 def test_any_name_outside_the_env_regex_is_rejected(name: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_cluster(_file_with_env({name: "x"}), local_hostname=LOCAL, folder=FOLDER)
@@ -1006,3 +1030,718 @@ def test_bad_elastic_max_failure_is_reported_at_its_line(written: str, message: 
     err = error(f"elastic:\n  max_failure: {written}\nworkers: [{{host: launcher, nproc: 1}}]")
     problem = problem_at(err, "elastic.max_failure")
     assert (problem.line, problem.message) == (2, message)
+
+
+# --------------------------------------------------------------------------------------------
+# Bounds: a file cannot make us block, recurse or allocate without limit
+# --------------------------------------------------------------------------------------------
+#
+# Each case is refused with one ConfigError (exit 2 at the CLI) whose message names the key
+# and line, and returns quickly: the budget is generous for a shared CI machine but far
+# below what the unbounded versions took (minutes, or gigabytes).
+
+FAST = 3.0  # seconds
+
+
+@contextlib.contextmanager
+def returns_fast(seconds: float = FAST) -> Iterator[None]:
+    start = time.monotonic()
+    yield
+    elapsed = time.monotonic() - start
+    assert elapsed < seconds, f"took {elapsed:.2f}s"
+
+
+def refused(text: str, **kwargs: Any) -> ConfigError:
+    """Parse ``text`` as is (no dedent: these files are generated) and return the error."""
+    kwargs.setdefault("folder", FOLDER)
+    kwargs.setdefault("local_hostname", LOCAL)
+    with returns_fast(), pytest.raises(ConfigError) as info:
+        parse_cluster(text, **kwargs)
+    return info.value
+
+
+def load_refused(path: Union[str, Path]) -> ConfigError:
+    with returns_fast(), pytest.raises(ConfigError) as info:
+        load_cluster(path, local_hostname=LOCAL)
+    return info.value
+
+
+def _workers(count: int, body: str = "nproc: 1") -> str:
+    return "workers:\n" + "".join(f"  - {{host: h{i}, path: /x, {body}}}\n" for i in range(count))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_dev_zero_as_the_cluster_file_is_refused_without_reading_it() -> None:
+    (problem,) = load_refused("/dev/zero").problems
+    assert str(problem) == (
+        "/dev/zero: not a regular file (a character device); a cluster file must be a regular file"
+    )
+
+
+def test_a_fifo_as_the_cluster_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "cluster.yml"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _capture(outcome, lambda: load_cluster(fifo)))
+    thread.start()
+    thread.join(FAST)
+    if thread.is_alive():  # blocked in open(): give it a writer so the thread can end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join()
+        pytest.fail("load_cluster blocked on a FIFO")
+    (error,) = outcome
+    assert isinstance(error, ConfigError)
+    assert error.problems[0].message.startswith("not a regular file (a FIFO)")
+
+
+def _capture(outcome: list[BaseException], call: Callable[[], object]) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        outcome.append(exc)
+
+
+def test_a_directory_as_the_cluster_file_is_refused(tmp_path: Path) -> None:
+    (problem,) = load_refused(tmp_path).problems
+    assert problem.message.startswith("not a regular file (a directory)")
+
+
+def test_a_file_that_is_not_utf_8_is_refused_with_the_line(tmp_path: Path) -> None:
+    file = tmp_path / "cluster.yml"
+    file.write_bytes(b"workers:\n  - host: caf\xe9\n")
+    (problem,) = load_refused(file).problems
+    assert (problem.line, problem.message) == (2, "not valid UTF-8 (invalid continuation byte)")
+
+
+def test_a_cluster_file_over_1_mib_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    file = tmp_path / "cluster.yml"
+    file.write_text("workers: [{host: launcher, nproc: 1}]\n" + "#" * FILE_MAX_BYTES)
+    (problem,) = load_refused(file).problems
+    assert problem.message.startswith(f"file is {file.stat().st_size} bytes; a cluster file")
+    assert "at most 1048576 bytes (1 MiB)" in problem.message
+
+
+def test_a_cluster_file_of_exactly_1_mib_is_read(tmp_path: Path) -> None:
+    head = "workers: [{host: launcher, nproc: 1}]\n"
+    file = tmp_path / "cluster.yml"
+    file.write_text(head + "#" * (FILE_MAX_BYTES - len(head) - 1) + "\n")
+    assert file.stat().st_size == FILE_MAX_BYTES
+    with returns_fast():
+        assert load_cluster(file, local_hostname=LOCAL).workers[0].nproc == 1
+
+
+def test_text_over_1_mib_is_refused_by_parse_cluster_too() -> None:
+    (problem,) = refused("workers: []\n" + "#" * FILE_MAX_BYTES).problems
+    assert "a cluster file may have at most 1048576 bytes" in problem.message
+
+
+def test_a_5000_deep_file_is_refused_without_a_recursion_error(tmp_path: Path) -> None:
+    file = tmp_path / "cluster.yml"
+    file.write_text("[" * 5000 + "]" * 5000 + "\n")
+    (problem,) = load_refused(file).problems
+    assert problem.line == 1
+    assert problem.message == "nested more than 32 levels deep (lists and mappings)"
+
+
+def test_deep_nesting_names_the_key_path_and_line_where_it_goes_too_deep() -> None:
+    text = "workers:\n  - host: launcher\n    nproc: 1\n    env: " + "{a: " * 100 + "x"
+    text += "}" * 100 + "\n"
+    (problem,) = refused(text).problems
+    assert problem.line == 4
+    assert problem.key == "workers[0].env" + ".a" * (DEPTH_MAX - 3)
+
+
+def test_nesting_up_to_the_limit_is_only_a_schema_problem() -> None:
+    # top-level mapping, workers, one worker: 3 levels before the value of nproc
+    deep = "[" * (DEPTH_MAX - 3) + "]" * (DEPTH_MAX - 3)
+    err = refused(f"x-deep: {deep}\nworkers: [{{host: launcher, nproc: {deep}}}]\n")
+    assert problem_at(err, "workers[0].nproc").message == "expected an integer, got a list"
+
+
+def test_nproc_of_a_billion_is_refused_before_any_rank_exists() -> None:
+    err = refused("workers:\n  - host: launcher\n    nproc: 1000000000\n")
+    problem = problem_at(err, "workers[0].nproc")
+    assert str(problem) == (
+        "cluster.yml:3: workers[0].nproc: must be between 1 and 1024, got 1000000000"
+    )
+
+
+def test_more_than_4096_workers_are_refused_even_when_written_as_aliases() -> None:
+    text = "x-w: &w {host: a, nproc: 1}\nworkers: [" + "*w, " * (WORKERS_MAX + 1) + "]\n"
+    err = refused(text)
+    assert str(problem_at(err, "workers")) == (
+        "cluster.yml:2: workers: lists 4097 workers; at most 4096 are allowed"
+    )
+    assert len(err.problems) == 1  # refused as a whole, not as 4097 duplicate hosts
+
+
+def test_more_than_65536_ranks_in_total_are_refused() -> None:
+    err = refused(_workers(65, "nproc: 1024"), local_hostname="elsewhere")
+    assert str(problem_at(err, "workers")) == (
+        "cluster.yml:2: workers: the workers have 66560 ranks in total; at most 65536 are allowed"
+    )
+
+
+def test_the_limits_fit_a_1000_host_cluster_with_room_to_spare(tmp_path: Path) -> None:
+    lines = ["controller: {host: 10.0.0.1, port: 7000}", "command: python3 train.py",
+             "env: {NCCL_DEBUG: WARN, NCCL_IB_HCA: mlx5}", "workers:"]
+    for i in range(1000):
+        lines += [
+            f"  - host: gpu-{i:04d}.cluster.example.com",
+            "    local_devices: [0, 1, 2, 3, 4, 5, 6, 7]",
+            f"    path: /srv/jobs/run-{i:04d}",
+            f"    addr: 10.{i // 250}.{i % 250}.1",
+            "    nccl_socket_ifname: ib0",
+            "    env: {OMP_NUM_THREADS: '8'}",
+            "    ssh: {user: trainer, port: 2222, options: [ServerAliveInterval=5]}",
+        ]
+    file = tmp_path / "cluster.yml"
+    file.write_text("\n".join(lines) + "\n")
+    assert file.stat().st_size < FILE_MAX_BYTES / 2
+    with returns_fast(10.0):
+        spec = load_cluster(file, local_hostname="ctl")
+    assert len(spec.workers) == 1000
+    assert sum(len(w.local_devices or ()) for w in spec.workers) == 8000
+
+
+def test_the_largest_allowed_job_is_accepted() -> None:
+    text = "x-w: &w {nproc: 16, path: /x}\nworkers:\n" + "".join(
+        f"  - {{<<: *w, host: h{i}}}\n" for i in range(WORKERS_MAX)
+    )
+    with returns_fast(10.0):
+        spec = parse(text, local_hostname="elsewhere")
+    assert sum(w.nproc or 0 for w in spec.workers) == RANKS_MAX
+
+
+def test_local_devices_listing_more_than_1024_gpus_is_refused() -> None:
+    devices = ", ".join(str(i) for i in range(RANKS_PER_WORKER_MAX + 1))
+    err = refused(f"workers:\n  - host: launcher\n    local_devices: [{devices}]\n")
+    assert problem_at(err, "workers[0].local_devices").message == (
+        "lists 1025 GPUs; at most 1024 ranks per worker"
+    )
+
+
+def test_a_20_mb_single_word_command_is_refused_by_the_file_size(tmp_path: Path) -> None:
+    file = tmp_path / "cluster.yml"
+    file.write_text("command: " + "a" * (20 << 20) + "\nworkers: [{host: launcher, nproc: 1}]\n")
+    (problem,) = load_refused(file).problems
+    assert "a cluster file may have at most 1048576 bytes" in problem.message
+
+
+def test_a_command_over_256_kib_is_refused_naming_the_key() -> None:
+    command = "a " * (COMMAND_MAX_BYTES // 2) + "b"
+    err = refused(f"command: {command}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert str(problem_at(err, "command")) == (
+        "cluster.yml:1: command: is 262145 bytes long; a command has at most 262144 (256 KiB)"
+    )
+
+
+def test_a_200_kb_argv_given_as_many_words_is_accepted() -> None:
+    words = [f"--arg{i}=" + "v" * 990 for i in range(200)]
+    spec = parse(f"command: {' '.join(words)}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert spec.command is not None and shlex.split(spec.command) == words
+
+
+def test_a_command_word_longer_than_max_arg_strlen_is_refused() -> None:
+    word = "w" * (ARG_STRLEN_MAX + 1)
+    err = refused(f"command: python3 {word}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert problem_at(err, "command").message == (
+        "word 2 is 131072 bytes long; Linux limits one program argument to 131071 bytes "
+        "(MAX_ARG_STRLEN)"
+    )
+
+
+def test_a_command_word_of_exactly_max_arg_strlen_is_accepted() -> None:
+    word = "w" * ARG_STRLEN_MAX
+    with returns_fast():
+        spec = parse(f"command: python3 {word}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert spec.command == f"python3 {word}"
+
+
+def test_a_command_with_a_nul_character_is_refused() -> None:
+    err = refused('command: "python3 a\\0b"\nworkers: [{host: launcher, nproc: 1}]')
+    assert "NUL" in problem_at(err, "command").message
+
+
+def test_an_env_name_over_256_characters_is_refused() -> None:
+    name = "N" * (ENV_NAME_MAX + 1)
+    err = refused(f"env: {{{name}: x}}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert problem_at(err, f'env["{name[:57]}..."]').message == (
+        "name is 257 characters long; at most 256"
+    )
+
+
+def test_an_env_string_longer_than_max_arg_strlen_is_refused() -> None:
+    value = "v" * (ARG_STRLEN_MAX - len("NAME="))
+    spec = parse(f"env: {{NAME: {value}}}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert len(spec.env["NAME"]) == ARG_STRLEN_MAX - 5
+    err = refused(f"env:\n  NAME: {value}v\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert str(problem_at(err, 'env["NAME"]')) == (
+        'cluster.yml:2: env["NAME"]: NAME=value is 131072 bytes long; Linux limits one '
+        "environment string to 131071 bytes (MAX_ARG_STRLEN)"
+    )
+
+
+def test_more_than_256_env_variables_in_one_mapping_are_refused() -> None:
+    env = ", ".join(f"V{i}: x" for i in range(ENV_VARS_MAX + 1))
+    err = refused(f"env: {{{env}}}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert problem_at(err, "env").message == "has 257 entries; at most 256"
+
+
+def test_the_cluster_env_and_a_worker_env_together_are_held_to_256_variables() -> None:
+    half = ENV_VARS_MAX // 2 + 1
+    top = ", ".join(f"A{i}: x" for i in range(half))
+    own = ", ".join(f"B{i}: x" for i in range(half))
+    worker_env = f"  - host: launcher\n    nproc: 1\n    env: {{{own}}}\n"
+    err = refused(f"env: {{{top}}}\nworkers:\n{worker_env}")
+    assert str(problem_at(err, "workers[0].env")) == (
+        "cluster.yml:5: workers[0].env: a rank gets 258 environment variables from the file "
+        "(the cluster env and this worker's env together); at most 256 are allowed"
+    )
+
+
+def test_env_bytes_repeated_through_aliases_are_held_to_1_mib_per_rank() -> None:
+    value = "v" * 100_000
+    env = ", ".join(f"V{i}: *big" for i in range(11))
+    err = refused(f"x-big: &big {value}\nenv: {{{env}}}\nworkers: [{{host: launcher, nproc: 1}}]")
+    problem = problem_at(err, "env")
+    assert problem.line == 2
+    # V0=... to V9=... are 100003 bytes each, V10=... 100004
+    assert problem.message.startswith("a rank gets 1100034 bytes of NAME=value strings")
+
+
+def test_more_than_64_ssh_options_are_refused() -> None:
+    options = ", ".join(["BatchMode=yes"] * (SSH_OPTIONS_MAX + 1))
+    err = worker_error(f"host: gpu2\nnproc: 1\npath: /x\nssh: {{options: [{options}]}}")
+    assert problem_at(err, "workers[0].ssh.options").message == (
+        "lists 65 options; at most 64 are allowed"
+    )
+
+
+def test_a_path_longer_than_path_max_is_refused() -> None:
+    err = worker_error(f"host: gpu2\nnproc: 1\npath: /{'p' * PATH_MAX_BYTES}")
+    assert problem_at(err, "workers[0].path").message == (
+        "is 4097 bytes long; a path has at most 4096 (PATH_MAX)"
+    )
+
+
+@pytest.mark.parametrize("key", ["path", "data_path", "ssh.identity_file"])
+@pytest.mark.parametrize(("written", "found"), [("a\\0b", "NUL"), ("a\\nb", "line break")])
+def test_paths_must_not_contain_nul_or_a_newline(key: str, written: str, found: str) -> None:
+    value = f'"/x/{written}"'
+    fields = {"path": "/x", key: value}
+    if key.startswith("ssh."):
+        fields = {"path": "/x", "ssh": f"{{identity_file: {value}}}"}
+    err = worker_error("host: gpu2\nnproc: 1\n" + "\n".join(f"{k}: {v}" for k, v in fields.items()))
+    assert found in problem_at(err, f"workers[0].{key}").message
+
+
+@pytest.mark.parametrize(
+    ("key", "snippet"),
+    [
+        ("kill_grace", "kill_grace: 1e9"),
+        ("elastic.formation_timeout", "elastic: {formation_timeout: 2000000}"),
+        ("elastic.heartbeat_timeout", "elastic: {heartbeat_timeout: 1.0e+7}"),
+    ],
+)
+def test_durations_are_at_most_a_million_seconds(key: str, snippet: str) -> None:
+    err = refused(f"{snippet}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert problem_at(err, key).message.startswith("must be at most 1e+06, got ")
+
+
+def test_a_yaml_1_1_sexagesimal_number_of_a_megabyte_is_not_constructed() -> None:
+    err = refused("workers: [{host: launcher, nproc: " + "1:" * 300_000 + "1}]")
+    assert problem_at(err, "workers[0].nproc").message == (
+        "is a number of 600001 characters; at most 100 are read"
+    )
+
+
+def test_a_huge_hex_number_is_refused_before_it_is_printed() -> None:
+    # str() of an int over 4300 digits raises ValueError in Python >= 3.11.
+    err = refused("workers: [{host: launcher, nproc: 0x" + "f" * 5000 + "}]")
+    assert "at most 100 are read" in problem_at(err, "workers[0].nproc").message
+
+
+def test_values_quoted_in_messages_are_shortened() -> None:
+    err = refused(f"workers: [{{host: launcher, nproc: {'z' * 100_000}}}]")
+    message = problem_at(err, "workers[0].nproc").message
+    assert message == f"expected an integer, got string {'z' * 60!r}... (100000 characters)"
+
+
+def test_a_broken_mapping_repeated_through_aliases_stops_after_100_problems() -> None:
+    keys = ", ".join(f"k{i}: 1" for i in range(5000))
+    err = refused(f"x-w: &w {{{keys}}}\nworkers: [" + "*w, " * 4000 + "]\n")
+    assert len(err.problems) == PROBLEMS_MAX + 1
+    assert str(err.problems[-1]) == (
+        "cluster.yml: stopped after 100 problems; fix these and check again"
+    )
+
+
+def test_merges_cannot_multiply_into_unbounded_work() -> None:
+    keys = ", ".join(f"k{i}: 1" for i in range(2000))
+    sources = ", ".join(["*big"] * 2000)
+    text = f"x-big: &big {{{keys}}}\nx-many: &many {{<<: [{sources}]}}\nworkers:\n"
+    text += "".join(f"  - {{<<: [*many, *many], host: h{i}, nproc: 1}}\n" for i in range(1000))
+    err = refused(text)
+    assert any("merge keys copy more than 2097152 entries" in p.message for p in err.problems)
+
+
+def test_a_lone_surrogate_is_refused_as_invalid_unicode() -> None:
+    err = refused("workers: [{host: launcher, nproc: 1, path: '/x\udc80'}]")
+    (problem,) = err.problems
+    assert problem.message == "not valid Unicode (a lone surrogate U+DC80)"
+
+
+def test_the_pure_python_parser_is_bounded_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config_module, "_Loader", config_module._PyLoader)
+    (problem,) = refused("[" * 5000 + "]" * 5000).problems
+    assert problem.message == "nested more than 32 levels deep (lists and mappings)"
+    assert parse("x-d: &d {nproc: 2}\nworkers: [{<<: *d, host: launcher}]").workers[0].nproc == 2
+    assert problem_at(refused('workers: [{host: "\\ud800", nproc: 1}]'), "workers[0].host")
+
+
+# --------------------------------------------------------------------------------------------
+# Host names, addresses and users
+# --------------------------------------------------------------------------------------------
+
+GOOD_HOSTS = [
+    "gpu1",
+    "gpu-a",
+    "node_7",
+    "n1.cluster.example.com",
+    "n1.cluster.example.com.",
+    "10.0.0.1",
+    "::1",
+    "2001:db8::17",
+    "fe80::1%eth0",
+    "a" * 63 + "." + "b" * 63,
+]
+BAD_HOSTS = [
+    ("a;b", "contains ';'"),
+    ("a b", "contains a space"),
+    ("a\nb", "contains a newline"),
+    ("h1 pgid=22602 start=1677925", "contains a space"),
+    ("a=b", "contains '='"),
+    ("a/b", "contains '/'"),
+    ("gpü", "contains 'ü'"),
+    ("-oProxyCommand", "starts or ends with '-'"),
+    ("a-.b", "starts or ends with '-'"),
+    ("a..b", "has an empty label"),
+    (".a", "has an empty label"),
+    ("a" * 64, "has a label of 64 characters; DNS allows 63"),
+    ("a." * 127, "is 254 characters long; a host name has at most 253"),
+    ("999.1.1.1", "is not a valid IPv4 address"),
+    ("10.1", "is not a valid IPv4 address"),
+    ("010.0.0.1", "is not a valid IPv4 address"),
+    ("0x7f.1", "is not a valid IPv4 address"),
+    ("[::1]", "without brackets"),
+    ("::g", "is not a valid IPv6 address"),
+    ("fe80::1%a b", "invalid zone"),
+]
+
+
+@pytest.mark.parametrize("host", GOOD_HOSTS)
+def test_dns_names_and_ip_addresses_are_valid_host_names(host: str) -> None:
+    assert host_name_problem(host) is None
+    w = worker(f"host: {json.dumps(host)}\nnproc: 1\npath: /x\naddr: {json.dumps(host)}")
+    assert (w.host, w.addr) == (host, host)
+
+
+@pytest.mark.parametrize(("host", "message"), BAD_HOSTS)
+def test_host_names_outside_the_grammar_are_refused_by_the_config_check(
+    host: str, message: str
+) -> None:
+    err = worker_error(f"host: {json.dumps(host)}\nnproc: 1\npath: /x")
+    problem = problem_at(err, "workers[0].host")
+    assert problem.line == 2 and message in problem.message
+    assert "\n" not in str(err)
+
+
+@pytest.mark.parametrize(
+    ("snippet", "key"),
+    [
+        ("addr: 'a b'", "workers[0].addr"),
+        ("ssh: {target: 'a;b'}", "workers[0].ssh.target"),
+        ("ssh: {target: 'me@a b'}", "workers[0].ssh.target"),
+        ("ssh: {target: 'm e@host'}", "workers[0].ssh.target"),
+        ("ssh: {user: '-oops'}", "workers[0].ssh.user"),
+        ("ssh: {options: ['HostName=a b']}", "workers[0].ssh.options[0]"),
+        ("ssh: {options: ['User=a;b']}", "workers[0].ssh.options[0]"),
+        ("ssh: {options: ['ProxyJump=ok,bad host']}", "workers[0].ssh.options[0]"),
+    ],
+)
+def test_every_key_naming_a_host_or_user_follows_the_grammar(snippet: str, key: str) -> None:
+    err = worker_error(f"host: gpu2\nnproc: 1\npath: /x\n{snippet}")
+    assert problem_at(err, key).line == 5
+
+
+def test_controller_host_follows_the_grammar() -> None:
+    err = refused("controller: {host: 'ctl; rm -rf /'}\nworkers: [{host: launcher, nproc: 1}]")
+    assert problem_at(err, "controller.host").message.startswith("contains ';'")
+
+
+def test_ssh_target_may_name_a_user() -> None:
+    w = worker("host: gpu2\nnproc: 1\npath: /x\nssh: {target: deploy.bot@10.0.0.2}")
+    assert (w.ssh.target, w.addr) == ("deploy.bot@10.0.0.2", "10.0.0.2")
+
+
+# --------------------------------------------------------------------------------------------
+# ssh.options: one line each, and values the launcher can use as meant
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ('"User=me\\nProxyCommand nc %h %p"', "contains a newline"),
+        ('"ServerAliveInterval=5\\rProxyCommand x"', "contains a carriage return"),
+        ('"BatchMode=\\tyes"', "contains a tab"),
+        ('"User=me\\u2028ProxyCommand x"', "U+2028"),
+        ('"User=me\\x85ProxyCommand x"', "U+0085"),
+        ('"User=a\\0"', "U+0000"),
+    ],
+)
+def test_an_ssh_option_with_a_second_line_is_refused(written: str, message: str) -> None:
+    err = worker_error(f"host: gpu2\nnproc: 1\npath: /x\nssh:\n  options:\n    - {written}")
+    problem = problem_at(err, "workers[0].ssh.options[0]")
+    assert problem.line == 7
+    assert message in problem.message and "single line" in problem.message
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("Port=0", "Port='0': must be a port number between 1 and 65535"),
+        ("Port=65536", "Port='65536': must be a port number between 1 and 65535"),
+        ("Port=22x", "Port='22x': must be a port number between 1 and 65535"),
+        ("port=+22", "port='+22': must be a port number between 1 and 65535"),
+        ("ProxyJump=jump:0", "ProxyJump='jump:0': jump host 'jump:0': must be a port number"),
+        ("ConnectTimeout=nan", "ConnectTimeout='nan': must be a number of seconds"),
+        ("ServerAliveInterval=1e9", "ServerAliveInterval='1e9': must be a number of seconds"),
+        ("ServerAliveCountMax=-1", "ServerAliveCountMax='-1': must be a whole number >= 0"),
+        ("StrictHostKeyChecking=maybe", "StrictHostKeyChecking='maybe': must be one of yes"),
+        ("User=", "User='': has no value"),
+    ],
+)
+def test_ssh_option_values_that_would_mean_something_else_are_refused(
+    option: str, message: str
+) -> None:
+    err = worker_error(f"host: gpu2\nnproc: 1\npath: /x\nssh: {{options: ['{option}']}}")
+    problem = problem_at(err, "workers[0].ssh.options[0]")
+    assert problem.line == 5 and problem.message.startswith(message)
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["Port=1", "Port=65535", "ProxyJump=none", "ProxyJump=a@b:22,c", "ConnectTimeout=2.5",
+     "StrictHostKeyChecking=OFF", "BatchMode=no", "HostName=10.0.0.7", "IdentityFile=~/.ssh/k"],
+)
+def test_ssh_option_values_in_the_grammar_are_kept_as_written(option: str) -> None:
+    w = worker(f"host: gpu2\nnproc: 1\npath: /x\nssh: {{options: ['{option}']}}")
+    assert w.ssh.options == (option,)
+
+
+# --------------------------------------------------------------------------------------------
+# YAML details: merge keys and floats
+# --------------------------------------------------------------------------------------------
+
+MERGED = """
+x-defaults: &defaults
+  nproc: 4
+  path: /srv/job
+  env: {OMP_NUM_THREADS: "4"}
+x-fast: &fast
+  nproc: 8
+workers:
+  - <<: *defaults
+    host: gpu1
+  - <<: [*fast, *defaults]
+    host: gpu2
+    path: /srv/other
+"""
+
+
+def test_merge_keys_merge_a_mapping_anchor_into_a_worker() -> None:
+    w1, w2 = parse(MERGED).workers
+    assert (w1.host, w1.nproc, w1.path, w1.env) == ("gpu1", 4, "/srv/job", {"OMP_NUM_THREADS": "4"})
+    # The worker's own keys win, then the earlier mapping of the list, as in YAML's merge type.
+    assert (w2.host, w2.nproc, w2.path) == ("gpu2", 8, "/srv/other")
+
+
+def test_merge_keys_work_in_env_mappings_too() -> None:
+    spec = parse("""
+        x-e: &e {A: a, B: b}
+        env: {<<: *e, B: own}
+        workers: [{host: launcher, nproc: 1}]
+    """)
+    assert spec.env == {"A": "a", "B": "own"}
+
+
+def test_a_problem_in_a_merged_value_points_at_the_line_where_it_is_written() -> None:
+    err = error(MERGED.replace("nproc: 4", "nproc: four").replace("nproc: 8", "nprc: 8"))
+    assert str(problem_at(err, "workers[0].nproc")) == (
+        "cluster.yml:2: workers[0].nproc: expected an integer, got string 'four'"
+    )
+    assert problem_at(err, "workers[1].nprc").line == 6
+
+
+def test_a_key_written_next_to_a_merge_is_not_a_duplicate_but_a_repeated_one_is() -> None:
+    err = error("""
+        x-d: &d {nproc: 1, path: /x}
+        workers:
+          - <<: *d
+            host: gpu1
+            nproc: 2
+            nproc: 3
+    """)
+    assert [str(p) for p in err.problems] == [
+        "cluster.yml:6: workers[0].nproc: duplicate key 'nproc' (first on line 5)"
+    ]
+
+
+def test_two_merge_keys_in_one_mapping_are_a_duplicate() -> None:
+    err = error("""
+        x-d: &d {nproc: 1}
+        workers:
+          - <<: *d
+            <<: *d
+            host: launcher
+    """)
+    assert problem_at(err, "workers[0].<<").message == "duplicate merge key '<<' (first on line 3)"
+
+
+@pytest.mark.parametrize(
+    ("value", "key", "message"),
+    [
+        ("3", "workers[0].<<", "expected a mapping or a list of mappings to merge "
+                               "(e.g. <<: *defaults), got integer 3"),
+        ("[*d, 3]", "workers[0].<<[1]", "expected a mapping to merge, got integer 3"),
+    ],
+)
+def test_a_merge_of_something_else_than_mappings_gets_a_specific_message(
+    value: str, key: str, message: str
+) -> None:
+    err = error(f"x-d: &d {{nproc: 1}}\nworkers:\n  - {{<<: {value}, host: launcher}}\n")
+    assert problem_at(err, key).message == message
+
+
+def test_a_mapping_that_merges_itself_is_refused() -> None:
+    err = refused("workers:\n  - &w {host: launcher, nproc: 1, <<: *w}\n")
+    assert "a merge includes itself" in str(err)
+
+
+def test_extension_keys_at_the_top_level_are_ignored() -> None:
+    spec = parse("x-anything: {whatever: [1, 2]}\nworkers: [{host: launcher, nproc: 1}]")
+    assert spec.workers[0].nproc == 1
+
+
+@pytest.mark.parametrize("written", ["1.0e9", "1e9", "2.0", "2.", "1.0e+9", ".5"])
+@pytest.mark.parametrize("key", ["nproc", "local_devices[0]"])
+def test_a_float_where_an_integer_is_expected_is_called_a_float(written: str, key: str) -> None:
+    snippet = f"nproc: {written}" if key == "nproc" else f"local_devices: [{written}]"
+    err = worker_error(f"host: launcher\n{snippet}")
+    message = problem_at(err, f"workers[0].{key}").message
+    assert message.startswith("expected ") and "an integer" in message
+    assert message.endswith(f"got float {written}")
+
+
+def test_a_quoted_number_is_still_a_string() -> None:
+    err = worker_error("host: launcher\nnproc: '1.0e9'")
+    assert problem_at(err, "workers[0].nproc").message == "expected an integer, got string '1.0e9'"
+
+
+@pytest.mark.parametrize(("written", "value"), [("1e1", 10.0), ("2.5e0", 2.5), ("1.0e+1", 10.0)])
+def test_numbers_accept_floats_in_yaml_1_2_notation(written: str, value: float) -> None:
+    spec = parse(f"kill_grace: {written}\nworkers: [{{host: launcher, nproc: 1}}]")
+    assert spec.kill_grace == value
+
+
+# --------------------------------------------------------------------------------------------
+# Properties: whatever the input, a ClusterSpec or a ConfigError, in bounded memory
+# --------------------------------------------------------------------------------------------
+
+_SCHEMA_KEYS = [
+    "controller", "command", "env", "kill_grace", "master_port", "elastic", "workers", "host",
+    "port", "max_failure", "formation_timeout", "heartbeat_timeout", "nproc", "local_devices",
+    "path", "addr", "nccl_socket_ifname", "ssh", "tunnel", "data_path", "target", "user",
+    "identity_file", "options",
+]
+_KEYS = st.sampled_from([*_SCHEMA_KEYS, "<<", "x-d", "A", "NCCL_DEBUG", "Port", "a b", ""])
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(["all", "launcher", "localhost", "10.0.0.1", "::1", "Port=0", "25%",
+                     "User=a\nProxyCommand x", "~", "1.0e9", "a;b", "-x", "*"]),
+    st.text(max_size=30),
+)
+_DOCUMENTS = st.recursive(
+    _SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5), st.dictionaries(st.one_of(_KEYS, st.text(max_size=8)),
+                                                     inner, max_size=6)
+    ),
+    max_leaves=40,
+)
+_YAMLISH = st.text(alphabet="[]{}:,-&*!<>|'\"\\#%@ \n\tax01.e+~", max_size=200)
+PEAK_MB = 20
+
+
+def _outcome_is_a_spec_or_a_config_error(call: Callable[[], ClusterSpec]) -> None:
+    tracemalloc.start()
+    try:
+        assert isinstance(call(), ClusterSpec)
+    except ConfigError as exc:
+        assert exc.problems and all(isinstance(p, Problem) for p in exc.problems)
+        assert all("\n" not in str(p) for p in exc.problems)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < PEAK_MB * 2**20, f"peak {peak / 2**20:.1f} MB"
+
+
+@settings(deadline=None, max_examples=150)
+@given(document=st.dictionaries(_KEYS, _DOCUMENTS, max_size=8))
+def test_any_yaml_document_gives_a_spec_or_a_config_error(document: dict[str, Any]) -> None:
+    text = yaml.safe_dump(document, allow_unicode=True)
+    _outcome_is_a_spec_or_a_config_error(
+        lambda: parse_cluster(text, local_hostname=LOCAL, folder=FOLDER)
+    )
+
+
+@settings(deadline=None, max_examples=150)
+@given(text=st.one_of(_YAMLISH, st.text(max_size=200)))
+def test_any_text_gives_a_spec_or_a_config_error(text: str) -> None:
+    _outcome_is_a_spec_or_a_config_error(
+        lambda: parse_cluster(text, local_hostname=LOCAL, folder=FOLDER)
+    )
+
+
+@settings(deadline=None, max_examples=100)
+@given(data=st.binary(max_size=300))
+def test_any_bytes_in_a_file_give_a_spec_or_a_config_error(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        file = os.path.join(folder, "cluster.yml")
+        with open(file, "wb") as stream:
+            stream.write(data)
+        _outcome_is_a_spec_or_a_config_error(lambda: load_cluster(file, local_hostname=LOCAL))
+
+
+@settings(deadline=None, max_examples=300)
+@given(text=st.text(alphabet=" \t\r\n'\"\\ab\x0b\u00a0", max_size=40))
+def test_shell_words_splits_exactly_like_shlex(text: str) -> None:
+    try:
+        expected: object = shlex.split(text)
+    except ValueError as exc:
+        expected = str(exc)
+    try:
+        got: object = shell_words(text)
+    except ValueError as exc:
+        got = str(exc)
+    assert got == expected
+
+
+def test_shell_words_is_linear_in_the_length_of_a_word() -> None:
+    with returns_fast(1.0):
+        assert shell_words("a" * (4 << 20)) == ["a" * (4 << 20)]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import textwrap
+from typing import Any
 
 import paramiko
 import pytest
 
-from fdl_fabric.config import WorkerSpec, parse_cluster
+from fdl_fabric.config import ConfigError, SshSpec, WorkerSpec, parse_cluster
 from fdl_fabric.ssh import (
+    SUPPORTED_OPTIONS,
     AcceptNewPolicy,
     SshOptionError,
     batchmode_warning,
@@ -63,9 +67,102 @@ def test_an_unsupported_option_is_refused_by_name(opt: str) -> None:
         parse_options([opt])
 
 
+def _coded(**ssh: Any) -> WorkerSpec:
+    """A worker whose ssh block was built in code, so the cluster file's checks never ran."""
+    return dataclasses.replace(_worker(), ssh=SshSpec(**ssh))
+
+
 def test_a_bad_strict_host_key_checking_value_is_refused() -> None:
+    with pytest.raises(ConfigError, match="StrictHostKeyChecking='maybe': must be one of"):
+        _worker('{options: ["StrictHostKeyChecking=maybe"]}')
     with pytest.raises(SshOptionError, match="StrictHostKeyChecking"):
-        resolve_settings(_worker('{options: ["StrictHostKeyChecking=maybe"]}'))
+        resolve_settings(_coded(options=("StrictHostKeyChecking=maybe",)))
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "-1", "22x", "２２"])
+def test_port_0_is_refused_instead_of_falling_back_to_22(port: str) -> None:
+    with pytest.raises(ConfigError, match=f"Port='{port}': must be a port number between 1 and"):
+        _worker(f'{{options: ["Port={port}"]}}')
+    with pytest.raises(SshOptionError, match="must be a port number between 1 and 65535"):
+        resolve_settings(_coded(options=(f"Port={port}",)))
+
+
+def test_a_port_field_out_of_range_is_refused_even_when_built_in_code() -> None:
+    with pytest.raises(SshOptionError, match="ssh.port: must be between 1 and 65535, got 0"):
+        resolve_settings(_coded(port=0))
+
+
+@pytest.mark.parametrize("port", ["1", "65535"])
+def test_ports_at_the_edges_of_the_range_are_used_as_given(port: str) -> None:
+    assert resolve_settings(_worker(f'{{options: ["Port={port}"]}}')).port == int(port)
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["User=me\nProxyCommand nc %h %p", "HostName=box\rProxyCommand x", "User=me\u2028x",
+     "ServerAliveInterval=5\nProxyCommand x", "BatchMode=yes\x00"],
+)
+def test_an_option_with_an_embedded_line_break_never_reaches_paramiko(option: str) -> None:
+    with pytest.raises(ConfigError, match="must be a single line"):
+        _worker(f"{{options: [{json.dumps(option)}]}}")
+    with pytest.raises(SshOptionError, match="must be a single line"):
+        parse_options([option])
+    with pytest.raises(SshOptionError, match="must be a single line"):
+        resolve_settings(_coded(options=(option,)))
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("ConnectTimeout=nan", "ConnectTimeout='nan': must be a number of seconds"),
+        ("ServerAliveInterval=inf", "ServerAliveInterval='inf': must be a number of seconds"),
+        ("ServerAliveCountMax=3.5", "ServerAliveCountMax='3.5': must be a whole number"),
+        ("HostName=a b", "HostName='a b': contains a space"),
+        ("User=-oops", "User='-oops': '-oops' is not a user name"),
+        ("ProxyJump=bastion:0", "ProxyJump='bastion:0': jump host 'bastion:0': must be a port"),
+        ("ProxyJump=[::1]:22", "ProxyJump='[::1]:22': jump host '[::1]:22': IPv6 jump hosts"),
+        ("User=", "User='': has no value"),
+    ],
+)
+def test_option_values_are_held_to_the_config_grammar(option: str, message: str) -> None:
+    with pytest.raises(SshOptionError) as info:
+        parse_options([option])
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("ssh", "message"),
+    [
+        ({"target": "a;b"}, "ssh.target: contains ';'"),
+        ({"target": "m e@box"}, "ssh.target: user part 'm e' is not a user name"),
+        ({"user": "a\nb"}, "ssh.user: 'a\\nb' is not a user name"),
+    ],
+)
+def test_names_built_in_code_are_held_to_the_config_grammar(
+    ssh: dict[str, str], message: str
+) -> None:
+    with pytest.raises(SshOptionError) as info:
+        resolve_settings(_coded(**ssh))
+    assert str(info.value).startswith(message)
+
+
+def test_a_host_name_built_in_code_is_held_to_the_config_grammar() -> None:
+    worker = dataclasses.replace(_worker(), host="h1 pgid=22602 start=1677925")
+    with pytest.raises(SshOptionError, match="host: contains a space"):
+        resolve_settings(worker)
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["StrictHostKeyChecking=no", "UserKnownHostsFile=/tmp/kh", "ConnectTimeout=10",
+     "ServerAliveInterval=2.5", "ServerAliveCountMax=0", "ProxyJump=u@b:2222,c", "ProxyJump=none",
+     "IdentityFile=~/.ssh/id", "User=deploy.bot", "Port=2222", "BatchMode=no",
+     "HostName=fe80::1%eth0"],
+)
+def test_every_supported_option_takes_its_usual_values(option: str) -> None:
+    assert option.split("=")[0].lower() in SUPPORTED_OPTIONS
+    assert parse_options([option]) == {option.split("=")[0].lower(): option.split("=", 1)[1]}
+    resolve_settings(_worker(f'{{options: ["{option}"]}}'))
 
 
 @pytest.mark.parametrize("opts,warns", [

@@ -1,0 +1,121 @@
+"""Every bound a cluster file is held to, in one place, each with the reason for its value.
+
+A cluster file is input: whatever it says, reading it must finish quickly, in bounded memory,
+and either produce a plan or exit 2 with a message naming the key and line. Without bounds a
+one-line file can ask for a billion ranks (the plan then eats all memory) or point at
+``/dev/zero``. ``config`` enforces these values, ``ssh`` reuses the ones about SSH, and
+docs/cluster-yml.md lists them; change a value here and the whole program follows.
+
+The sizing target is a 1,000-host cluster with headroom: four times the hosts, more ranks per
+host than any machine has cores or GPUs, and exec-level limits taken from Linux. Standard
+library only, so anything can import it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ARG_STRLEN_MAX",
+    "COMMAND_MAX_BYTES",
+    "DEPTH_MAX",
+    "ENV_MAX_BYTES",
+    "ENV_NAME_MAX",
+    "ENV_VARS_MAX",
+    "FILE_MAX_BYTES",
+    "HOST_LABEL_MAX",
+    "HOST_NAME_MAX",
+    "MERGED_ENTRIES_MAX",
+    "NUMBER_MAX_CHARS",
+    "PATH_MAX_BYTES",
+    "PORT_MAX",
+    "PROBLEMS_MAX",
+    "RANKS_MAX",
+    "RANKS_PER_WORKER_MAX",
+    "SECONDS_MAX",
+    "SSH_OPTIONS_MAX",
+    "SSH_OPTION_MAX_BYTES",
+    "USER_NAME_MAX",
+    "WORKERS_MAX",
+]
+
+#: The cluster file itself. A file for 1,000 hosts with an ssh block, env and 8 GPUs each
+#: is about 0.3 MiB. The worst 1 MiB file (half a million one-letter list items) takes
+#: about 1.6 s and 130 MB to read with libyaml's parser, 9 s and 210 MB without it. Anything
+#: bigger is not a cluster description.
+FILE_MAX_BYTES = 1 << 20
+
+#: Nesting of YAML collections. The schema needs 5 (top > workers > worker > ssh > options);
+#: 32 leaves room for anchors under ``x-`` keys while keeping the composer's recursion (a few
+#: frames per level) far from Python's recursion limit.
+DEPTH_MAX = 32
+
+#: Hosts. 4x a 1,000-host cluster; the launcher keeps one SSH connection per worker.
+WORKERS_MAX = 4096
+
+#: Ranks on one worker (``nproc``, entries of ``local_devices``, and so the largest GPU index
+#: + 1). Today's largest machines have a few hundred hardware threads or 16 GPUs.
+RANKS_PER_WORKER_MAX = 1024
+
+#: Ranks in the whole job: 64 per host on 1,000 hosts. The plan holds one environment per
+#: rank; at this size it takes about 0.1 GB, or 0.5 GB with ``ENV_VARS_MAX`` variables each
+#: (measured, under a second either way).
+RANKS_MAX = 65536
+
+#: Linux MAX_ARG_STRLEN (32 pages) counts the terminating NUL, so one argv word or one
+#: ``NAME=value`` environment string may have at most this many bytes. Longer ones make
+#: execve fail with E2BIG on the host, after everything else has started.
+ARG_STRLEN_MAX = 32 * 4096 - 1
+
+#: The ``command`` string. Must fit a 200 KB argv written as many words plus quoting; the
+#: argv and environment of one exec share ARG_MAX (2 MiB with the default 8 MiB stack), and
+#: ``ENV_MAX_BYTES`` takes half of it.
+COMMAND_MAX_BYTES = 256 * 1024
+
+#: An environment variable name. POSIX sets no limit; no real name comes close.
+ENV_NAME_MAX = 256
+
+#: Variables a rank gets from the file (the cluster ``env`` and its worker's ``env``, a name
+#: counted once). Real files set tens; the plan copies them into every rank's environment,
+#: so this times ``RANKS_MAX`` is what the plan can hold.
+ENV_VARS_MAX = 256
+
+#: Bytes of ``NAME=value`` strings a rank gets from the file: half of ARG_MAX (2 MiB), the
+#: other half being the command and the launcher's own variables. Aliases let a small file
+#: repeat one big value, so this is checked on the resolved values, not on the file size.
+ENV_MAX_BYTES = 1 << 20
+
+#: ``path``, ``data_path``, ``identity_file`` and file options in bytes: Linux PATH_MAX.
+PATH_MAX_BYTES = 4096
+
+#: DNS (RFC 1035): a name of at most 253 characters made of labels of at most 63.
+HOST_NAME_MAX = 253
+HOST_LABEL_MAX = 63
+
+#: A login name (``ssh.user``, ``user@`` in a target or jump host); useradd's default is 32.
+USER_NAME_MAX = 64
+
+#: TCP ports: 0 is not a port one can connect to (paramiko would quietly use 22).
+PORT_MAX = 65535
+
+#: ``ssh.options`` entries per worker. OpenSSH has about 100 options in all and we support
+#: 11; an alias could otherwise repeat a long list in every worker.
+SSH_OPTIONS_MAX = 64
+
+#: One ``ssh.options`` entry: a path (PATH_MAX) plus its key, with room to spare.
+SSH_OPTION_MAX_BYTES = 8192
+
+#: Durations in seconds (``kill_grace``, elastic timeouts, ssh timeouts): about 11.6 days,
+#: far below threading.TIMEOUT_MAX, so every wait the launcher does with them is valid.
+SECONDS_MAX = 1_000_000
+
+#: Characters of a YAML number. Real numbers are short, and some YAML 1.1 forms
+#: (sexagesimal ``1:2:3``) take quadratic time to construct.
+NUMBER_MAX_CHARS = 100
+
+#: Entries copied by ``<<`` merge keys in the whole file: 4096 workers each merging a
+#: 256-variable env and a 10-key defaults mapping need about 1.1 million. A chain of merges
+#: could otherwise make quadratic work out of a small file.
+MERGED_ENTRIES_MAX = 1 << 21
+
+#: Problems listed before reading stops. A file can repeat one broken mapping through
+#: aliases; 100 lines are enough to fix a file in one pass.
+PROBLEMS_MAX = 100
