@@ -41,7 +41,7 @@ def cleanup(c: Connection, run_id: Optional[str] = None, pattern: Optional[str] 
         return
     _done = True
     hosts = _hosts_from_argv(sys.argv) or [c.original_host]
-    conns = [c if h == c.original_host else Connection(h, config=c.config) for h in hosts]
+    conns = [c if h == c.original_host else Connection(h, config=c.config.clone()) for h in hosts]
     code = adhoc_cleanup_hosts(conns, run_id=run_id, pattern=pattern)
     if code:
         raise SystemExit(code)

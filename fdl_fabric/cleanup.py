@@ -1,22 +1,28 @@
-"""Cleanup around launches and on demand: sweep every host in parallel.
+"""Cleanup on demand: every host's agent sweeps its run registry, all hosts at once.
 
-The per-host work is `sweep.sweep` (standard library only). Here we run it
-on all hosts at once: directly for the local host, and through a Fabric
-`ThreadingGroup` for remote ones, so sweeping 16 hosts takes about as long
-as sweeping one. Each host answers with a JSON report of what it stopped and
-of anything that survived; a survivor makes the cleanup fail loudly.
+``inv cleanup`` (the hosts of a cluster file) and ``fab -H a,b cleanup`` (any hosts,
+no file) start one agent per host, exactly as a launch does, and send it a sweep
+instead of a spec. The agent stops the recorded runs that match (only processes that
+provably belong to them, see `fdl_fabric.agent.procs`), verifies that nothing of them
+remains, and reports. A host that cannot be reached, or where something survives,
+makes the cleanup fail loudly; every other host is still swept.
 """
 
 from __future__ import annotations
 
-import shlex
-import threading
-from collections.abc import Sequence
+import queue
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, TextIO
+from typing import Any, Optional
 
-from . import sweep
-from .ssh import FdlConnection
+from . import reports
+from .hosts import EXIT_USAGE, LaunchError, close_all, connect_each
+from .sessions import AgentSession
+from .ssh import apply_host_key_policy, describe_connect_error
+
+#: Seconds a sweep may take on a host (TERM, the sweep grace, KILL, plus start-up).
+SWEEP_TIMEOUT = 60.0
 
 
 @dataclass
@@ -35,13 +41,13 @@ class HostReport:
             return f"{self.host}: cleanup FAILED: {self.error}"
         parts = []
         if self.stopped:
-            ranks = []
+            what = []
             for s in self.stopped:
                 if "pattern" in s:
-                    ranks.append(f"{len(s['pids'])} process(es) matching {s['pattern']!r}")
+                    what.append(f"{len(s['pids'])} process(es) matching {s['pattern']!r}")
                 else:
-                    ranks.append(f"run {s['run']} rank {s['rank']} (pids {s['pids']})")
-            parts.append("stopped " + ", ".join(ranks))
+                    what.append(f"run {s['run']} ranks {s.get('ranks')} (pids {s['pids']})")
+            parts.append("stopped " + ", ".join(what))
         else:
             parts.append("nothing to stop")
         if self.leftovers:
@@ -49,206 +55,131 @@ class HostReport:
         return f"{self.host}: " + "; ".join(parts)
 
 
-def sweep_args(*, runs: Sequence[str] = (), cluster: Optional[str] = None,
-               all_runs: bool = False, pattern: Optional[str] = None) -> list[str]:
-    args: list[str] = []
-    for r in runs:
-        args += ["--run", r]
-    if cluster:
-        args += ["--cluster", cluster]
-    if all_runs:
-        args.append("--all")
-    if pattern:
-        args += ["--pattern", pattern]
-    return args
+def sweep_request(*, runs: Sequence[str] = (), cluster: Optional[str] = None,
+                  all_runs: bool = False, pattern: Optional[str] = None) -> dict[str, Any]:
+    return {"runs": list(runs), "cluster": cluster, "all": all_runs, "pattern": pattern}
 
 
-def remote_command(host: str, args: Sequence[str]) -> str:
-    """``python3 -c <sweep source> --host H ...``: no file needs to exist remotely.
-
-    The sweep is standard library only, so the system interpreter is preferred
-    over whatever ``python3`` the login PATH finds first (a pyenv or conda
-    shim costs 100 ms or more per start).
-    """
-    words = ["-I", "-c", sweep.module_source(), "--host", host, *args]
-    return ('p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" '
-            + " ".join(shlex.quote(w) for w in words))
-
-
-def _local(host: str, args: Sequence[str]) -> HostReport:
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--run", action="append", default=[])
-    parser.add_argument("--cluster")
-    parser.add_argument("--all", action="store_true")
-    parser.add_argument("--pattern")
-    ns = parser.parse_args(list(args))
-    rep = sweep.sweep(host=host, runs=set(ns.run), cluster=ns.cluster, all_runs=ns.all,
-                      pattern=ns.pattern)
-    return HostReport(host, rep.stopped, rep.leftovers,
-                      "; ".join(rep.errors) if rep.errors else None)
-
-
-def _from_output(host: str, stdout: str, stderr: str) -> HostReport:
-    data = sweep.parse_report(stdout)
-    if data is None:
-        reason = (stderr.strip().splitlines() or ["no report (is python3 on its PATH?)"])[-1]
-        return HostReport(host, error=reason)
-    errors = data.get("errors") or []
-    return HostReport(host, list(data.get("stopped", [])),  # type: ignore[call-overload]
-                      list(data.get("leftovers", [])),  # type: ignore[call-overload]
-                      "; ".join(errors) if errors else None)  # type: ignore[arg-type]
-
-
-def sweep_hosts(
-    local_hosts: Sequence[str],
-    remote: dict[str, FdlConnection],
-    args: Sequence[str],
-) -> list[HostReport]:
-    """Sweep every host at once; one report per host, in the given order."""
-    reports: dict[str, HostReport] = {}
-    threads = []
-    for host in local_hosts:
-        def run_local(h: str = host) -> None:
-            try:
-                reports[h] = _local(h, args)
-            except Exception as exc:  # a report, not a crash: other hosts still count
-                reports[h] = HostReport(h, error=str(exc))
-        t = threading.Thread(target=run_local, name=f"fdl-sweep-{host}")
-        t.start()
-        threads.append(t)
-    if remote:
-        from fabric import ThreadingGroup
-
-        by_conn = {conn: host for host, conn in remote.items()}
-        group = ThreadingGroup.from_connections(list(remote.values()))
-        reports.update(_group_run(group, by_conn, args))
-    for t in threads:
-        t.join()
-    order = [*local_hosts, *remote]
-    return [reports[h] for h in order if h in reports]
-
-
-def _group_run(group: Any, by_conn: dict[FdlConnection, str],
-               args: Sequence[str]) -> dict[str, HostReport]:
-    """Run the sweep on every connection at once; the host name comes from the mapping."""
-    command = remote_command("", args)
-    out: dict[str, HostReport] = {}
-    try:
-        results = group.run(command, hide=True, warn=True, pty=False, in_stream=False)
-        items = list(results.items())
-    except Exception as exc:  # GroupException carries per-host results
-        items = list(getattr(exc, "result", {}).items())
-        if not items:
-            raise
-    for conn, res in items:
-        host = by_conn[conn]
-        if isinstance(res, BaseException):
-            out[host] = HostReport(host, error=f"{type(res).__name__}: {res}")
-        else:
-            rep = _from_output(host, res.stdout, res.stderr)
-            out[host] = rep
-    return out
+def sweep_with_agents(hosts: Sequence[str], connections: Mapping[str, Any],
+                      request: Mapping[str, Any], *, local: Sequence[str] = ()) -> list[HostReport]:
+    """Start one agent per host (local ones through invoke) and sweep them all at once."""
+    inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
+    found: dict[str, HostReport] = {}
+    sessions: dict[str, AgentSession] = {}
+    for host in hosts:
+        session = AgentSession(host, inbox.put,
+                               connection=None if host in local else connections[host])
+        try:
+            session.start()
+        except Exception as exc:
+            found[host] = HostReport(host, error=f"cannot start its agent: {exc}")
+            continue
+        session.sweep(dict(request))
+        sessions[host] = session
+    pending = set(sessions)
+    deadline = time.monotonic() + SWEEP_TIMEOUT
+    while pending:
+        try:
+            report = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            for host in pending:
+                found[host] = HostReport(host, error=f"no answer within {SWEEP_TIMEOUT:g}s")
+                sessions[host].abandon()
+            break
+        if isinstance(report, reports.Swept):
+            data = report.report
+            errors = data.get("errors") or []
+            found[report.host] = HostReport(report.host, list(data.get("stopped", [])),
+                                            list(data.get("leftovers", [])),
+                                            "; ".join(errors) if errors else None)
+        elif isinstance(report, reports.AgentGone):
+            pending.discard(report.host)
+            if report.host not in found:
+                found[report.host] = HostReport(report.host, error=report.reason)
+    for session in sessions.values():
+        session.close_input()
+    return [found[h] for h in hosts if h in found]
 
 
 def run_cleanup(cluster_file: str, *, run_id: Optional[str] = None, all_runs: bool = False,
-                pattern: Optional[str] = None, out: Optional[TextIO] = None) -> int:
+                pattern: Optional[str] = None, console: Any = None) -> int:
     """``inv cleanup``: sweep every host of a cluster; 0 clean, 1 leftovers, 2 config."""
-    from .config import ConfigError, load_cluster, this_host_name
-    from .events import EventBus
-    from .launcher import LaunchError, connect_all, ssh_settings
+    from .config import ConfigError, load_cluster
     from .output import Console
     from .plan import cluster_key
-    from .spawn import fabric_config
+    from .ssh import resolve_all_settings
 
-    console = Console(err=out) if out is not None else Console()
+    console = console or Console()
     try:
         cluster = load_cluster(cluster_file)
-        settings = ssh_settings(cluster, console)
-        sessions = connect_all(settings, fabric_config(), EventBus())
+        settings = resolve_all_settings(cluster, console.message)
     except ConfigError as exc:
         console.message(str(exc))
-        return 2
-    except LaunchError as exc:
-        console.message(str(exc))
-        return exc.exit_code
+        return EXIT_USAGE
+    connections, errors = connect_each(settings)
     try:
-        local = [this_host_name()] if any(w.is_local for w in cluster.workers) else []
-        remote = {h: s.connections[0] for h, s in sessions.items()}
-        args = sweep_args(runs=[run_id] if run_id else [],
-                          cluster=None if (run_id or all_runs) else cluster_key(cluster),
-                          all_runs=all_runs, pattern=pattern)
-        reports = sweep_hosts(local, remote, args)
+        request = sweep_request(runs=[run_id] if run_id else [],
+                                cluster=None if (run_id or all_runs) else cluster_key(cluster),
+                                all_runs=all_runs, pattern=pattern)
+        hosts = [w.host for w in cluster.workers if w.host not in errors]
+        local = [w.host for w in cluster.workers if w.is_local]
+        found = {r.host: r for r in sweep_with_agents(hosts, connections, request, local=local)}
     finally:
-        for s in sessions.values():
-            s.close()
-    return report_and_verdict(reports, console)
+        close_all(connections.values())
+    for host, reason in errors.items():
+        found[host] = HostReport(host, error=reason)
+    return report_and_verdict([found[w.host] for w in cluster.workers], console)
 
 
-def report_and_verdict(reports: Sequence[HostReport], console: Any) -> int:
+def report_and_verdict(reports_: Sequence[HostReport], console: Any) -> int:
     """Print one line per host and a verdict; non-zero when anything survived."""
-    for rep in reports:
+    for rep in reports_:
         console.message(f"cleanup: {rep.summary()}")
-    bad = [r.host for r in reports if not r.clean]
+    bad = [r.host for r in reports_ if not r.clean]
     if bad:
         console.message(f"cleanup: FAILED — leftovers or errors on {', '.join(bad)}")
         return 1
-    stopped = sum(len(r.stopped) for r in reports)
+    stopped = sum(len(r.stopped) for r in reports_)
     console.message(f"cleanup: verified — nothing of the selected runs remains on "
-                    f"{len(reports)} host(s) ({stopped} group(s) stopped)")
+                    f"{len(reports_)} host(s) ({stopped} run(s) stopped)")
     return 0
 
 
-def adhoc_cleanup(conn: Any, *, run_id: Optional[str] = None,
-                  pattern: Optional[str] = None) -> HostReport:
-    """``fab -H host cleanup``: sweep one host through the Connection fab made.
-
-    fab builds its Connection with Fabric's AutoAddPolicy; it gets our
-    accept-new policy before it opens, like every other connection we make.
-    """
-    from .ssh import AcceptNewPolicy
-
-    if not conn.is_connected:
-        import os
-
-        known = os.path.expanduser("~/.ssh/known_hosts")
-        if os.path.exists(known):
-            conn.client.load_host_keys(known)
-        conn.client.set_missing_host_key_policy(AcceptNewPolicy(known))
-    args = sweep_args(runs=[run_id] if run_id else [], all_runs=not run_id, pattern=pattern)
-    res = conn.run(remote_command(conn.host, args), hide=True, warn=True, pty=False,
-                   in_stream=False)
-    return _from_output(conn.host, res.stdout, res.stderr)
-
-
 def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
-                        pattern: Optional[str] = None) -> int:
-    """``fab -H a,b cleanup``: every host in parallel; a failing host never stops the others."""
-    reports: list[HostReport] = []
-    lock = threading.Lock()
+                        pattern: Optional[str] = None, console: Any = None) -> int:
+    """``fab -H a,b cleanup``: every host in parallel; a failing host never stops the others.
 
-    def one(conn: Any) -> None:
+    fab builds its Connections with Fabric's AutoAddPolicy; they get our accept-new
+    policy before they open, like every other connection we make.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .output import Console
+
+    console = console or Console()
+    errors: dict[str, str] = {}
+    by_host: dict[str, Any] = {}
+
+    def open_one(conn: Any) -> None:
         try:
-            rep = adhoc_cleanup(conn, run_id=run_id, pattern=pattern)
+            if not conn.is_connected:
+                apply_host_key_policy(conn.client)
+            conn.open()
+            by_host[conn.original_host] = conn
         except Exception as exc:  # unreachable, refused, ...: a row, not an abort
-            from .ssh import describe_connect_error
+            errors[conn.original_host] = describe_connect_error(exc)
 
-            rep = HostReport(conn.host, error=describe_connect_error(exc))
-        with lock:
-            reports.append(rep)
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(conns)))) as pool:
+        list(pool.map(open_one, conns))
+    request = sweep_request(runs=[run_id] if run_id else [], all_runs=not run_id,
+                            pattern=pattern)
+    hosts = [c.original_host for c in conns]
+    found = {r.host: r for r in sweep_with_agents([h for h in hosts if h in by_host], by_host,
+                                                  request)}
+    for host, reason in errors.items():
+        found[host] = HostReport(host, error=reason)
+    return report_and_verdict([found[h] for h in hosts], console)
 
-    threads = [threading.Thread(target=one, args=(c,)) for c in conns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    order = {c.host: i for i, c in enumerate(conns)}
-    reports.sort(key=lambda r: order.get(r.host, 0))
 
-    class _Print:
-        @staticmethod
-        def message(text: str) -> None:
-            print(text, flush=True)
-
-    return report_and_verdict(reports, _Print())
+__all__ = ["HostReport", "LaunchError", "adhoc_cleanup_hosts", "run_cleanup",
+           "sweep_with_agents"]

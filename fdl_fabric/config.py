@@ -77,6 +77,7 @@ from .limits import (
     USER_NAME_MAX,
     WORKERS_MAX,
 )
+from .shell import shell_words
 
 __all__ = [
     "ENV_NAME_RE",
@@ -93,7 +94,6 @@ __all__ = [
     "load_cluster",
     "parse_cluster",
     "parse_max_failure",
-    "shell_words",
     "single_line_problem",
     "ssh_option_problem",
     "ssh_option_value_problem",
@@ -1005,74 +1005,6 @@ def ssh_option_problem(option: str) -> Optional[str]:
         )
     key, _, value = option.partition("=")
     return ssh_option_value_problem(key.strip(), value.strip())
-
-
-_SHELL_SPACE_RE = re.compile(r"[ \t\r\n]+")
-_SHELL_PLAIN_RE = re.compile(r"[^ \t\r\n'\"\\]+")
-_SHELL_DOUBLE_RE = re.compile(r'[^"\\]+')
-
-
-def shell_words(text: str) -> list[str]:
-    """Exactly ``shlex.split(text)``, in linear time.
-
-    shlex grows each word one character at a time, which is quadratic in the length of a
-    word: a 20 MB one-word command took minutes. Rules (POSIX mode, no comments): words are
-    separated by space, tab, CR and LF; ``'...'`` is literal; in ``"..."`` a backslash escapes
-    only ``"`` and ``\\``; elsewhere a backslash escapes any character. Raises ValueError with
-    shlex's messages ("No closing quotation", "No escaped character").
-    """
-    words: list[str] = []
-    parts: list[str] = []
-    in_word = False
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c in " \t\r\n":
-            if in_word:
-                words.append("".join(parts))
-                parts, in_word = [], False
-            i = _match_end(_SHELL_SPACE_RE, text, i)
-            continue
-        in_word = True
-        if c == "'":
-            end = text.find("'", i + 1)
-            if end < 0:
-                raise ValueError("No closing quotation")
-            parts.append(text[i + 1 : end])
-            i = end + 1
-        elif c == '"':
-            i += 1
-            while True:
-                end = _match_end(_SHELL_DOUBLE_RE, text, i)
-                parts.append(text[i:end])
-                i = end
-                if i >= n:
-                    raise ValueError("No closing quotation")
-                if text[i] == '"':
-                    i += 1
-                    break
-                if i + 1 >= n:  # a backslash ends the text
-                    raise ValueError("No escaped character")
-                escaped = text[i + 1]
-                parts.append(escaped if escaped in '"\\' else "\\" + escaped)
-                i += 2
-        elif c == "\\":
-            if i + 1 >= n:
-                raise ValueError("No escaped character")
-            parts.append(text[i + 1])
-            i += 2
-        else:
-            end = _match_end(_SHELL_PLAIN_RE, text, i)
-            parts.append(text[i:end])
-            i = end
-    if in_word:
-        words.append("".join(parts))
-    return words
-
-
-def _match_end(pattern: re.Pattern[str], text: str, start: int) -> int:
-    match = pattern.match(text, start)
-    return match.end() if match else start
 
 
 def _command_problem(command: str) -> Optional[str]:

@@ -11,9 +11,8 @@ longer continue (``max_failure`` reached, or every rank lost). It implements
 The wire protocol is ours, not flodl's bincode frames, and docs/protocol.md is
 its contract: a 4-byte big-endian length, a 32-byte HMAC-SHA256 tag keyed by
 the run's salt and bound to the run id and a per-direction sequence number, then
-a JSON object. The same framing is duplicated in `fdl_fabric/rank.py` on purpose:
-the rank client must run standalone on any host, so it cannot import this
-module. tests/test_rank.py checks that the two agree byte for byte.
+a JSON object. Its one implementation is in `fdl_fabric.rank` (which must run
+standalone on any host), imported here.
 
 One I/O thread does everything that touches sockets (accept, read, the 50 ms
 tick, broadcasts), so connection state needs no locking. The supervisor thread
@@ -24,27 +23,27 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
-import json
 import math
 import selectors
 import socket
-import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Optional, Union
 
 from .events import EventBus, Kind
+from .rank import (
+    FrameError,
+    decode_payload,
+    encode_frame,
+    frame_tag,
+    take_frame,
+)
 from .supervisor import Verdict
 
-#: Length of the HMAC-SHA256 tag that follows the length prefix.
-TAG_BYTES = 32
-#: Largest frame body (tag + payload) accepted or sent. A larger prefix closes the connection.
-MAX_FRAME = 1 << 20
 #: How often the coordinator drains reported deaths and checks heartbeats.
 TICK_INTERVAL = 0.05
 #: A write to a rank that stalls this long closes that connection (the peer stopped reading).
@@ -53,9 +52,7 @@ SEND_TIMEOUT = 5.0
 _DIAGNOSE_WINDOW = 16
 #: Payloads above this size are not re-hashed to diagnose a bad tag (bounds the work).
 _DIAGNOSE_MAX_PAYLOAD = 64 * 1024
-_LENGTH = struct.Struct(">I")
-_SEQ = struct.Struct(">Q")
-_RANK_MESSAGES = frozenset({"hello", "heartbeat", "exiting", "ack_shutdown"})
+_RANK_MESSAGES = frozenset({"hello", "heartbeat", "exiting", "ack_shutdown", "probe"})
 _RECV_CHUNK = 65536
 
 MaxFailure = Union[int, float, None]
@@ -63,65 +60,6 @@ MaxFailure = Union[int, float, None]
 
 class CoordinatorError(RuntimeError):
     """The coordinator could not start; the message names the address and the cause."""
-
-
-class FrameError(Exception):
-    """A frame broke the protocol; the connection that sent it is dropped."""
-
-
-# -- framing (duplicated in rank.py on purpose: see the module docstring) -----------------------
-def frame_tag(salt: bytes, run_id: str, seq: int, payload: bytes) -> bytes:
-    """HMAC-SHA256 over run id, NUL, 8-byte sequence number and payload.
-
-    The run id and salt make frames of another run fail; the sequence number
-    makes a replayed or reordered frame fail on the same connection.
-    """
-    msg = run_id.encode("utf-8") + b"\0" + _SEQ.pack(seq) + payload
-    return hmac.new(salt, msg, hashlib.sha256).digest()
-
-
-def encode_frame(salt: bytes, run_id: str, seq: int, message: Mapping[str, Any]) -> bytes:
-    """One complete frame: length prefix, tag, compact UTF-8 JSON payload."""
-    payload = json.dumps(dict(message), separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    body = frame_tag(salt, run_id, seq, payload) + payload
-    if len(body) > MAX_FRAME:
-        raise ValueError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
-    return _LENGTH.pack(len(body)) + body
-
-
-def take_frame(buf: bytearray) -> Optional[tuple[bytes, bytes]]:
-    """Pop one ``(tag, payload)`` off the front of ``buf``; None while incomplete.
-
-    The length is checked as soon as its 4 bytes are in, so an oversize frame
-    is refused before its body is read.
-    """
-    if len(buf) < _LENGTH.size:
-        return None
-    (length,) = _LENGTH.unpack_from(buf)
-    if length > MAX_FRAME:
-        raise FrameError(f"frame too large ({length} bytes, limit {MAX_FRAME})")
-    if length < TAG_BYTES:
-        raise FrameError(f"frame too short ({length} bytes)")
-    end = _LENGTH.size + length
-    if len(buf) < end:
-        return None
-    tag = bytes(buf[_LENGTH.size:_LENGTH.size + TAG_BYTES])
-    payload = bytes(buf[_LENGTH.size + TAG_BYTES:end])
-    del buf[:end]
-    return tag, payload
-
-
-def decode_payload(payload: bytes) -> dict[str, Any]:
-    """A payload must be a JSON object with a string ``type``."""
-    try:
-        obj = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise FrameError("payload is not UTF-8 JSON") from None
-    if not isinstance(obj, dict):
-        raise FrameError("payload is not a JSON object")
-    if not isinstance(obj.get("type"), str):
-        raise FrameError("payload has no string 'type'")
-    return obj
 
 
 def _tag_failure(salt: bytes, run_id: str, expected: int, tag: bytes, payload: bytes) -> str:
@@ -264,9 +202,11 @@ class _Conn:
 class Coordinator:
     """The launcher's coordinator; see the module docstring and docs/protocol.md."""
 
-    def __init__(self, spec: CoordinatorSpec, events: EventBus) -> None:
+    def __init__(self, spec: CoordinatorSpec, events: EventBus,
+                 on_join: Optional[Callable[[int], None]] = None) -> None:
         self.spec = spec
         self.events = events
+        self.on_join = on_join
         self._dead = DeadRanks(spec.world_size)
         self._lock = threading.Lock()
         # Guarded by _lock: read by the supervisor thread.
@@ -477,6 +417,16 @@ class Coordinator:
         if kind not in _RANK_MESSAGES:
             raise FrameError(f"unknown message type {kind!r}")
         if conn.rank is None:
+            if kind == "probe":
+                # An agent's pre-flight: proves this host reaches *this* coordinator
+                # (the reply is keyed with the run's salt), then goes away quietly.
+                host = message.get("host")
+                self.events(Kind.DEBUG, f"cluster coordinator: pre-flight probe from "
+                            f"{host!r} ({conn.peer})", host=host if isinstance(host, str)
+                            else None)
+                self._send(conn, {"type": "probe_ok"})
+                self._close(conn)
+                return
             if kind != "hello":
                 raise FrameError(f"first frame must be hello, got {kind!r}")
             self._hello(conn, message)
@@ -533,6 +483,8 @@ class Coordinator:
                 self._formed_at = now
         self.events(Kind.JOIN, f"cluster coordinator: rank {rank} of {host} joined", host=host,
                     rank=rank, data={"pid": pid, "peer": conn.peer})
+        if self.on_join is not None:
+            self.on_join(rank)
         self._send(conn, {"type": "welcome", "rank": rank, "world_size": ws,
                           "members": self._members(), "formed": formed_now})
         if formed_now:
@@ -620,7 +572,7 @@ class Coordinator:
     def _send(self, conn: _Conn, message: Mapping[str, Any]) -> None:
         if conn.closed:
             return
-        frame = encode_frame(self.spec.salt, self.spec.run_id, conn.tx_seq, message)
+        frame = encode_frame(self.spec.salt, self.spec.run_id, conn.tx_seq, dict(message))
         conn.tx_seq += 1
         try:
             conn.sock.sendall(frame)

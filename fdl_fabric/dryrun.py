@@ -1,26 +1,31 @@
 """``--dry-run``: the exact plan, printed, with nothing connected or started.
 
-It shows what a launch would do on every host: the resolved cluster, each
-rank's device and environment (secret-looking values redacted), and the
-exact command string each host's session would run. The same data, as JSON,
-is the ``cluster.json`` of ``--log-dir``.
+One block per host: how its agent is reached (local, or the SSH target, port, user
+and identity file as they resolve through ``~/.ssh/config``, without opening a
+socket), the spec the agent would receive (working directory, argv, the environment
+every rank of the host shares, then what differs per rank), secret-looking values
+and the envelope (it carries the salt) redacted. Six ranks fit on one screen. The
+same data, as JSON, is the ``cluster.json`` of ``--log-dir``.
 """
 
 from __future__ import annotations
 
 import subprocess
+import sys
+from collections.abc import Mapping
 from typing import Any
 
-from . import commands
+from . import shell
 from .config import ClusterSpec
 from .output import redact_env
 from .plan import LaunchPlan
+from .ssh import SshSettings, make_connection
 
 
 def dry_run_devices(cluster: ClusterSpec) -> dict[str, list[int]]:
     """``local_devices: all`` without connecting: local GPUs are listed, remote ones shown as 0.
 
-    Resolving a remote ``all`` needs SSH, which a dry run never opens; it is
+    Resolving a remote ``all`` needs its agent, which a dry run never starts; it is
     planned as one GPU and flagged in the output.
     """
     resolved: dict[str, list[int]] = {}
@@ -68,29 +73,54 @@ def plan_as_json(plan: LaunchPlan) -> dict[str, Any]:
     }
 
 
-def describe_dry_run(plan: LaunchPlan) -> str:
+def _env_words(env: Mapping[str, str]) -> str:
+    return " ".join(f"{k}={shell.quote(v)}" for k, v in redact_env(dict(env)).items())
+
+
+def _ssh_line(settings: SshSettings) -> str:
+    """How the host is reached, resolved like the launch would (no socket is opened)."""
+    conn = make_connection(settings)
+    parts = [f"ssh {conn.user}@{conn.host} port {conn.port}"]
+    if settings.identity_files:
+        parts.append("identity " + ", ".join(settings.identity_files))
+    else:
+        parts.append("identity: ssh-agent and default keys")
+    if settings.proxy_jump:
+        parts.append(f"via {settings.proxy_jump}")
+    return ", ".join(parts)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
+def describe_dry_run(plan: LaunchPlan, settings: Mapping[str, SshSettings]) -> str:
     c = plan.cluster
-    lines = [f"# dry run of {c.file}: {plan.world_size} rank(s); nothing is connected or started",
-             f"controller: {c.controller.host}:{c.controller.port} (coordinator binds "
-             f"{'127.0.0.1' if plan.bind_loopback else c.controller.host})",
-             f"kill_grace: {c.kill_grace:g}s  master_port: {c.master_port}", ""]
-    for w in c.workers:
-        ranks = [r for r in plan.ranks if r.host == w.host]
-        where = "local (invoke)" if w.is_local else f"ssh {w.ssh_target}"
-        note = "  # local_devices: all, resolved with nvidia-smi at launch" \
-            if w.local_devices == "all" and not w.is_local else ""
-        lines.append(f"host {w.host}: {where}, path {w.path}{note}")
-        for r in ranks:
-            dev = "cpu" if r.device is None else f"gpu {r.device}"
-            lines.append(f"  rank {r.rank} (local {r.local_rank}, {dev})")
-            for k, v in redact_env(r.env).items():
-                lines.append(f"    {k}={commands.quote(v)}")
-            how = "the process environment" if w.is_local else "the session's stdin"
-            lines.append(f"    FLODL_INTERNAL_CLUSTER_JSON=<envelope with the salt: sent through "
-                         f"{how}, never shown>")
-            wrapper = r.wrapper(c.kill_grace)
-            command = wrapper if w.is_local else commands.remote_command(wrapper)
-            lines.append("    command (" + ("bash -c" if w.is_local else "ssh session") + "):")
-            lines.extend("      " + line for line in command.splitlines())
-        lines.append("")
+    bind = "127.0.0.1" if plan.bind_loopback else c.controller.host
+    hosts = plan.hosts()
+    lines = [f"# dry run of {c.file}: {plan.world_size} rank(s) on {len(hosts)} host(s); "
+             "nothing is connected or started",
+             f"controller {c.controller.host}:{c.controller.port} (coordinator binds {bind}), "
+             f"kill_grace {c.kill_grace:g}s, master_port {c.master_port}"]
+    for host in hosts:
+        worker = next(w for w in c.workers if w.host == host)
+        spec = plan.agent_spec(host)
+        ranks = plan.host_ranks(host)
+        gpus = [str(r.device) for r in ranks if r.device is not None]
+        devices = f"gpu {', '.join(gpus)}" if gpus else "cpu"
+        if worker.is_local:
+            how = f"local, its agent started by invoke ({sys.executable} -I -S)"
+        else:
+            how = f"{_ssh_line(settings[host])}; one session runs the agent"
+        note = "  (local_devices: all, resolved by the agent at launch)" \
+            if worker.local_devices == "all" and not worker.is_local else ""
+        lines += ["", f"host {host}: {how}",
+                  f"  ranks {_ranks_text([r.rank for r in ranks])} ({devices}){note}",
+                  f"  cwd {spec['cwd']}",
+                  "  argv " + " ".join(shell.quote(a) for a in spec["argv"]),
+                  f"  env of every rank: {_env_words(spec['env'])}",
+                  "    FLODL_INTERNAL_CLUSTER_JSON=<envelope with the salt: sent on the "
+                  "agent's stdin, never shown>"]
+        for entry in spec["ranks"]:
+            lines.append(f"  rank {entry['rank']}: {_env_words(entry['env'])}")
     return "\n".join(lines) + "\n"

@@ -1,81 +1,61 @@
 """One launch, start to verdict: the sequence behind ``inv launch``.
 
-1. Load and validate cluster.yml and the SSH options (a config error exits 2
-   before anything connects).
-2. Connect every remote host in parallel, with our host-key policy.
-3. Resolve ``local_devices: all`` and build the plan (ranks in roster order).
-4. Open tunnels, start every rank (local through invoke, remote through one
-   Fabric session each), and hand them to the supervisor.
-5. Print the verdict as the last line and exit with its code.
+1. Load and validate cluster.yml, the SSH options and every flag (a mistake exits 2
+   before anything connects or any file is written).
+2. Connect every remote host in parallel and start one agent per host (`hosts`):
+   through Fabric for remote hosts, through invoke for local ones.
+3. Resolve ``local_devices: all`` through the agents and build the plan (`plan`).
+4. Bind the coordinator, open tunnels, send each agent its spec. Each agent runs the
+   fast pre-flight and sweeps this cluster's leftovers; the supervisor starts the
+   ranks once every host passed, then applies the failure policy to one verdict.
+5. Print the summary and the verdict as the last line; exit with its code.
 
-Any failure after the first rank started goes through the supervisor, so
-every started rank is stopped the same way, whatever went wrong.
+Every failure after an agent started goes through the supervisor or closes the
+agents' input, so whatever was started is stopped the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import math
 import os
+import queue
 import signal
-import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Optional
+from typing import Optional, Union
 
-from . import commands
-from .cleanup import sweep_args, sweep_hosts
-from .config import (
-    ClusterSpec,
-    ConfigError,
-    load_cluster,
-    parse_max_failure,
-    this_host_name,
-)
+from . import reports, shell
+from .config import ClusterSpec, ConfigError, load_cluster, parse_max_failure
 from .coordinator import Coordinator, CoordinatorError, CoordinatorSpec
 from .dryrun import describe_dry_run, dry_run_devices, plan_as_json
 from .envelope import (
     ENV_NET_TIMEOUT_SCALE,
     ENV_VERBOSITY,
     EnvelopeError,
+    PrebuildEntry,
     new_run_id,
     new_salt,
     prebuild_from_environ,
 )
-from .events import Event, EventBus, Kind
-from .output import Console, LiveConsole, RankRow, RunLog, summary_table
-from .plan import LaunchPlan, build_plan, cluster_key
-from .spawn import (
-    HostSessions,
-    RankProcess,
-    fabric_config,
-    local_context,
-    start_local,
-    start_remote,
-)
-from .ssh import (
-    KeepaliveMonitor,
-    SshConnectError,
-    SshSettings,
-    open_connection,
-    resolve_all_settings,
-)
-from .supervisor import (
-    RankState,
-    RunResult,
-    SupervisedRank,
-    Supervisor,
-    Verdict,
-    summary_rows,
-)
+from .events import EventBus, Kind
+from .hosts import EXIT_FAILURE, EXIT_USAGE, LaunchError, close_all, connect_all, start_agents
+from .output import Console, LiveConsole, RunLog, summary_table
+from .plan import LaunchPlan, build_plan
+from .preflight import agent_checks, judge, launch_plan
+from .sessions import AgentSession
+from .ssh import KeepaliveMonitor, SshSettings, resolve_all_settings
+from .supervisor import RunResult, Supervisor, summary_rows
 
-EXIT_CONFIG = 2
-EXIT_FAILURE = 1
+#: Seconds to wait for every agent's answer to a device probe.
+PROBE_TIMEOUT = 60.0
+
+MaxFailure = Union[int, float, None]
 
 
 @dataclass
@@ -93,14 +73,6 @@ class LaunchOptions:
     preflight: bool = True
 
 
-class LaunchError(Exception):
-    """A failure that ends the launch with a message and an exit code."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
     """The rank program's argv: ``--`` words, else ``--cmd``, else cluster.yml."""
     if opts.argv:
@@ -109,11 +81,11 @@ def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
     if not text:
         raise LaunchError(
             f"{cluster.file}: no command to run: set `command:` in the file, or pass "
-            "--cmd \"...\" or `-- prog args`", EXIT_CONFIG)
+            "--cmd \"...\" or `-- prog args`", EXIT_USAGE)
     try:
-        return commands.split_command(text)
+        return shell.split_command(text)
     except ValueError as exc:
-        raise LaunchError(f"{cluster.file}: command: {exc}", EXIT_CONFIG) from None
+        raise LaunchError(f"{cluster.file}: command: {exc}", EXIT_USAGE) from None
 
 
 def net_timeout_scale(environ: Mapping[str, str]) -> float:
@@ -125,19 +97,22 @@ def net_timeout_scale(environ: Mapping[str, str]) -> float:
         scale = float("nan")
     if not math.isfinite(scale) or scale < 0.1:
         raise LaunchError(f"{ENV_NET_TIMEOUT_SCALE}={raw!r} must be a number >= 0.1",
-                          EXIT_CONFIG)
+                          EXIT_USAGE)
     return scale
 
 
-def coordinator_spec(plan: LaunchPlan, opts: LaunchOptions, scale: float) -> CoordinatorSpec:
+def resolve_max_failure(opts: LaunchOptions, cluster: ClusterSpec) -> MaxFailure:
+    if opts.max_failure is None:
+        return cluster.elastic.max_failure
+    try:
+        return parse_max_failure(opts.max_failure)
+    except ValueError as exc:
+        raise LaunchError(f"--max-failure: {exc}", EXIT_USAGE) from None
+
+
+def coordinator_spec(plan: LaunchPlan, max_failure: MaxFailure, scale: float) -> CoordinatorSpec:
     """The coordinator for this plan: loopback when no worker dials it over the network."""
     cluster = plan.cluster
-    max_failure = cluster.elastic.max_failure
-    if opts.max_failure is not None:
-        try:
-            max_failure = parse_max_failure(opts.max_failure)
-        except ValueError as exc:
-            raise LaunchError(f"--max-failure: {exc}", EXIT_CONFIG) from None
     return CoordinatorSpec(
         run_id=plan.run_id,
         salt=plan.salt,
@@ -149,61 +124,6 @@ def coordinator_spec(plan: LaunchPlan, opts: LaunchOptions, scale: float) -> Coo
         max_failure=max_failure,
         hello_timeout=10.0 * scale,
     )
-
-
-def ssh_settings(cluster: ClusterSpec, console: Console) -> dict[str, SshSettings]:
-    """Resolve every remote worker's SSH settings; a bad option is a config error."""
-    return resolve_all_settings(cluster, console.message)
-
-
-def connect_all(
-    settings: dict[str, SshSettings], config: Any, events: EventBus
-) -> dict[str, HostSessions]:
-    """Connect to every remote host at once; fail naming each host that failed."""
-    if not settings:
-        return {}
-    opened: dict[str, HostSessions] = {}
-    errors: list[str] = []
-    with ThreadPoolExecutor(max_workers=min(32, len(settings))) as pool:
-        futures = {host: pool.submit(open_connection, s, config) for host, s in settings.items()}
-        for host, fut in futures.items():
-            try:
-                conn = fut.result()
-            except SshConnectError as exc:
-                errors.append(f"cluster launcher: cannot connect to {exc}")
-                continue
-            opened[host] = HostSessions(settings[host], config, conn)
-            events(Kind.CONNECT, f"cluster launcher: connected to {host} "
-                   f"({settings[host].target})", host=host)
-    if errors:
-        for sessions in opened.values():
-            sessions.close()
-        raise LaunchError("\n".join(errors))
-    return opened
-
-
-def resolve_all_devices(
-    cluster: ClusterSpec, sessions: dict[str, HostSessions]
-) -> dict[str, list[int]]:
-    """GPU indices of every ``local_devices: all`` worker, via nvidia-smi."""
-    query = "nvidia-smi --query-gpu=index --format=csv,noheader"
-    resolved: dict[str, list[int]] = {}
-    for w in cluster.workers:
-        if w.local_devices != "all":
-            continue
-        if w.is_local:
-            proc = subprocess.run(query.split(), capture_output=True, text=True, check=False)
-            out, ok = proc.stdout, proc.returncode == 0
-        else:
-            res = sessions[w.host].connections[0].run(query, hide=True, warn=True, pty=False)
-            out, ok = res.stdout, res.ok
-        indices = [int(x) for x in out.split() if x.strip().isdigit()]
-        if not ok or not indices:
-            raise LaunchError(
-                f"cluster launcher: host {w.host!r}: `local_devices: all` found no GPU "
-                "(nvidia-smi failed or listed none); give an explicit list instead")
-        resolved[w.host] = indices
-    return resolved
 
 
 @contextlib.contextmanager
@@ -259,63 +179,68 @@ class Launch:
         self.opts = opts
         self.console = console
         self.events = events
-        self.sessions: dict[str, HostSessions] = {}
+        self.inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
+        self.sessions: dict[str, AgentSession] = {}
+        self.connections: dict[str, object] = {}
         self.stack = contextlib.ExitStack()
         self.monitor: Optional[KeepaliveMonitor] = None
-        self.log: Optional[RunLog] = None
 
     def run(self) -> int:
         try:
             return self._run()
         except ConfigError as exc:
             self.console.message(str(exc))
-            return EXIT_CONFIG
+            return EXIT_USAGE
         except LaunchError as exc:
             self.console.message(str(exc))
             return exc.exit_code
         finally:
-            self.stack.close()
-            if self.monitor is not None:
-                self.monitor.close()
-            for s in self.sessions.values():
-                s.close()
+            self._teardown()
+
+    def _teardown(self) -> None:
+        for session in self.sessions.values():
+            session.close_input()
+        self.stack.close()
+        if self.monitor is not None:
+            self.monitor.close()
+        close_all(self.connections.values())  # type: ignore[arg-type]
 
     def _run(self) -> int:
         opts = self.opts
         cluster = load_cluster(opts.cluster_file)
         if opts.kill_grace is not None:
-            cluster = _with_kill_grace(cluster, opts.kill_grace)
+            cluster = dataclasses.replace(cluster, kill_grace=opts.kill_grace)
         argv = command_argv(opts, cluster)
-        settings = ssh_settings(cluster, self.console)
+        max_failure = resolve_max_failure(opts, cluster)
+        settings = resolve_all_settings(cluster, self.console.message)
         try:
             prebuild = prebuild_from_environ()
         except EnvelopeError as exc:
-            raise LaunchError(str(exc), EXIT_CONFIG) from None
+            raise LaunchError(str(exc), EXIT_USAGE) from None
         launcher_env = dict(os.environ)
         launcher_env.update(opts.env_overrides)
         scale = net_timeout_scale(launcher_env)
 
         if opts.dry_run:
             plan = self._plan(cluster, argv, dry_run_devices(cluster), prebuild, launcher_env)
-            self.console.out.write(describe_dry_run(plan))
+            self.console.out.write(describe_dry_run(plan, settings))
             self.console.out.flush()
             return 0
 
-        config = fabric_config()
-        if opts.preflight:
-            self._preflight(cluster, argv, settings, config)
-        self.sessions = connect_all(settings, config, self.events)
-        resolved = resolve_all_devices(cluster, self.sessions)
+        self.connections = dict(connect_all(settings, self._connected))
+        self.sessions = start_agents(cluster.workers, self.connections,  # type: ignore[arg-type]
+                                     self.inbox.put)
+        resolved = self._resolve_devices(cluster)
         plan = self._plan(cluster, argv, resolved, prebuild, launcher_env)
         if opts.log_dir:
-            self.log = RunLog(opts.log_dir, plan.run_id)
-            self.stack.callback(self.log.close)
-            self.events.add(self.log)
-            self.log.write_cluster(plan_as_json(plan))
+            log = RunLog(opts.log_dir, plan.run_id)
+            self.stack.callback(log.close)
+            self.events.add(log)
+            log.write_cluster(plan_as_json(plan))
         self.events(Kind.LAUNCH, describe_plan(plan), data={"run_id": plan.run_id,
                                                             "world_size": plan.world_size})
-        coordinator = Coordinator(coordinator_spec(plan, opts, scale), self.events)
-        self._sweep(plan, before=True)
+        coordinator = Coordinator(coordinator_spec(plan, max_failure, scale), self.events,
+                                  on_join=lambda rank: self.inbox.put(reports.Joined(rank)))
         try:
             coordinator.start()
         except CoordinatorError as exc:
@@ -323,63 +248,51 @@ class Launch:
         self.stack.callback(coordinator.stop)
         self._open_tunnels(plan)
         self._watch_connections(settings)
-        try:
-            return self._spawn_and_supervise(plan, coordinator).exit_code
-        finally:
-            self._sweep(plan, before=False)
+        return self._supervise(plan, coordinator, argv, prebuild).exit_code
 
-    def _preflight(self, cluster: ClusterSpec, argv: list[str],
-                   settings: dict[str, SshSettings], config: Any) -> None:
-        """The fast pre-flight (ssh, paths, program, port) on every host, in parallel.
+    def _connected(self, host: str, settings: SshSettings) -> None:
+        self.events(Kind.CONNECT, f"cluster launcher: connected to {host} ({settings.target})",
+                    host=host)
 
-        Each of these would otherwise fail the launch after some ranks started, with
-        the cause buried in rank output; here nothing has started yet.
-        """
-        from .preflight import Status, run_checks
+    def _resolve_devices(self, cluster: ClusterSpec) -> dict[str, list[int]]:
+        """GPU indices of every ``local_devices: all`` worker, asked of its agent."""
+        wanted = {w.host for w in cluster.workers if w.local_devices == "all"}
+        for host in wanted:
+            self.sessions[host].probe(gpus=True)
+        resolved: dict[str, list[int]] = {}
+        kept: list[reports.Report] = []
+        deadline = time.monotonic() + PROBE_TIMEOUT
+        while wanted - set(resolved):
+            try:
+                report = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = ", ".join(sorted(wanted - set(resolved)))
+                raise LaunchError(f"cluster launcher: no device list from {missing} within "
+                                  f"{PROBE_TIMEOUT:g}s") from None
+            if isinstance(report, reports.Facts):
+                if not report.gpus:
+                    raise LaunchError(
+                        f"cluster launcher: host {report.host!r}: `local_devices: all` found no "
+                        f"GPU (nvidia-smi: {report.error or 'listed none'}); give an explicit "
+                        "list instead")
+                resolved[report.host] = report.gpus
+            elif isinstance(report, reports.AgentGone):
+                raise LaunchError(f"cluster launcher: host {report.host!r}: {report.reason}")
+            else:
+                kept.append(report)
+        for report in kept:
+            self.inbox.put(report)
+        return resolved
 
-        report = run_checks(cluster, argv=argv, fast=True, settings=settings, config=config)
-        for check in report.checks:
-            if check.status is Status.WARN:
-                self.events(Kind.WARNING, f"cluster launcher: pre-flight: {check.host}: "
-                            f"{check.name}: {check.reason}", host=check.host)
-        failed = report.failed()
-        if failed:
-            lines = [f"cluster launcher: pre-flight: {c.host}: {c.name}: FAIL: {c.reason}"
-                     for c in failed]
-            lines.append("cluster launcher: pre-flight failed, nothing was started "
-                         "(`inv prebuild-check` checks more; --no-preflight skips this)")
-            raise LaunchError("\n".join(lines))
-        self.events(Kind.DEBUG, f"cluster launcher: pre-flight passed "
-                    f"({len(report.checks)} checks in {report.elapsed:.2f} s)")
-
-    def _plan(self, cluster: ClusterSpec, argv: list[str], resolved: dict[str, list[int]],
-              prebuild: Any, launcher_env: dict[str, str]) -> LaunchPlan:
+    def _plan(self, cluster: ClusterSpec, argv: list[str], resolved: Mapping[str, list[int]],
+              prebuild: Mapping[str, PrebuildEntry],
+              launcher_env: Mapping[str, str]) -> LaunchPlan:
         try:
             return build_plan(cluster, argv=argv, run_id=new_run_id(), salt=new_salt(),
                               resolved_devices=resolved, prebuild=prebuild,
                               launcher_env=launcher_env)
         except ValueError as exc:
-            raise LaunchError(f"{cluster.file}: {exc}", EXIT_CONFIG) from None
-
-    def _sweep(self, plan: LaunchPlan, *, before: bool) -> None:
-        """Stop leftovers: of earlier runs of this cluster before, of this run after."""
-        local = [this_host_name()] if any(w.is_local for w in plan.cluster.workers) else []
-        remote = {h: s.connections[0] for h, s in self.sessions.items()
-                  if s.connections[0].is_connected}
-        args = (sweep_args(cluster=cluster_key(plan.cluster)) if before
-                else sweep_args(runs=[plan.run_id]))
-        for report in sweep_hosts(local, remote, args):
-            if report.error:
-                self.events(Kind.WARNING, f"cluster launcher: cleanup on {report.host} failed: "
-                            f"{report.error}", host=report.host)
-            elif report.stopped:
-                what = "leftovers of earlier runs of this cluster" if before else \
-                    "leftovers of this run"
-                self.events(Kind.WARNING, f"cluster launcher: stopped {what} on "
-                            f"{report.summary()}", host=report.host)
-            if report.leftovers:
-                self.events(Kind.WARNING, f"cluster launcher: could not stop on {report.host}: "
-                            f"{report.leftovers}", host=report.host)
+            raise LaunchError(f"{cluster.file}: {exc}", EXIT_USAGE) from None
 
     def _open_tunnels(self, plan: LaunchPlan) -> None:
         port = plan.cluster.controller.port
@@ -388,121 +301,61 @@ class Launch:
         for w in plan.cluster.workers:
             if not w.tunnel:
                 continue
-            conn = self.sessions[w.host].connections[0]
+            conn = self.connections[w.host]
             try:
                 self.stack.enter_context(
-                    conn.forward_remote(port, local_port=port, local_host=target))
+                    conn.forward_remote(port, local_port=port,  # type: ignore[attr-defined]
+                                        local_host=target))
             except Exception as exc:
                 raise LaunchError(f"cluster launcher: host {w.host!r}: tunnel could not bind "
                                   f"127.0.0.1:{port} on the remote side: {exc}") from None
             self.events(Kind.CONNECT, f"cluster launcher: tunnel {w.host}:127.0.0.1:{port} -> "
                         f"controller {target}:{port}", host=w.host)
 
-    def _watch_connections(self, settings: dict[str, SshSettings]) -> None:
+    def _watch_connections(self, settings: Mapping[str, SshSettings]) -> None:
         def dead(host: str, silent: float) -> None:
             self.events(Kind.WARNING, f"cluster launcher: host {host!r} stopped answering "
                         f"keepalives for {silent:.0f}s; treating its connection as lost",
                         host=host)
 
         self.monitor = KeepaliveMonitor(dead)
-        for host, sessions in self.sessions.items():
-            transport = sessions.connections[0].transport
+        for host, conn in self.connections.items():
+            transport = getattr(conn, "transport", None)
             if transport is not None:
                 self.monitor.watch(host, transport, settings[host])
 
-    def _spawn_and_supervise(self, plan: LaunchPlan, coordinator: Coordinator) -> RunResult:
-        ctx = local_context()
-        procs = [RankProcess(r, plan.run_id, plan.cluster.kill_grace) for r in plan.ranks]
-        supervised = [SupervisedRank(p.plan.rank, p.plan.host, p, state=RankState.STARTING)
-                      for p in procs]
-        for p, s in zip(procs, supervised):
-            p.on_pid(functools.partial(_mark_running, s))
-        by_rank = {s.rank: s for s in supervised}
-        self.events.add(_JoinTracker(by_rank))
-        supervisor = Supervisor([], kill_grace=plan.cluster.kill_grace, events=self.events,
-                                elastic=coordinator)
+    def _supervise(self, plan: LaunchPlan, coordinator: Coordinator, argv: list[str],
+                   prebuild: Mapping[str, PrebuildEntry]) -> RunResult:
+        checks = {w.host: launch_plan(plan.cluster, w, argv, prebuild.get(w.host))
+                  for w in plan.cluster.workers}
 
-        def rows() -> list[RankRow]:
-            return [RankRow(p.plan.host, p.plan.rank,
-                            "cpu" if p.plan.device is None else str(p.plan.device), p.pid,
-                            s.state.value, s.started, s.ended, p.last_line)
-                    for p, s in zip(procs, supervised)]
+        def judge_host(host: str, values: Mapping[str, str]) -> tuple[list[str], list[str]]:
+            rows = judge(checks[host], values)
+            warn = [f"{c.name}: {c.reason}" for c in rows if c.status.value == "warn"]
+            fail = [f"{c.name}: FAIL: {c.reason}" for c in rows if c.status.value == "FAIL"]
+            return warn, fail
 
-        self.console.start_status(rows)
+        supervisor = Supervisor(plan.ranks, self.sessions, kill_grace=plan.cluster.kill_grace,
+                                events=self.events, elastic=coordinator,
+                                preflight=judge_host if self.opts.preflight else None,
+                                inbox=self.inbox)
+        self.console.start_status(lambda: supervisor.ranks)
         try:
-            # Handlers first: a Ctrl-C while ranks are still starting must stop
-            # the ones already started, like any other stop.
+            # Handlers first: a Ctrl-C while agents prepare must stop them like any stop.
             with signal_handlers(supervisor, self.console):
-                spawn_error = self._spawn(plan, procs, ctx)
-                supervisor.ranks = [s for p, s in zip(procs, supervised)
-                                    if p.promise is not None]
-                if spawn_error:
-                    supervisor.request_abort(spawn_error)
+                for host in plan.hosts():
+                    spec = plan.agent_spec(
+                        host, checks=agent_checks(checks[host]) if self.opts.preflight else None,
+                        start_now=not self.opts.preflight)
+                    self.sessions[host].spec(spec)
                 result = supervisor.run()
         finally:
             self.console.stop_status()
-        if spawn_error and result.verdict is Verdict.FAILED:
-            result = RunResult(result.verdict, result.exit_code, spawn_error, result.ranks)
-        if result.ranks and self.console.verbosity >= 0:
+        if result.started_any and self.console.verbosity >= 0:
             self.console.message(summary_table(summary_rows(result.ranks)))
         self.events(Kind.VERDICT, result.message, data={"exit_code": result.exit_code,
                                                          "verdict": result.verdict.value})
         return result
-
-    def _spawn(self, plan: LaunchPlan, procs: list[RankProcess], ctx: Any) -> Optional[str]:
-        """Start every rank; on the first failure, stop starting and report it."""
-        failure: list[str] = []
-        lock = threading.Lock()
-
-        def start_host(host: str, ranks: list[RankProcess]) -> None:
-            for p in ranks:
-                with lock:
-                    if failure:
-                        return
-                try:
-                    if p.plan.worker.is_local:
-                        start_local(p, plan, self.console, ctx, self.log)
-                    else:
-                        start_remote(p, plan, self.console, self.sessions[host], self.log)
-                    self.events(Kind.SPAWN, f"cluster launcher: started {p.plan.label}",
-                                host=host, rank=p.plan.rank)
-                except Exception as exc:
-                    with lock:
-                        failure.append(f"cluster launcher: host {host!r}: could not start rank "
-                                       f"{p.plan.rank}: {type(exc).__name__}: {exc}")
-                    return
-
-        by_host: dict[str, list[RankProcess]] = {}
-        for p in procs:
-            by_host.setdefault(p.plan.host, []).append(p)
-        with ThreadPoolExecutor(max_workers=min(32, len(by_host))) as pool:
-            for fut in [pool.submit(start_host, h, rs) for h, rs in by_host.items()]:
-                fut.result()
-        return failure[0] if failure else None
-
-
-def _mark_running(s: SupervisedRank, pid: int) -> None:
-    if s.state is RankState.STARTING:
-        s.state = RankState.RUNNING
-
-
-class _JoinTracker:
-    """Moves a rank to JOINED when the coordinator reports its hello."""
-
-    def __init__(self, ranks: dict[int, SupervisedRank]) -> None:
-        self.ranks = ranks
-
-    def emit(self, event: Event) -> None:
-        if event.kind is Kind.JOIN and event.rank in self.ranks:
-            s = self.ranks[event.rank]
-            if s.state in (RankState.STARTING, RankState.RUNNING):
-                s.state = RankState.JOINED
-
-
-def _with_kill_grace(cluster: ClusterSpec, grace: float) -> ClusterSpec:
-    import dataclasses
-
-    return dataclasses.replace(cluster, kill_grace=grace)
 
 
 def make_console(opts: LaunchOptions) -> Console:
@@ -527,4 +380,4 @@ def launch(opts: LaunchOptions, *, console: Optional[Console] = None) -> int:
     return Launch(opts, console, events).run()
 
 
-__all__ = ["LaunchOptions", "launch"]
+__all__ = ["EXIT_FAILURE", "LaunchError", "LaunchOptions", "launch"]

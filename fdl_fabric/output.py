@@ -1,13 +1,12 @@
-"""Presentation: prefixed rank output, launcher messages, live status, logs.
+"""Presentation: the one place that writes what a run says, for every command.
 
-Rank output is forwarded line by line with the prefix ``[host:device:rN] ``.
-Only whole lines are written, under one lock, so two ranks never mix inside a
-line; a last line without a newline is flushed when the stream ends.
-
-Workers never print; they emit events (`events.py`) and hand output lines to
-a `Console`. `Console` writes plain lines (CI, pipes); `LiveConsole` keeps a
-status table refreshed in place on a terminal while rank output scrolls above
-it. `RunLog` keeps what a run said on disk (``--log-dir``).
+Transport and supervision never print: they emit events (`events.py`), and the sinks
+here render them. Rank output arrives as ``Kind.OUTPUT`` events, each a chunk of whole
+lines of one rank, printed with the prefix ``[host:device:rN] `` in one write, so two
+ranks never mix inside a line and 100k lines cost 100 writes, not 100k. `Console`
+writes plain lines (CI, pipes); `LiveConsole` keeps a status table refreshed in place
+on a terminal while rank output scrolls above it; `RunLog` keeps what a run said on
+disk (``--log-dir``): rank output byte for byte, and every other event as JSON.
 """
 
 from __future__ import annotations
@@ -17,17 +16,15 @@ import os
 import re
 import sys
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Optional, TextIO
 
-from .commands import PID_MARKER
 from .events import Event, Kind
+from .supervisor import Rank, RankState
 
 #: Event kinds shown only with -v: routine progress that would drown the rank output.
-_VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.RUNNING, Kind.JOIN}
+_VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.JOIN}
 
 #: Per-host prefix colors on a terminal (ANSI codes, and the rich style names).
 _PALETTE = ["36", "33", "35", "32", "34", "91", "96", "93"]
@@ -47,20 +44,6 @@ def redact_env(env: dict[str, str]) -> dict[str, str]:
 def use_color(stream: IO[str]) -> bool:
     """Colors only on a terminal, and never with NO_COLOR set (no-color.org)."""
     return "NO_COLOR" not in os.environ and hasattr(stream, "isatty") and stream.isatty()
-
-
-@dataclass
-class RankRow:
-    """One line of the live status table."""
-
-    host: str
-    rank: int
-    device: str
-    pid: Optional[int]
-    state: str
-    started: float
-    ended: Optional[float]
-    last_line: str
 
 
 class Console:
@@ -86,18 +69,25 @@ class Console:
     def host_color(self, host: str) -> int:
         return self._hosts.setdefault(host, len(self._hosts)) % len(_PALETTE)
 
-    def rank_line(self, prefix: str, line: str, *, stderr: bool) -> None:
+    def rank_output(self, event: Event) -> None:
+        """A chunk of one rank's lines, each behind the rank's prefix, in one write."""
         if not self.show_rank_output:
             return
-        stream = self.err if stderr else self.out
-        tag = f"[{prefix}]"
+        data = event.data
+        stream = self.err if data["stderr"] else self.out
+        tag = f"[{data['label']}]"
         if self.color:
-            tag = f"\x1b[{_PALETTE[self.host_color(prefix.split(':')[0])]}m{tag}\x1b[0m"
+            tag = f"\x1b[{_PALETTE[self.host_color(event.host or '')]}m{tag}\x1b[0m"
+        head = tag + " "
+        block = head + data["text"].replace("\n", "\n" + head) + "\n"
         with self._lock:
-            stream.write(f"{tag} {line}\n")
+            stream.write(block)
             stream.flush()
 
     def emit(self, event: Event) -> None:
+        if event.kind is Kind.OUTPUT:
+            self.rank_output(event)
+            return
         if self.verbosity <= 0 and event.kind not in (Kind.VERDICT, Kind.WARNING, Kind.DEATH):
             return
         if self.verbosity < 2 and (
@@ -111,7 +101,7 @@ class Console:
             self.err.write(text + "\n")
             self.err.flush()
 
-    def start_status(self, rows: Callable[[], list[RankRow]]) -> None:
+    def start_status(self, rows: Callable[[], Sequence[Rank]]) -> None:
         """Plain consoles have no live view; the event lines tell the story."""
 
     def stop_status(self) -> None:
@@ -133,15 +123,19 @@ class LiveConsole(Console):
                                  highlight=False, soft_wrap=True)
         self._live: Any = None
 
-    def rank_line(self, prefix: str, line: str, *, stderr: bool) -> None:
+    def rank_output(self, event: Event) -> None:
         if not self.show_rank_output:
             return
         from rich.text import Text
 
-        host = prefix.split(":")[0]
-        text = Text(f"[{prefix}]", style=_RICH_PALETTE[self.host_color(host)])
-        text.append(" ")
-        text.append(line, style="red" if stderr else "")
+        data = event.data
+        tag_style = _RICH_PALETTE[self.host_color(event.host or "")]
+        tag = f"[{data['label']}] "
+        text = Text()
+        for line in data["text"].split("\n"):
+            text.append(tag, style=tag_style)
+            text.append(line + "\n", style="red" if data["stderr"] else "")
+        text.rstrip()
         with self._lock:
             self._rich.print(text)
 
@@ -151,7 +145,7 @@ class LiveConsole(Console):
         with self._lock:
             self._rich.print(Text(text, style="bold"))
 
-    def start_status(self, rows: Callable[[], list[RankRow]]) -> None:
+    def start_status(self, rows: Callable[[], Sequence[Rank]]) -> None:
         from rich.live import Live
 
         self._live = Live(get_renderable=lambda: status_table(rows(), self), console=self._rich,
@@ -165,90 +159,34 @@ class LiveConsole(Console):
             self._live = None
 
 
-def _uptime(row: RankRow) -> str:
-    seconds = int((row.ended or time.monotonic()) - row.started)
+def _uptime(rank: Rank) -> str:
+    seconds = int(rank.duration)
     return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def status_table(rows: Sequence[RankRow], console: Console) -> Any:
+#: How each rank state looks in the live table.
+_STATE_STYLES = {
+    RankState.PENDING: "cyan", RankState.RUNNING: "green", RankState.JOINED: "bold green",
+    RankState.SUCCEEDED: "dim", RankState.FAILED: "bold red", RankState.LOST: "red",
+    RankState.STOPPED: "yellow", RankState.TOLERATED: "magenta", RankState.NOT_STARTED: "dim",
+}
+
+
+def status_table(ranks: Sequence[Rank], console: Console) -> Any:
     """The live view: one line per rank."""
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(box=None, pad_edge=False, header_style="bold dim", expand=False)
     for col in ("host", "rank", "device", "pid", "state", "uptime", "last output"):
         table.add_column(col, no_wrap=True, overflow="ellipsis",
                          max_width=60 if col == "last output" else None)
-    styles = {"running": "green", "joined": "bold green", "exited": "dim", "failed": "bold red",
-              "lost": "red", "stopped": "yellow", "dead-tolerated": "magenta",
-              "starting": "cyan"}
-    for r in rows:
-        table.add_row(r.host, str(r.rank), r.device, str(r.pid or "-"),
-                      f"[{styles.get(r.state, '')}]{r.state}[/]", _uptime(r), r.last_line,
-                      style=None)
+    for r in ranks:
+        device = "cpu" if r.plan.device is None else str(r.plan.device)
+        table.add_row(Text(r.host), str(r.rank), device, str(r.pid or "-"),
+                      Text(r.state.value, style=_STATE_STYLES.get(r.state, "")), _uptime(r),
+                      Text(r.last_line))
     return table
-
-
-class RankStream:
-    """A write()-able stream that turns chunks of rank output into whole lines.
-
-    It is handed to invoke/Fabric as ``out_stream``/``err_stream``. On stderr
-    it also picks out the wrapper's pid marker line. With a log file, every
-    line is also appended there, unprefixed.
-    """
-
-    def __init__(
-        self,
-        console: Console,
-        prefix: str,
-        *,
-        stderr: bool,
-        on_pid: Optional[Callable[[int], None]] = None,
-        on_line: Optional[Callable[[str], None]] = None,
-        log: Optional[IO[str]] = None,
-    ) -> None:
-        self._console = console
-        self._prefix = prefix
-        self._stderr = stderr
-        self._on_pid = on_pid
-        self._on_line = on_line
-        self._log = log
-        self._partial = ""
-        self._lock = threading.Lock()
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            data = self._partial + text
-            *lines, self._partial = data.split("\n")
-        for line in lines:
-            self._line(line)
-        return len(text)
-
-    def flush(self) -> None:
-        """Part of the file API; partial lines wait for their newline."""
-
-    def close(self) -> None:
-        """End of stream: a last line without a newline is still delivered."""
-        with self._lock:
-            rest, self._partial = self._partial, ""
-        if rest:
-            self._line(rest)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def _line(self, line: str) -> None:
-        if self._stderr and line.startswith(PID_MARKER) and self._on_pid is not None:
-            try:
-                self._on_pid(int(line[len(PID_MARKER):]))
-                return
-            except ValueError:
-                pass
-        if self._on_line is not None:
-            self._on_line(line)
-        if self._log is not None:
-            self._log.write(line + "\n")
-            self._log.flush()
-        self._console.rank_line(self._prefix, line, stderr=self._stderr)
 
 
 class RunLog:
@@ -256,36 +194,69 @@ class RunLog:
 
     Layout (like torchrun's ``--log-dir``)::
 
-        <dir>/<run_id>/r<rank>/stdout.log
+        <dir>/<run_id>/r<rank>/stdout.log     rank output, byte for byte
         <dir>/<run_id>/r<rank>/stderr.log
-        <dir>/<run_id>/events.jsonl
-        <dir>/<run_id>/cluster.json
+        <dir>/<run_id>/events.jsonl           every other event, one JSON object a line
+        <dir>/<run_id>/cluster.json           the resolved plan, secrets redacted
+
+    Rank output can carry tokens, so folders are 0700 and files 0600, like the run
+    registry, whatever the umask.
     """
 
     def __init__(self, root: str, run_id: str) -> None:
         self.folder = Path(root) / run_id
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._events = open(self.folder / "events.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one is kept
+        _private_dir(self.folder)
+        self._events = _private_file(self.folder / "events.jsonl")
+        self._ranks: dict[tuple[int, bool], IO[bytes]] = {}
         self._lock = threading.Lock()
 
-    def rank_file(self, rank: int, stream: str) -> IO[str]:
-        folder = self.folder / f"r{rank}"
-        folder.mkdir(exist_ok=True)
-        return open(folder / f"{stream}.log", "a", encoding="utf-8")  # noqa: SIM115
+    def _rank_file(self, rank: int, stderr: bool) -> IO[bytes]:
+        fh = self._ranks.get((rank, stderr))
+        if fh is None:
+            folder = self.folder / f"r{rank}"
+            _private_dir(folder)
+            fh = _private_file(folder / ("stderr.log" if stderr else "stdout.log"))
+            self._ranks[(rank, stderr)] = fh
+        return fh
 
     def emit(self, event: Event) -> None:
         with self._lock:
             if self._events.closed:
                 return
-            self._events.write(json.dumps(event.to_json(), ensure_ascii=False) + "\n")
+            if event.kind is Kind.OUTPUT:
+                assert event.rank is not None
+                fh = self._rank_file(event.rank, bool(event.data["stderr"]))
+                fh.write(event.data["raw"])
+                fh.flush()
+                return
+            if event.kind is Kind.SPAWN and event.rank is not None:
+                for stderr in (False, True):  # both exist from the start, as with torchrun
+                    self._rank_file(event.rank, stderr)
+            line = json.dumps(event.to_json(), ensure_ascii=False) + "\n"
+            self._events.write(line.encode("utf-8"))
             self._events.flush()
 
     def write_cluster(self, data: dict[str, Any]) -> None:
-        (self.folder / "cluster.json").write_text(json.dumps(data, indent=2, ensure_ascii=False))
+        with _private_file(self.folder / "cluster.json") as fh:
+            fh.write(json.dumps(data, indent=2, ensure_ascii=False).encode("utf-8"))
 
     def close(self) -> None:
         with self._lock:
             self._events.close()
+            for fh in self._ranks.values():
+                fh.close()
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _private_file(path: Path) -> IO[bytes]:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def summary_table(rows: Sequence[tuple[int, str, str, str, str]]) -> str:

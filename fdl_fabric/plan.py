@@ -12,9 +12,9 @@ import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
-from . import commands
+from .agent.wire import VERSION as AGENT_PROTOCOL
 from .config import ClusterSpec, WorkerSpec
 from .envelope import (
     ENV_CLUSTER_JSON,
@@ -54,13 +54,6 @@ class RankPlan:
         dev = "cpu" if self.device is None else str(self.device)
         return f"{self.worker.host}:{dev}:r{self.rank}"
 
-    def wrapper(self, kill_grace: float) -> str:
-        return commands.rank_wrapper(
-            cwd=self.cwd,
-            argv=self.argv,
-            kill_grace=kill_grace,
-            read_preamble=not self.worker.is_local,
-        )
 
 
 @dataclass(frozen=True)
@@ -82,6 +75,44 @@ class LaunchPlan:
     def rank_environment(self, rank: RankPlan) -> dict[str, str]:
         """The full environment of a rank, envelope included (a secret)."""
         return {ENV_CLUSTER_JSON: self.envelope_hex(rank.host), **rank.env}
+
+    def host_ranks(self, host: str) -> list[RankPlan]:
+        return [r for r in self.ranks if r.host == host]
+
+    def hosts(self) -> list[str]:
+        """Hosts that carry ranks, in roster order."""
+        seen: dict[str, None] = {}
+        for r in self.ranks:
+            seen.setdefault(r.host, None)
+        return list(seen)
+
+    def agent_spec(self, host: str, *, checks: Optional[dict[str, Any]] = None,
+                   start_now: bool = False) -> dict[str, Any]:
+        """What one host's agent is told (docs/protocol.md, ``spec``); carries the salt.
+
+        Variables every rank of the host shares are sent once (``env``); each rank's
+        entry holds only its own (``RANK``, ``LOCAL_RANK``, a GPU pin...).
+        """
+        ranks = self.host_ranks(host)
+        common = dict(ranks[0].env)
+        for r in ranks[1:]:
+            common = {k: v for k, v in common.items() if r.env.get(k) == v}
+        return {
+            "version": AGENT_PROTOCOL,
+            "mode": "run",
+            "run_id": self.run_id,
+            "cluster": cluster_key(self.cluster),
+            "host": host,
+            "kill_grace": self.cluster.kill_grace,
+            "cwd": ranks[0].cwd,
+            "argv": list(ranks[0].argv),
+            "env": common,
+            "ranks": [{"rank": r.rank, "env": {k: v for k, v in r.env.items()
+                                               if k not in common}} for r in ranks],
+            "envelope": self.envelope_hex(host),
+            "checks": checks,
+            "start_now": start_now,
+        }
 
 
 def worker_devices(

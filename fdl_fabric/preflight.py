@@ -84,6 +84,9 @@ __all__ = [
 
 #: Prefix of every value line the host script prints.
 SENTINEL = "__FDL_CHECK__"
+#: What an agent reports for ``dial`` when this run's coordinator answered with its key
+#: (`fdl_fabric.agent.checks.DIAL_OK`).
+AGENT_DIAL_OK = "ok"
 #: The host column of checks that concern the controller itself (not a worker name:
 #: a worker may well be called "controller").
 CONTROLLER = "(controller)"
@@ -790,7 +793,7 @@ def _port_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
                      "but workers dial it too: set an address of the controller this host "
                      f"reaches, or tunnel: true{only_join}")
     got = facts.values.get("dial", "")
-    if got == f"fdl-preflight {dial.token}":
+    if got == f"fdl-preflight {dial.token}" or got == AGENT_DIAL_OK:
         via = f" through the SSH tunnel to controller 127.0.0.1:{dial.listen_port}" \
             if dial.tunnel else ""
         return Check(plan.host, "port", Status.OK, f"reached the controller at {target}{via}{note}")
@@ -809,6 +812,44 @@ def _port_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
     return Check(plan.host, "port", unreachable,
                  f"{target} answers, but it is not this controller (got {got[:60]!r}): "
                  f"controller.host {dial.host} points elsewhere from this host{note}{only_join}")
+
+
+# --------------------------------------------------------------------------------------------
+# The fast pre-flight of a launch, run by each host's agent
+# --------------------------------------------------------------------------------------------
+
+
+def launch_plan(cluster: ClusterSpec, worker: WorkerSpec, argv: Sequence[str],
+                prebuild: Optional[PrebuildEntry]) -> HostPlan:
+    """What a launch checks on one host before any rank starts (``fast``)."""
+    dial_host = controller_dial_host(cluster, worker)
+    bind_host = "127.0.0.1" if bind_loopback(cluster) else cluster.controller.host
+    port = cluster.controller.port
+    dial = Dial(host=dial_host, port=port, token="", tunnel=worker.tunnel,
+                listen_host=bind_host, listen_port=port, configured_port=port)
+    return HostPlan(worker=worker, fast=True, argv=tuple(argv), prebuild=prebuild, dial=dial,
+                    path_env=worker.env.get("PATH", cluster.env.get("PATH")))
+
+
+def agent_checks(plan: HostPlan) -> dict[str, Any]:
+    """The ``checks`` part of an agent's spec: what to look at (the agent only reports)."""
+    assert plan.dial is not None
+    return {
+        "path": plan.worker.path,
+        "cwd": plan.cwd if plan.prebuild and plan.prebuild.cwd_subpath else None,
+        "program": plan.program,
+        "pyscript": plan.python_script,
+        "path_env": plan.path_env,
+        "dial": {"host": plan.dial.host, "port": plan.dial.port}
+        if plan.dial.host not in _BIND_ALL else None,
+    }
+
+
+def judge(plan: HostPlan, values: Mapping[str, str]) -> list[Check]:
+    """The verdict rows of an agent's facts (the same rules as `inv prebuild-check`)."""
+    assert plan.dial is not None
+    ctl = ControllerFacts(bind_host=plan.dial.listen_host, port=plan.dial.configured_port)
+    return evaluate(plan, HostFacts(values=dict(values)), ctl)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1135,10 +1176,6 @@ def run_checks(
     env = os.environ if environ is None else environ
     if settings is None:
         settings = resolve_all_settings(cluster)
-    if config is None:
-        from .spawn import fabric_config
-
-        config = fabric_config()
     rows: list[Check] = []
     if not argv:
         rows.append(Check(CONTROLLER, "command", Status.FAIL,
@@ -1231,7 +1268,7 @@ def command_words(cluster: ClusterSpec, cmd: Optional[str], rest: Sequence[str])
     text = cmd if cmd is not None else cluster.command
     if not text:
         return []
-    from .commands import split_command
+    from .shell import split_command
 
     return split_command(text)  # ValueError on unbalanced quotes: the caller exits 2
 

@@ -6,13 +6,13 @@ tells it which ranks survive (`survivors()`), and can ask it to save and stop
 (`should_stop()`, `on_shutdown()`). A program that never calls `join()` keeps
 the launcher's kill-all semantics, which is the safe default for plain scripts.
 
-This module is deliberately standalone: standard library only, Python 3.9+,
+This module is deliberately standalone: standard library only, Python 3.8+,
 no imports from fdl_fabric, so it can be copied next to a training script on
-any host. That is why the framing (4-byte big-endian length, 32-byte
-HMAC-SHA256 tag over run id, NUL, 8-byte sequence number and payload, then a
-JSON object) is duplicated here from `fdl_fabric/coordinator.py`; keep both
-small and identical. docs/protocol.md is the contract, and tests/test_rank.py
-checks that the two encoders agree byte for byte.
+any host, and the agent ships it to hosts. It is also the one implementation
+of the coordinator's framing (4-byte big-endian length, 32-byte HMAC-SHA256
+tag over run id, NUL, 8-byte sequence number and payload, then a JSON
+object): `fdl_fabric.coordinator` imports it from here. docs/protocol.md is
+the contract.
 
 One client per process, kept in module state. A reader thread handles what
 the coordinator sends; a heartbeat thread sends a frame every second. On a
@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ENV_CLUSTER_JSON = "FLODL_INTERNAL_CLUSTER_JSON"
 ENV_LOCAL_RANK = "FLODL_INTERNAL_LOCAL_RANK"
@@ -60,10 +60,6 @@ _LENGTH = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
 
 
-class _ProtocolError(Exception):
-    """The coordinator's stream is not a valid frame sequence for this run."""
-
-
 @dataclass(frozen=True)
 class Membership:
     """Who this process is in the cohort."""
@@ -75,42 +71,76 @@ class Membership:
     host: str
 
 
-# -- framing (duplicated from fdl_fabric/coordinator.py on purpose) -------------------------------
-def _tag(salt: bytes, run_id: str, seq: int, payload: bytes) -> bytes:
+# -- framing: the one implementation (fdl_fabric.coordinator imports it) ---------------------
+class FrameError(Exception):
+    """A frame broke the protocol; the connection that carried it cannot be trusted."""
+
+
+def frame_tag(salt: bytes, run_id: str, seq: int, payload: bytes) -> bytes:
+    """HMAC-SHA256 over run id, NUL, 8-byte sequence number and payload.
+
+    The run id and salt make frames of another run fail; the sequence number
+    makes a replayed or reordered frame fail on the same connection.
+    """
     msg = run_id.encode("utf-8") + b"\0" + _SEQ.pack(seq) + payload
     return hmac.new(salt, msg, hashlib.sha256).digest()
 
 
-def _encode(salt: bytes, run_id: str, seq: int, message: Dict[str, Any]) -> bytes:
-    payload = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    body = _tag(salt, run_id, seq, payload) + payload
+def encode_frame(salt: bytes, run_id: str, seq: int, message: Dict[str, Any]) -> bytes:
+    """One complete frame: length prefix, tag, compact UTF-8 JSON payload."""
+    payload = json.dumps(dict(message), separators=(",", ":"),
+                         ensure_ascii=False).encode("utf-8")
+    body = frame_tag(salt, run_id, seq, payload) + payload
     if len(body) > MAX_FRAME:
         raise ValueError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
     return _LENGTH.pack(len(body)) + body
 
 
-def _recv(sock: socket.socket, buf: bytearray, salt: bytes, run_id: str,
-          seq: int) -> Optional[Dict[str, Any]]:
+def take_frame(buf: bytearray, limit: int = MAX_FRAME) -> Optional[Tuple[bytes, bytes]]:
+    """Pop one ``(tag, payload)`` off the front of ``buf``; None while incomplete.
+
+    The length is checked against ``limit`` as soon as its 4 bytes are in, so an
+    oversize frame is refused before its body is read.
+    """
+    if len(buf) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack_from(buf)
+    if length > limit:
+        raise FrameError(f"frame too large ({length} bytes, limit {limit})")
+    if length < TAG_BYTES:
+        raise FrameError(f"frame too short ({length} bytes)")
+    end = _LENGTH.size + length
+    if len(buf) < end:
+        return None
+    tag = bytes(buf[_LENGTH.size:_LENGTH.size + TAG_BYTES])
+    payload = bytes(buf[_LENGTH.size + TAG_BYTES:end])
+    del buf[:end]
+    return tag, payload
+
+
+def decode_payload(payload: bytes) -> Dict[str, Any]:
+    """A payload must be a JSON object with a string ``type``."""
+    try:
+        obj = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise FrameError("payload is not UTF-8 JSON") from None
+    if not isinstance(obj, dict):
+        raise FrameError("payload is not a JSON object")
+    if not isinstance(obj.get("type"), str):
+        raise FrameError("payload has no string 'type'")
+    return obj
+
+
+def receive(sock: socket.socket, buf: bytearray, salt: bytes, run_id: str,
+            seq: int) -> Optional[Dict[str, Any]]:
     """Block for one verified frame; None at end of stream. ``buf`` keeps partial frames."""
     while True:
-        if len(buf) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(buf)
-            if not TAG_BYTES <= length <= MAX_FRAME:
-                raise _ProtocolError(f"bad frame length {length}")
-            end = _LENGTH.size + length
-            if len(buf) >= end:
-                tag = bytes(buf[_LENGTH.size:_LENGTH.size + TAG_BYTES])
-                payload = bytes(buf[_LENGTH.size + TAG_BYTES:end])
-                del buf[:end]
-                if not hmac.compare_digest(tag, _tag(salt, run_id, seq, payload)):
-                    raise _ProtocolError("bad tag")
-                try:
-                    obj = json.loads(payload.decode("utf-8"))
-                except (UnicodeDecodeError, ValueError):
-                    raise _ProtocolError("payload is not UTF-8 JSON") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
-                    raise _ProtocolError("payload is not a typed JSON object")
-                return obj
+        frame = take_frame(buf)
+        if frame is not None:
+            tag, payload = frame
+            if not hmac.compare_digest(tag, frame_tag(salt, run_id, seq, payload)):
+                raise FrameError("bad tag")
+            return decode_payload(payload)
         data = sock.recv(65536)
         if not data:
             return None
@@ -216,7 +246,7 @@ class _Client:
         with self.send_lock:
             if self.closed.is_set():
                 return False
-            frame = _encode(self.config.salt, self.config.run_id, self.tx_seq, message)
+            frame = encode_frame(self.config.salt, self.config.run_id, self.tx_seq, message)
             self.tx_seq += 1
             try:
                 self.sock.sendall(frame)
@@ -230,7 +260,8 @@ class _Client:
         with self.send_lock:
             if self.closed.is_set():
                 return
-            frame = _encode(self.config.salt, self.config.run_id, self.tx_seq, {"type": "exiting"})
+            frame = encode_frame(self.config.salt, self.config.run_id, self.tx_seq,
+                                 {"type": "exiting"})
             self.tx_seq += 1
             with contextlib.suppress(OSError):
                 self.sock.sendall(frame)
@@ -266,11 +297,11 @@ class _Client:
         try:
             while not self.closed.is_set():
                 try:
-                    message = _recv(self.sock, self.buf, self.config.salt, self.config.run_id,
+                    message = receive(self.sock, self.buf, self.config.salt, self.config.run_id,
                                     self.rx_seq)
                 except socket.timeout:
                     continue
-                except (OSError, _ProtocolError):
+                except (OSError, FrameError):
                     return
                 if message is None:
                     return
@@ -336,13 +367,13 @@ def _handshake(config: _Config, deadline: float, budget: float) -> _Client:
     try:
         sock.settimeout(max(deadline - time.monotonic(), 1.0))
         hello = {"type": "hello", "rank": me.rank, "host": me.host, "pid": os.getpid()}
-        sock.sendall(_encode(config.salt, config.run_id, 0, hello))
-        reply = _recv(sock, buf, config.salt, config.run_id, 0)
+        sock.sendall(encode_frame(config.salt, config.run_id, 0, hello))
+        reply = receive(sock, buf, config.salt, config.run_id, 0)
     except socket.timeout:
         sock.close()
         raise RuntimeError(f"cluster rank: rank {me.rank}: the coordinator did not answer "
                            f"hello within {budget:g}s") from None
-    except (OSError, _ProtocolError) as exc:
+    except (OSError, FrameError) as exc:
         sock.close()
         raise RuntimeError(f"cluster rank: rank {me.rank}: handshake with the coordinator "
                            f"failed: {exc}") from None

@@ -62,6 +62,9 @@ DEFAULT_OPTIONS = {
     "batchmode": "yes",
 }
 
+#: known_hosts when nothing else is configured, as for OpenSSH.
+DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+
 #: Seconds paramiko may spend opening one session channel.
 SESSION_OPEN_TIMEOUT = 15.0
 
@@ -213,7 +216,7 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
         identity_files=tuple(identities),
         strict_host_key_checking=strict,
         known_hosts_file=os.path.expanduser(
-            opts.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
+            opts.get("userknownhostsfile", DEFAULT_KNOWN_HOSTS).split()[0]
         ),
         connect_timeout=_number("connecttimeout", opts["connecttimeout"]),
         alive_interval=_number("serveraliveinterval", opts["serveraliveinterval"]),
@@ -330,16 +333,20 @@ class FdlConnection(Connection):  # type: ignore[misc]
         return channel
 
 
-def apply_host_key_policy(client: paramiko.SSHClient, settings: SshSettings) -> None:
-    if settings.strict_host_key_checking == "no":
+def apply_host_key_policy(client: paramiko.SSHClient, strict: str = "accept-new",
+                          known_hosts_file: str = DEFAULT_KNOWN_HOSTS) -> None:
+    """Our host-key rules on a client that has not connected yet (Fabric's default
+    AutoAddPolicy would accept a changed key): ``accept-new``, ``yes`` or ``no``."""
+    known_hosts_file = os.path.expanduser(known_hosts_file)
+    if strict == "no":
         client.set_missing_host_key_policy(_RecordOnlyPolicy())
         return
     if os.path.exists("/etc/ssh/ssh_known_hosts"):
         client.load_system_host_keys("/etc/ssh/ssh_known_hosts")
-    if os.path.exists(settings.known_hosts_file):
-        client.load_host_keys(settings.known_hosts_file)
-    if settings.strict_host_key_checking == "accept-new":
-        client.set_missing_host_key_policy(AcceptNewPolicy(settings.known_hosts_file))
+    if os.path.exists(known_hosts_file):
+        client.load_host_keys(known_hosts_file)
+    if strict == "accept-new":
+        client.set_missing_host_key_policy(AcceptNewPolicy(known_hosts_file))
     else:
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
 
@@ -388,12 +395,16 @@ def make_connection(
         kwargs["user"] = settings.user
     if settings.port:
         kwargs["port"] = settings.port
-    if config is not None:
-        kwargs["config"] = config
+    # Every Connection gets a Config of its own: Fabric writes connection attributes
+    # (gateway, inline_ssh_env, ...) into its config, and a Config shared between the
+    # threads that connect hosts in parallel made one connect in 26 fail with "No
+    # attribute or config key found for 'gateway'" at 32 hosts.
+    kwargs["config"] = config.clone() if config is not None else Config()
     if gateway is not None:
         kwargs["gateway"] = gateway
     conn = FdlConnection(**kwargs)
-    apply_host_key_policy(conn.client, settings)
+    apply_host_key_policy(conn.client, settings.strict_host_key_checking,
+                          settings.known_hosts_file)
     return conn
 
 

@@ -112,8 +112,9 @@ def cleanup(
 ) -> None:
     """Stop leftover ranks on every host of the cluster, then verify none remains.
 
-    Only processes recorded by fdl-fabric's rank wrappers are stopped, and only
-    while their recorded start time still matches. Exit 1 if anything survives.
+    Only processes of runs recorded by fdl-fabric's agents are stopped: a rank's
+    process group while its leader is the one the agent started, and processes that
+    carry the run's id. Exit 1 if anything survives.
     """
     from .cleanup import run_cleanup
 

@@ -19,19 +19,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fdl_fabric.coordinator import (
-    MAX_FRAME,
     Coordinator,
     CoordinatorError,
     CoordinatorSpec,
     DeadRanks,
+    max_failure_limit,
+)
+from fdl_fabric.events import EventBus, EventLog, Kind
+from fdl_fabric.rank import (
+    MAX_FRAME,
     FrameError,
     decode_payload,
     encode_frame,
     frame_tag,
-    max_failure_limit,
     take_frame,
 )
-from fdl_fabric.events import EventBus, EventLog, Kind
 from fdl_fabric.supervisor import Verdict
 
 SALT = bytes(range(16))

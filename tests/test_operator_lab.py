@@ -66,10 +66,14 @@ def test_dry_run_prints_the_plan_and_connects_nowhere(sshd_lab, tmp_path: Path) 
     assert lab.hosts[0].log_text() == before  # sshd saw no connection at all
     assert not (tmp_path / "d").exists()
     text = out.stdout
-    assert "host lab1: ssh " in text and "rank 2 (local 1, cpu)" in text
+    h = lab.hosts[0]
+    assert f"host lab1: ssh {lab.user}@{h.addr} port {h.port}, identity {lab.identity_file}" \
+        in text
+    assert "ranks 1-2 (cpu)" in text and "rank 2: FLODL_INTERNAL_LOCAL_RANK=1 RANK=2" in text
     assert "WANDB_API_KEY='***'" in text and "wandb-secret-123" not in text
     assert "hf-secret-456" not in text
-    assert "exec bash --norc -c" in text and "rankprobe.py" in text
+    assert "one session runs the agent" in text and "rankprobe.py" in text
+    assert len(text.splitlines()) <= 20
 
 
 def test_the_run_summary_names_each_rank_exit_and_cause(sshd_lab, tmp_path: Path) -> None:

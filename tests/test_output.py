@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+import stat
 from pathlib import Path
 
 import pytest
 
-from fdl_fabric.commands import PID_MARKER
 from fdl_fabric.events import Event, Kind
 from fdl_fabric.output import (
     Console,
-    RankStream,
     RunLog,
     redact_env,
     summary_table,
@@ -25,32 +24,39 @@ def _console(**kw: object) -> tuple[Console, io.StringIO, io.StringIO]:
     return Console(out, err, color=False, **kw), out, err  # type: ignore[arg-type]
 
 
-def test_only_whole_lines_are_written_with_the_rank_prefix() -> None:
-    console, out, _ = _console()
-    stream = RankStream(console, "h:cpu:r3", stderr=False)
-    stream.write("par")
-    assert out.getvalue() == ""
-    stream.write("tial\nnext")
-    assert out.getvalue() == "[h:cpu:r3] partial\n"
-    stream.close()
-    assert out.getvalue() == "[h:cpu:r3] partial\n[h:cpu:r3] next\n"
+def output(host: str, rank: int, text: str, *, stderr: bool = False,
+           raw: bytes = b"") -> Event:
+    return Event(Kind.OUTPUT, "", host=host, rank=rank,
+                 data={"label": f"{host}:cpu:r{rank}", "text": text, "stderr": stderr,
+                       "raw": raw or (text + "\n").encode(), "partial": False})
 
 
-def test_the_pid_marker_is_consumed_not_shown() -> None:
-    console, _, err = _console()
-    pids: list[int] = []
-    stream = RankStream(console, "h:0:r0", stderr=True, on_pid=pids.append)
-    stream.write(f"{PID_MARKER}4242\nreal error\n")
-    assert pids == [4242] and err.getvalue() == "[h:0:r0] real error\n"
+def test_each_line_of_a_chunk_gets_the_rank_prefix_in_one_write() -> None:
+    console, out, err = _console()
+    writes: list[str] = []
+    real = out.write
+    out.write = lambda text: (writes.append(text), real(text))[1]  # type: ignore[method-assign]
+    console.emit(output("h", 3, "first\nsecond"))
+    console.emit(output("h", 3, "oops", stderr=True))
+    assert out.getvalue() == "[h:cpu:r3] first\n[h:cpu:r3] second\n"
+    assert err.getvalue() == "[h:cpu:r3] oops\n"
+    assert len(writes) == 1
 
 
-def test_rank_output_is_also_kept_in_the_log_file(tmp_path: Path) -> None:
-    console, _, _ = _console()
+def test_rank_output_is_kept_byte_for_byte_in_a_private_log_file(tmp_path: Path) -> None:
     log = RunLog(str(tmp_path), "run1")
-    stream = RankStream(console, "h:cpu:r1", stderr=False, log=log.rank_file(1, "stdout"))
-    stream.write("a\nb")
-    stream.close()
-    assert (tmp_path / "run1" / "r1" / "stdout.log").read_text() == "a\nb\n"
+    log.emit(output("h", 1, "a", raw=b"a\n"))
+    log.emit(output("h", 1, "b \ufffd", raw=b"b \xff"))
+    log.emit(output("h", 1, "e", stderr=True, raw=b"e\n"))
+    log.close()
+    folder = tmp_path / "run1"
+    assert (folder / "r1" / "stdout.log").read_bytes() == b"a\nb \xff"
+    assert (folder / "r1" / "stderr.log").read_bytes() == b"e\n"
+    assert not (folder / "events.jsonl").read_text()  # output is not an event line
+    for path in (folder, folder / "r1"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    for path in (folder / "r1" / "stdout.log", folder / "events.jsonl"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
 def test_events_are_written_as_timestamped_json_lines(tmp_path: Path) -> None:
@@ -63,7 +69,7 @@ def test_events_are_written_as_timestamped_json_lines(tmp_path: Path) -> None:
 
 def test_quiet_console_hides_rank_output_but_not_events() -> None:
     console, out, err = _console(show_rank_output=False)
-    console.rank_line("h:cpu:r0", "noise", stderr=False)
+    console.emit(output("h", 0, "noise"))
     console.emit(Event(Kind.DEATH, "cluster launcher: rank 0 of h exited with status 3"))
     assert out.getvalue() == "" and "status 3" in err.getvalue()
 
@@ -81,8 +87,8 @@ def test_routine_events_need_verbose() -> None:
 def test_prefix_colors_are_per_host_and_only_when_asked() -> None:
     out = io.StringIO()
     console = Console(out, io.StringIO(), color=True)
-    console.rank_line("a:cpu:r0", "x", stderr=False)
-    console.rank_line("b:cpu:r1", "y", stderr=False)
+    console.emit(output("a", 0, "x"))
+    console.emit(output("b", 1, "y"))
     first, second = out.getvalue().splitlines()
     assert first.startswith("\x1b[36m[a:cpu:r0]") and second.startswith("\x1b[33m[b:cpu:r1]")
 

@@ -86,7 +86,7 @@ def test_envelope_is_never_part_of_the_rank_env_or_argv() -> None:
     plan = _plan()
     for r in plan.ranks:
         assert "FLODL_INTERNAL_CLUSTER_JSON" not in r.env
-        assert SALT.hex() not in " ".join(r.argv) and SALT.hex() not in r.wrapper(10)
+        assert SALT.hex() not in " ".join(r.argv)
     assert plan.rank_environment(plan.ranks[0])["FLODL_INTERNAL_CLUSTER_JSON"]
 
 
@@ -130,7 +130,13 @@ def test_prefix_labels_name_host_device_and_rank() -> None:
     assert plan.ranks[0].label == "ctl:cpu:r0" and plan.ranks[2].label == "gpu-a:3:r2"
 
 
-def test_local_worker_ranks_read_no_preamble_and_remote_ones_do() -> None:
+def test_an_agent_spec_holds_the_hosts_shared_env_once_and_each_ranks_own() -> None:
     plan = _plan()
-    assert "read -r __fdl_envelope" not in plan.ranks[0].wrapper(10)
-    assert "read -r __fdl_envelope" in plan.ranks[2].wrapper(10)
+    spec = plan.agent_spec("gpu-a", start_now=True)
+    assert spec["version"] == 1 and spec["host"] == "gpu-a" and spec["start_now"]
+    assert [r["rank"] for r in spec["ranks"]] == [2, 3]
+    assert spec["env"]["WORLD_SIZE"] == "5" and "RANK" not in spec["env"]
+    assert [r["env"]["RANK"] for r in spec["ranks"]] == ["2", "3"]
+    assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in spec["ranks"]] == ["3", "1"]
+    assert spec["envelope"] == plan.envelope_hex("gpu-a")
+    assert spec["argv"] == list(plan.ranks[2].argv) and spec["cwd"] == plan.ranks[2].cwd

@@ -1,16 +1,17 @@
 """Values are quoted exactly: a property test through a real sshd.
 
 Hypothesis draws env values, arguments and a working-directory name full of
-quotes, newlines, `$()`, backticks, spaces and unicode; each example runs one
-remote rank through the launcher's own spawn path (wrapper in argv, envelope
-and env on stdin) and the rank reports what it received, byte for byte.
+quotes, newlines, `$()`, backticks, spaces and unicode; each example starts one
+remote agent through the launcher's own path (one SSH session on a shared
+Connection, its spec on stdin) and the rank reports what it received, byte for
+byte.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fdl_fabric import reports
 from fdl_fabric.config import parse_cluster
 from fdl_fabric.envelope import new_salt
 from fdl_fabric.plan import build_plan
-from fdl_fabric.spawn import HostSessions, RankProcess, fabric_config, start_remote
+from fdl_fabric.sessions import AgentSession
 from fdl_fabric.ssh import open_connection, resolve_settings
 
 pytestmark = pytest.mark.lab
@@ -37,15 +39,6 @@ nasty = st.sampled_from(["'", '"', "$(touch /tmp/fdl-pwned)", "`id`", "a b", "\n
 values = st.one_of(text, nasty, st.lists(nasty, min_size=1, max_size=5).map("".join))
 dirnames = values.filter(lambda s: s not in ("", ".", "..") and "/" not in s
                          and len(s.encode()) < 200)
-
-
-class Collect:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def rank_line(self, prefix: str, line: str, *, stderr: bool) -> None:
-        if not stderr:
-            self.lines.append(line)
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +58,9 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Any:
                    options: {json.dumps(lab.ssh_options())}}}
         """)
     cluster = parse_cluster(doc, file="q.yml", folder=str(root), local_hostname="ctl")
-    settings_ = resolve_settings(cluster.workers[0])
-    config = fabric_config()
-    sessions = HostSessions(settings_, config, open_connection(settings_, config))
-    yield cluster, sessions, Path(h.path)
-    sessions.close()
+    conn = open_connection(resolve_settings(cluster.workers[0]))
+    yield cluster, conn, Path(h.path)
+    conn.close()
     lab.stop()
 
 
@@ -77,7 +68,7 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @given(value=values, args=st.lists(values, max_size=4), dirname=dirnames)
 def test_env_values_arguments_and_paths_reach_the_remote_rank_exactly(
         remote: Any, value: str, args: list[str], dirname: str) -> None:
-    cluster, sessions, base = remote
+    cluster, conn, base = remote
     workdir = base / dirname
     workdir.mkdir(exist_ok=True)
     worker = cluster.workers[0]
@@ -87,14 +78,21 @@ def test_env_values_arguments_and_paths_reach_the_remote_rank_exactly(
     cluster = dataclasses.replace(cluster, workers=(worker,))
     plan = build_plan(cluster, argv=["python3", "-c", REPORT, *args], run_id="q",
                       salt=new_salt(), launcher_env={})
-    rank = RankProcess(plan.ranks[0], plan.run_id)
-    collect = Collect()
-    start_remote(rank, plan, collect, sessions)  # type: ignore[arg-type]
-    while rank.poll() is None:
-        time.sleep(0.01)
-    rank.finish()
-    info = rank.poll()
-    assert info is not None and info.ok, collect.lines
-    got = json.loads(collect.lines[-1])
+    inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
+    session = AgentSession("lab1", inbox.put, connection=conn)
+    session.start()
+    session.spec(plan.agent_spec("lab1", start_now=True))
+    out = b""
+    seen: list[reports.Report] = []
+    while True:
+        report = inbox.get(timeout=30)
+        seen.append(report)
+        if isinstance(report, reports.Output) and not report.stderr:
+            out += report.data
+        if isinstance(report, reports.AgentGone):
+            break
+    session.join(5)
+    exits = [r for r in seen if isinstance(r, reports.Exited)]
+    assert exits and exits[0].code == 0, seen
+    got = json.loads(out.decode().splitlines()[-1])
     assert got == {"argv": args, "cwd": str(workdir), "v": value}
-

@@ -30,9 +30,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fdl_fabric.rank as rank_mod
-from fdl_fabric.coordinator import Coordinator, CoordinatorSpec, encode_frame
+from fdl_fabric.coordinator import Coordinator, CoordinatorSpec
 from fdl_fabric.envelope import ENV_CLUSTER_JSON, ENV_LOCAL_RANK, SlimEnvelope
 from fdl_fabric.events import EventBus, EventLog, Kind
+from fdl_fabric.rank import encode_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_PY = ROOT / "fdl_fabric" / "rank.py"
@@ -364,19 +365,25 @@ def test_a_bad_environment_is_named(
         rank_mod.join(timeout=0.1)
 
 
-# -- the duplicated framing -------------------------------------------------------------------
+# -- the framing, one implementation for both ends -------------------------------------------
 @given(st.dictionaries(st.text(max_size=10), st.integers() | st.text(max_size=30) | st.none(),
                        max_size=6),
        st.integers(min_value=0, max_value=2**64 - 1), st.text(min_size=1, max_size=30))
-def test_the_two_copies_of_the_framing_agree(
+def test_a_frame_round_trips_through_a_socket(
         body: dict[str, Any], seq: int, run_id: str) -> None:
     message = {**body, "type": "membership"}
     frame = encode_frame(SALT, run_id, seq, message)
-    assert rank_mod._encode(SALT, run_id, seq, message) == frame
     left, right = socket.socketpair()
     with left, right:
         left.sendall(frame)
-        assert rank_mod._recv(right, bytearray(), SALT, run_id, seq) == message
+        assert rank_mod.receive(right, bytearray(), SALT, run_id, seq) == message
+
+
+def test_the_coordinator_uses_the_rank_modules_framing() -> None:
+    import fdl_fabric.coordinator as coordinator
+
+    assert coordinator.encode_frame is rank_mod.encode_frame
+    assert coordinator.take_frame is rank_mod.take_frame
 
 
 def test_the_rank_module_imports_only_the_standard_library() -> None:

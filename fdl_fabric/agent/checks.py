@@ -1,0 +1,107 @@
+"""The fast pre-flight on this host: facts only, gathered before any rank starts.
+
+What a launch relies on and can fail half-way without: the working directory, the
+program (resolved the way ``execvpe`` will), a ``python3 train.py`` script, free disk,
+and whether this host reaches *this* run's coordinator. The agent reports raw values
+under the names `fdl_fabric.preflight` judges (``path``, ``prog``, ``dial``...), so
+every verdict and its wording live in one place, on the controller.
+
+The coordinator check sends an authenticated ``probe`` frame (the run's salt keys it)
+and checks the authenticated reply, so a different service on that port, or another
+run's coordinator, is told apart from ours.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Dict, Optional
+
+from fdl_fabric import rank
+
+DIAL_TIMEOUT = 3.0
+#: The ``dial`` value when the coordinator answered with this run's key.
+DIAL_OK = "ok"
+
+
+def dir_state(path: str) -> str:
+    """ok, missing, notdir or unreadable: what a rank's ``chdir`` would run into."""
+    if os.path.isdir(path):
+        return "ok" if os.access(path, os.R_OK | os.X_OK) else "unreadable"
+    return "notdir" if os.path.exists(path) else "missing"
+
+
+def _is_exe(path: str) -> str:
+    if os.path.isfile(path) and os.access(path, os.X_OK):
+        return path
+    return "!noexec" if os.path.exists(path) else "!missing"
+
+
+def resolve_program(program: str, cwd: str, path_env: Optional[str]) -> str:
+    """The file ``execvpe`` would run, or ``!missing``/``!noexec``/``!nocwd``."""
+    cwd_ok = os.path.isdir(cwd)
+    if program.startswith("/"):
+        return _is_exe(program)
+    if "/" in program:
+        return _is_exe(os.path.join(cwd, program)) if cwd_ok else "!nocwd"
+    search = path_env if path_env is not None else os.environ.get("PATH", os.defpath)
+    for folder in search.split(os.pathsep):
+        folder = folder or "."
+        candidate = os.path.join(folder if os.path.isabs(folder) else os.path.join(cwd, folder),
+                                 program)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return "!missing"
+
+
+def dial(host: str, port: int, salt: bytes, run_id: str, me: str) -> str:
+    """``ok`` when this run's coordinator answers; ``!reason`` when it cannot be reached."""
+    try:
+        sock = socket.create_connection((host, port), timeout=DIAL_TIMEOUT)
+    except OSError as exc:
+        return "!" + (exc.strerror or str(exc) or type(exc).__name__)
+    try:
+        sock.settimeout(DIAL_TIMEOUT)
+        sock.sendall(rank.encode_frame(salt, run_id, 0, {"type": "probe", "host": me}))
+        buf = bytearray()
+        reply = rank.receive(sock, buf, salt, run_id, 0)
+    except socket.timeout:
+        return f"?no answer within {DIAL_TIMEOUT:g} s"
+    except rank.FrameError as exc:
+        return f"?{exc}"
+    except OSError as exc:
+        return "!" + (exc.strerror or str(exc))
+    finally:
+        sock.close()
+    if reply is None:
+        return "?closed without a reply"
+    return DIAL_OK if reply.get("type") == "probe_ok" else f"?{reply.get('type')}"
+
+
+def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str) -> Dict[str, str]:
+    """Every fact the spec asks for, as ``name -> value`` strings."""
+    values: Dict[str, str] = {}
+    path = os.path.expanduser(str(checks["path"]))
+    values["path"] = dir_state(path)
+    try:
+        st = os.statvfs(path)
+        values["disk_kb"] = str(st.f_bavail * st.f_frsize // 1024)
+    except OSError:
+        values["disk_kb"] = ""
+    cwd = os.path.expanduser(str(checks.get("cwd") or checks["path"]))
+    if checks.get("cwd"):
+        values["cwd"] = dir_state(cwd)
+    program = checks.get("program")
+    if program:
+        values["prog"] = resolve_program(str(program), cwd, checks.get("path_env"))
+    script = checks.get("pyscript")
+    if script:
+        if not os.path.isabs(script) and not os.path.isdir(cwd):
+            values["pyscript"] = "nocwd"
+        else:
+            values["pyscript"] = "ok" if os.path.isfile(os.path.join(cwd, script)) else "missing"
+    target = checks.get("dial")
+    if target:
+        values["dial"] = dial(str(target["host"]), int(target["port"]), salt, run_id, host)
+    values["end"] = "1"
+    return values

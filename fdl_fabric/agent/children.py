@@ -1,0 +1,143 @@
+"""Starting one rank: its own session and process group, stdin /dev/null, two pipes.
+
+The agent forks and execs ranks itself rather than through `subprocess`: it reaps every
+child with one ``waitpid(-1)`` loop (ranks, and the daemons a rank leaves behind, which
+the agent adopts as a child subreaper), and `subprocess.Popen` would race it for exit
+statuses. The child reports an exec failure (errno and step) through a close-on-exec
+pipe, so a missing program is an error at spawn time, as with `subprocess`.
+
+Secrets travel in the environment (readable only by the owner and root), never in argv,
+and argv is passed to ``execve`` as a list: no shell, no quoting, no length limit of
+ours (the kernel's ``ARG_MAX`` still applies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+#: Signals whose disposition a Python parent changes and a child must not inherit.
+_RESET_SIGNALS = ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGINT", "SIGTERM", "SIGHUP", "SIGCHLD",
+                  "SIGUSR1", "SIGUSR2", "SIGQUIT")
+
+
+class SpawnError(Exception):
+    """A rank could not be started; the message says which step failed and why."""
+
+
+@dataclass
+class Child:
+    """A started rank: its pid (also its process group and session id) and its pipes."""
+
+    pid: int
+    start: int
+    stdout: int
+    stderr: int
+
+
+def spawn(argv: Sequence[str], env: Dict[str, str], cwd: str) -> Child:
+    """Fork and exec ``argv`` in ``cwd`` with exactly ``env``, in a new session."""
+    if not argv:
+        raise SpawnError("the command is empty")
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    status_r, status_w = os.pipe2(os.O_CLOEXEC)
+    args: List[bytes] = [os.fsencode(a) for a in argv]
+    envb = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
+    cwd_b = os.fsencode(os.path.expanduser(cwd))
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child; observed through its effects
+        step = "setsid"
+        try:
+            os.setsid()
+            step = "cd"
+            os.chdir(cwd_b)
+            step = "redirect"
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            _close_fds_except(status_w)
+            for name in _RESET_SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            step = "exec"
+            os.execvpe(args[0], args, envb)  # type: ignore[arg-type]
+        except OSError as exc:
+            os.write(status_w, f"{exc.errno or 0}:{step}".encode())
+        except BaseException:
+            os.write(status_w, b"0:exec")
+        os._exit(127)
+    os.close(out_w)
+    os.close(err_w)
+    os.close(status_w)
+    report = b""
+    while True:
+        try:
+            chunk = os.read(status_r, 256)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        report += chunk
+    os.close(status_r)
+    if report:
+        os.close(out_r)
+        os.close(err_r)
+        _reap(pid)
+        code, _, step = report.decode("ascii", "replace").partition(":")
+        raise SpawnError(_describe(int(code or 0), step, argv[0], cwd))
+    started = _start_of(pid)
+    return Child(pid=pid, start=started, stdout=out_r, stderr=err_r)
+
+
+def _describe(code: int, step: str, program: str, cwd: str) -> str:
+    reason = os.strerror(code) if code else "unknown error"
+    if step == "cd":
+        return f"cannot enter the working directory {cwd}: {reason}"
+    if step == "exec" and code == errno.ENOENT:
+        where = "" if "/" in program else " on PATH"
+        return f"{program}: not found{where}"
+    if step == "exec" and code == errno.EACCES:
+        return f"{program}: permission denied (not executable?)"
+    if step == "exec" and code == errno.E2BIG:
+        return f"{program}: argument list too long for this host's kernel ({reason})"
+    return f"{program}: {step} failed: {reason}"
+
+
+def _reap(pid: int) -> None:
+    while True:
+        try:
+            os.waitpid(pid, 0)
+            return
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            return
+
+
+def _start_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _close_fds_except(keep: int) -> None:  # pragma: no cover - runs in the child
+    """Close every fd from 3 up but ``keep``: a rank inherits nothing of the agent's."""
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = list(range(3, 1024))
+    for fd in fds:
+        if fd >= 3 and fd != keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)

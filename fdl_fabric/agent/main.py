@@ -1,0 +1,569 @@
+"""The agent's event loop: one select loop over its input, its ranks and its signals.
+
+One process per host (flodl 0.7.0's agent phase). It reads a spec on its stdin, runs
+the host's fast pre-flight and sweeps this cluster's leftovers, starts every rank in
+its own session, forwards their output as whole lines, reports each exit the moment
+it is reaped, and at the end makes sure nothing of the run is left on the host.
+
+It is single-threaded on purpose: it forks ranks and its watchdog, which is only safe
+without threads, and one ``select`` over stdin, the rank pipes, stdout and a signal
+wake-up pipe needs no locking. Nothing here polls on a timer: a rank's exit arrives as
+SIGCHLD through `signal.set_wakeup_fd`, and the loop sleeps until something happens
+(or until a kill grace runs out).
+
+The leash: when its input reaches EOF (the launcher is gone, or the connection
+dropped), or it receives HUP, TERM or INT, the agent sends TERM to every rank's process
+group, KILL after the kill grace, then verifies and exits. If the agent itself is
+SIGKILLed, its watchdog does the same (see `watchdog`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import select
+import selectors
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from fdl_fabric.agent import checks, children, lines, procs, watchdog, wire
+
+#: Frames waiting for the launcher beyond this many bytes pause reading rank output,
+#: so a launcher that reads slowly slows the ranks down instead of growing the agent.
+HIGH_WATER = 4 * 1024 * 1024
+#: Bytes read from a rank pipe at once.
+READ_SIZE = 64 * 1024
+#: Bytes written to the launcher per write call.
+WRITE_SIZE = 256 * 1024
+
+EXIT_OK = 0
+EXIT_PROTOCOL = 3
+EXIT_INTERNAL = 4
+
+_INTERNAL_PREFIX = "FLODL_INTERNAL_"
+ENV_CLUSTER_JSON = "FLODL_INTERNAL_CLUSTER_JSON"
+
+
+@dataclass
+class RankProc:
+    """One rank this agent started."""
+
+    rank: int
+    pid: int
+    start: int
+    open_streams: int = 2
+    status: Optional[int] = None
+    reported: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.status is None
+
+
+@dataclass
+class Stream:
+    rank: RankProc
+    kind: int
+    splitter: lines.LineSplitter = field(
+        default_factory=lambda: lines.LineSplitter(wire.MAX_LINE_PIECE))
+
+
+class Agent:
+    """The agent of one host; `run` returns its exit status."""
+
+    def __init__(self, rfd: int = 0, wfd: int = 1) -> None:
+        self.rfd = rfd
+        self.wfd = wfd
+        self.reader = wire.Reader(wire.DOWN_TYPES)
+        self.out = bytearray()
+        self.sel = selectors.DefaultSelector()
+        self.spec: Optional[Dict[str, Any]] = None
+        self.ranks: Dict[int, RankProc] = {}
+        self.by_pid: Dict[int, RankProc] = {}
+        self.streams: Dict[int, Stream] = {}
+        self.paused = False
+        self.input_open = True
+        self.output_open = True
+        self.stopping = False
+        self.kill_at: Optional[float] = None
+        self.killed = False
+        self.started = False
+        self.finished = False
+        self.interrupts = 0
+        self.watchdog: Optional[watchdog.Watchdog] = None
+        self.exit_code = EXIT_OK
+        self._wake_r, self._wake_w = os.pipe()
+
+    # -- setup ----------------------------------------------------------------------------
+    def _install(self) -> None:
+        for fd in (self.rfd, self.wfd, self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGCHLD, signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _noop)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        _become_subreaper()
+        self.sel.register(self.rfd, selectors.EVENT_READ, "in")
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+
+    def hello(self) -> None:
+        self.out += wire.HANDSHAKE
+        self.send(wire.HELLO, {
+            "version": wire.VERSION, "pid": os.getpid(),
+            "python": platform.python_version(), "system": platform.system(),
+            "machine": platform.machine(),
+        })
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self) -> int:
+        self._install()
+        self.hello()
+        try:
+            while not self.finished:
+                self._step()
+        except Exception:
+            self.exit_code = EXIT_INTERNAL
+            self._error("agent crashed: " + traceback.format_exc(limit=5).strip())
+            self._leash_now()
+        self._flush_blocking()
+        return self.exit_code
+
+    def _step(self) -> None:
+        self._update_registrations()
+        timeout: Optional[float] = None
+        if self.kill_at is not None and not self.killed:
+            timeout = max(0.0, self.kill_at - time.monotonic())
+        for key, _ in self.sel.select(timeout):
+            what = key.data
+            if what == "in":
+                self._read_input()
+            elif what == "wake":
+                self._read_signals()
+            elif what == "out":
+                self._write_output()
+            else:
+                self._read_rank(key.fd)
+        self._reap()
+        if self.kill_at is not None and not self.killed and time.monotonic() >= self.kill_at:
+            self._kill_all()
+        self._maybe_finish()
+        if self.out and self.output_open:
+            self._write_output()  # most writes fit the pipe: no need to wait for select
+
+    def _update_registrations(self) -> None:
+        want_out = bool(self.out) and self.output_open
+        registered = self.sel.get_map()
+        if want_out and self.wfd not in registered:
+            self.sel.register(self.wfd, selectors.EVENT_WRITE, "out")
+        elif not want_out and self.wfd in registered:
+            self.sel.unregister(self.wfd)
+        pause = len(self.out) > HIGH_WATER
+        if pause != self.paused:
+            self.paused = pause
+            for fd, stream in self.streams.items():
+                if pause:
+                    self.sel.unregister(fd)
+                else:
+                    self.sel.register(fd, selectors.EVENT_READ, stream)
+
+    # -- output to the launcher -------------------------------------------------------------
+    def send(self, kind: int, obj: Optional[Dict[str, Any]] = None) -> None:
+        if self.output_open:
+            self.out += wire.message(kind, obj)
+
+    def _error(self, text: str, rank: Optional[int] = None) -> None:
+        self.send(wire.ERROR, {"message": text, "rank": rank})
+
+    def _write_output(self) -> None:
+        while self.out:
+            try:
+                n = os.write(self.wfd, self.out[:WRITE_SIZE])
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError:  # the launcher's end is gone (EPIPE): nobody to report to
+                self.output_open = False
+                self.out.clear()
+                self._leash()
+                return
+            del self.out[:n]
+
+    def _flush_blocking(self) -> None:
+        """Before exiting: hand everything to the launcher (or give up once it is gone)."""
+        deadline = time.monotonic() + 10.0
+        while self.out and self.output_open:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._write_output()
+            if self.out:
+                with contextlib.suppress(OSError, ValueError):
+                    select.select([], [self.wfd], [], min(remaining, 0.5))
+
+    # -- input from the launcher ------------------------------------------------------------
+    def _read_input(self) -> None:
+        while True:
+            try:
+                data = os.read(self.rfd, 65536)
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.input_open = False
+                self.sel.unregister(self.rfd)
+                self._leash()
+                return
+            try:
+                frames = self.reader.feed(data)
+            except wire.ProtocolError as exc:
+                self._protocol_error(str(exc))
+                return
+            for kind, body in frames:
+                try:
+                    self._handle(kind, body)
+                except wire.ProtocolError as exc:
+                    self._protocol_error(str(exc))
+                    return
+
+    def _protocol_error(self, reason: str) -> None:
+        self._error(f"protocol error from the launcher: {reason}")
+        self.exit_code = EXIT_PROTOCOL
+        if self.input_open:
+            self.input_open = False
+            self.sel.unregister(self.rfd)
+        self._leash()
+
+    def _handle(self, kind: int, body: bytes) -> None:
+        if kind == wire.SPEC:
+            self._on_spec(wire.parse_json(body))
+        elif kind == wire.PROBE:
+            self._on_probe(wire.parse_json(body))
+        elif kind == wire.START:
+            self._spawn_all()
+        elif kind == wire.SIGNAL:
+            obj = wire.parse_json(body)
+            name = obj.get("signal")
+            if name not in wire.SIGNALS:
+                raise wire.ProtocolError(f"cannot forward signal {name!r}")
+            self._signal(getattr(signal, "SIG" + str(name)), obj.get("rank"))
+        elif kind == wire.STOP:
+            self._leash()
+        elif kind == wire.KILL:
+            self.stopping = True
+            self._kill_all()
+        elif kind == wire.SWEEP:
+            self._on_sweep(wire.parse_json(body))
+
+    # -- spec, probe, pre-flight, sweep -----------------------------------------------------
+    def _on_spec(self, spec: Dict[str, Any]) -> None:
+        if self.spec is not None:
+            raise wire.ProtocolError("a second spec")
+        if spec.get("version") != wire.VERSION:
+            raise wire.ProtocolError(f"spec version {spec.get('version')!r}, agent speaks "
+                                     f"{wire.VERSION}")
+        for key in ("run_id", "cluster", "host", "cwd", "argv", "env", "ranks", "kill_grace"):
+            if key not in spec:
+                raise wire.ProtocolError(f"spec lacks {key!r}")
+        self.spec = spec
+        envelope = _decode_envelope(str(spec.get("envelope", "")))
+        if spec.get("checks"):
+            values = checks.gather(spec["checks"], bytes.fromhex(envelope.get("salt", "00" * 16)),
+                                   str(spec["run_id"]), str(spec["host"]))
+            self.send(wire.PREFLIGHT, {"values": values})
+        if spec.get("cluster"):
+            self.send(wire.SWEPT, procs.sweep(cluster=str(spec["cluster"]),
+                                              keep=str(spec["run_id"])))
+        if spec.get("start_now"):
+            self._spawn_all()
+
+    def _on_probe(self, request: Dict[str, Any]) -> None:
+        facts: Dict[str, Any] = {}
+        if request.get("gpus"):
+            facts.update(_gpus())
+        self.send(wire.FACTS, facts)
+
+    def _on_sweep(self, request: Dict[str, Any]) -> None:
+        report = procs.sweep(runs=[str(r) for r in request.get("runs") or []],
+                             cluster=request.get("cluster"), all_runs=bool(request.get("all")),
+                             pattern=request.get("pattern"))
+        self.send(wire.SWEPT, report)
+        self.send(wire.DONE)
+        self.finished = True
+
+    # -- ranks ------------------------------------------------------------------------------
+    def _spawn_all(self) -> None:
+        spec = self.spec
+        if spec is None:
+            raise wire.ProtocolError("start before spec")
+        if self.started or self.stopping:
+            return
+        self.started = True
+        run_id, host = str(spec["run_id"]), str(spec["host"])
+        self.watchdog = watchdog.start(run_id, host, float(spec["kill_grace"]))
+        base = {k: v for k, v in os.environ.items() if not k.startswith(_INTERNAL_PREFIX)}
+        base.update(spec["env"])
+        if spec.get("envelope"):
+            base[ENV_CLUSTER_JSON] = str(spec["envelope"])
+        argv = [str(a) for a in spec["argv"]]
+        for entry in spec["ranks"]:
+            rank = int(entry["rank"])
+            env = dict(base)
+            env.update(entry.get("env") or {})
+            try:
+                child = children.spawn(argv, env, str(spec["cwd"]))
+            except children.SpawnError as exc:
+                self.send(wire.SPAWN_FAILED, {"rank": rank, "reason": str(exc)})
+                self._leash()  # all or none: stop what this host already started
+                break
+            proc = RankProc(rank=rank, pid=child.pid, start=child.start)
+            self.ranks[rank] = proc
+            self.by_pid[child.pid] = proc
+            for fd, kind in ((child.stdout, wire.STDOUT), (child.stderr, wire.STDERR)):
+                os.set_blocking(fd, False)
+                stream = Stream(proc, kind)
+                self.streams[fd] = stream
+                if not self.paused:
+                    self.sel.register(fd, selectors.EVENT_READ, stream)
+            if self.watchdog is not None:
+                self.watchdog.watch(child.pid, child.start)
+            self.send(wire.SPAWNED, {"rank": rank, "pid": child.pid})
+        self._write_record()
+
+    def _write_record(self) -> None:
+        spec = self.spec
+        assert spec is not None
+        record = {"version": procs.RECORD_VERSION, "run": spec["run_id"],
+                  "cluster": spec["cluster"], "host": spec["host"], "agent": os.getpid(),
+                  "ranks": [{"rank": p.rank, "pid": p.pid, "start": p.start}
+                            for p in self.ranks.values()]}
+        try:
+            procs.write_record(record)
+        except (OSError, procs.RegistryError, ValueError) as exc:
+            self._error(f"cannot write the run registry ({exc}); `inv cleanup` will not know "
+                        "this run")
+
+    def _read_rank(self, fd: int) -> None:
+        stream = self.streams.get(fd)
+        if stream is None:
+            return
+        for _ in range(16):  # bounded, so one chatty rank cannot starve the loop
+            try:
+                data = os.read(fd, READ_SIZE)
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self._close_stream(fd, stream)
+                return
+            for chunk, partial in stream.splitter.feed(data):
+                self._send_output(stream, chunk, partial)
+            if len(self.out) > HIGH_WATER:
+                return
+
+    def _send_output(self, stream: Stream, chunk: bytes, partial: bool) -> None:
+        if self.output_open:
+            self.out += wire.output(stream.rank.rank, stream.kind, chunk, partial)
+
+    def _close_stream(self, fd: int, stream: Stream) -> None:
+        for chunk, partial in stream.splitter.flush():
+            self._send_output(stream, chunk, partial)
+        if not self.paused:
+            self.sel.unregister(fd)
+        del self.streams[fd]
+        os.close(fd)
+        stream.rank.open_streams -= 1
+
+    def _drain_rank(self, proc: RankProc) -> None:
+        """Forward what the rank wrote before it exited, so its output precedes its exit."""
+        for fd, stream in list(self.streams.items()):
+            if stream.rank is proc:
+                self._read_rank(fd)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            except InterruptedError:
+                continue
+            if pid == 0:
+                return
+            proc = self.by_pid.get(pid)
+            if proc is None:
+                continue  # an adopted orphan (subreaper) or the watchdog
+            proc.status = status
+            self._drain_rank(proc)
+            code: Optional[int] = None
+            sig: Optional[int] = None
+            if os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+            else:
+                code = os.WEXITSTATUS(status)
+            proc.reported = True
+            self.send(wire.EXITED, {"rank": proc.rank, "code": code, "signal": sig})
+
+    def _signal(self, sig: int, rank: Optional[Any]) -> None:
+        for proc in self.ranks.values():
+            if proc.running and (rank is None or rank == proc.rank):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+
+    # -- stopping ---------------------------------------------------------------------------
+    def _leash(self) -> None:
+        """Graceful stop of everything: TERM now, KILL after the kill grace."""
+        if self.stopping:
+            return
+        self.stopping = True
+        grace = float(self.spec["kill_grace"]) if self.spec else 0.0
+        self._signal(signal.SIGTERM, None)
+        if self.spec is not None:
+            procs.signal_pids(self._strays(), signal.SIGTERM)
+        self.kill_at = time.monotonic() + grace
+
+    def _leash_now(self) -> None:
+        self.stopping = True
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        self.killed = True
+        self._signal(signal.SIGKILL, None)
+        if self.spec is not None:
+            procs.signal_pids(self._strays(), signal.SIGKILL)
+
+    def _strays(self) -> List[int]:
+        """Processes of the run on this host outside the live ranks' groups."""
+        spec = self.spec
+        if spec is None or not self.started:
+            return []
+        live = {p.pid for p in self.ranks.values() if p.running}
+        found = procs.carriers(str(spec["run_id"]), str(spec["host"]))
+        return [pid for pid in found if _pgid(pid) not in live]
+
+    def _read_signals(self) -> None:
+        try:
+            data = os.read(self._wake_r, 1024)
+        except (BlockingIOError, InterruptedError):
+            return
+        for signum in data:
+            if signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+                if signum == signal.SIGINT:
+                    self.interrupts += 1
+                if self.stopping and self.interrupts >= 2:
+                    self._kill_all()
+                self._leash()
+
+    # -- the end ----------------------------------------------------------------------------
+    def _maybe_finish(self) -> None:
+        if self.finished:
+            return
+        if self.started:
+            if any(p.running for p in self.ranks.values()):
+                return
+            self._verify()
+            self.finished = True
+            return
+        if self.stopping or not self.input_open:
+            # Nothing was started (pre-flight failed, or the launcher went away first).
+            self.send(wire.DONE)
+            self.finished = True
+
+    def _verify(self) -> None:
+        """After the last rank: stop whatever of the run is left here, and say so."""
+        spec = self.spec
+        assert spec is not None
+        run_id, host = str(spec["run_id"]), str(spec["host"])
+        left = procs.carriers(run_id, host)
+        remaining: List[int] = []
+        stopped = procs.describe(left)
+        if left:
+            grace = min(float(spec["kill_grace"]), procs.SWEEP_GRACE) if not self.killed else 0.0
+            remaining = procs.stop(lambda: procs.carriers(run_id, host), grace)
+        if not remaining:
+            procs.remove_record(run_id)
+        # Output that leftovers wrote before they were stopped still belongs to the run.
+        for fd, stream in list(self.streams.items()):
+            self._read_rank(fd)
+            if fd in self.streams:
+                self._close_stream(fd, stream)
+        self.send(wire.VERIFIED, {"stopped": stopped, "remaining": procs.describe(remaining)})
+        if self.watchdog is not None:
+            self.watchdog.done()
+        self.send(wire.DONE)
+
+
+def _noop(signum: int, frame: Any) -> None:
+    """Signals only wake the loop (through the wake-up fd); the loop decides."""
+
+
+def _pgid(pid: int) -> int:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return -1
+
+
+def _become_subreaper() -> None:
+    """Adopt orphans (a rank's double-forked daemons) instead of letting init have them."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        pass
+
+
+def _decode_envelope(text: str) -> Dict[str, Any]:
+    if not text:
+        return {}
+    import json
+
+    try:
+        obj = json.loads(bytes.fromhex(text).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise wire.ProtocolError(f"the envelope is not hex JSON: {exc}") from None
+    return obj if isinstance(obj, dict) else {}
+
+
+def _gpus() -> Dict[str, Any]:
+    import subprocess
+
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=10,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"gpus": None, "gpu_error": str(exc)}
+    text = proc.stdout.decode("utf-8", "replace")
+    found = [int(x) for x in text.split() if x.strip().isdigit()]
+    if proc.returncode != 0 or not found:
+        return {"gpus": None, "gpu_error": text.strip()[:200] or f"status {proc.returncode}"}
+    return {"gpus": found}
+
+
+def main() -> int:
+    """Entry point of the shipped agent (see `fdl_fabric.bundle`)."""
+    try:
+        return Agent().run()
+    except KeyboardInterrupt:  # pragma: no cover - signals are handled by the loop
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+
+
+__all__ = ["Agent", "main"]

@@ -1,0 +1,355 @@
+"""Which processes belong to a run, the run registry, and stopping them. Only ours.
+
+A process belongs to a run on this host when either
+
+* it is in the process group of one of the run's ranks while that rank's leader is
+  still the process the agent started (same pid *and* same start time, so a recycled
+  pid is never mistaken for it), or
+* it carries the run's id in its environment (``FLODL_INTERNAL_RUN_ID``), and no other
+  host name (``FLODL_HOST_NAME``): every rank gets both, and children inherit them,
+  including daemons that left the rank's group with ``setsid`` or a double fork. The
+  host name matters only where several logical hosts share one machine (the test lab);
+  a process of the run that dropped it still counts.
+
+Nothing is ever selected by command line (DeepSpeed's ``pkill -f`` cleanup killed other
+users' jobs, DeepSpeed#6807), except behind an explicit ``--pattern``.
+
+The registry is one JSON file per run and host, ``/tmp/fdl-fabric-<uid>/<run>.json``
+(folder 0700, file 0600), written by the agent alone, atomically. JSON rather than
+``key=value`` text: no field value, such as a host name, can forge another field.
+``inv cleanup`` and the agent's pre-spawn sweep read it to find runs that outlived their
+launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
+
+ENV_RUN_ID = "FLODL_INTERNAL_RUN_ID"
+ENV_HOST_NAME = "FLODL_HOST_NAME"
+#: Seconds between TERM and KILL when a sweep stops leftovers (the seed's `sleep 1`).
+SWEEP_GRACE = 1.0
+#: Seconds a sweep keeps sending KILL before it calls what survives a leftover.
+KILL_WAIT = 2.0
+#: How often a stop looks again at what is left.
+STOP_POLL = 0.02
+RECORD_VERSION = 1
+
+
+def registry_dir() -> str:
+    """The per-user registry folder on this host."""
+    return f"/tmp/fdl-fabric-{os.getuid()}"
+
+
+# -- /proc ----------------------------------------------------------------------------------
+def proc_stat(pid: int) -> Optional[tuple]:  # type: ignore[type-arg]
+    """(pgid, start time in clock ticks since boot, state letter) of a process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    return int(fields[2]), int(fields[19]), fields[0].decode("ascii", "replace")
+
+
+def start_time(pid: int) -> Optional[int]:
+    st = proc_stat(pid)
+    return None if st is None else int(st[1])
+
+
+def alive(pid: int) -> bool:
+    st = proc_stat(pid)
+    return st is not None and st[2] not in ("Z", "X")
+
+
+def _environ(pid: int) -> Optional[List[bytes]]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return fh.read().split(b"\0")
+    except OSError:
+        return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _own_pids() -> List[int]:
+    """Pids of this user's processes, except this process and its ancestors."""
+    uid = os.getuid()
+    skip = _lineage()
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if pid in skip:
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+        except OSError:
+            continue
+        pids.append(pid)
+    return pids
+
+
+def _lineage() -> Set[int]:
+    pids = {os.getpid()}
+    pid = os.getppid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                data = fh.read()
+            pid = int(data[data.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
+def carriers(run_id: str, host: str) -> List[int]:
+    """Live processes carrying this run's id and no other host's name (see the docstring)."""
+    run = f"{ENV_RUN_ID}={run_id}".encode()
+    mine = f"{ENV_HOST_NAME}={host}".encode()
+    prefix = f"{ENV_HOST_NAME}=".encode()
+    found = []
+    for pid in _own_pids():
+        env = _environ(pid)
+        if env is None or run not in env:
+            continue
+        other = [e for e in env if e.startswith(prefix)]
+        if other and mine not in other:
+            continue
+        if alive(pid):
+            found.append(pid)
+    return found
+
+
+def group_members(pgid: int, leader_start: int) -> List[int]:
+    """Live members of a rank's process group while its leader is still the one we started."""
+    leader = proc_stat(pgid)
+    if leader is None or leader[1] != leader_start or leader[2] in ("Z", "X"):
+        return []
+    found = []
+    for pid in _own_pids():
+        st = proc_stat(pid)
+        if st is not None and st[0] == pgid and st[2] not in ("Z", "X"):
+            found.append(pid)
+    return found
+
+
+# -- stopping -------------------------------------------------------------------------------
+def signal_pids(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def stop(current: Callable[[], List[int]], grace: float,
+         wait: Callable[[float], None] = time.sleep) -> List[int]:
+    """TERM what ``current()`` names, KILL what is still there after ``grace``.
+
+    ``current`` is asked again at every step: a process being stopped may start others
+    (a TERM handler that uploads a checkpoint), and those belong to the run too. Returns
+    what survived KILL for `KILL_WAIT` seconds (stuck in the kernel, for example).
+    ``wait`` lets the agent keep serving its event loop instead of sleeping.
+    """
+    termed: Set[int] = set()
+    deadline = time.monotonic() + grace
+    while True:
+        pids = current()
+        if not pids:
+            return []
+        fresh = [p for p in pids if p not in termed]
+        signal_pids(fresh, signal.SIGTERM)
+        termed.update(fresh)
+        if time.monotonic() >= deadline:
+            break
+        wait(STOP_POLL)
+    deadline = time.monotonic() + KILL_WAIT
+    while True:
+        pids = current()
+        if not pids:
+            return []
+        signal_pids(pids, signal.SIGKILL)
+        if time.monotonic() >= deadline:
+            return pids
+        wait(STOP_POLL)
+
+
+# -- the registry ---------------------------------------------------------------------------
+class RegistryError(Exception):
+    """The registry folder cannot be trusted (another owner, a symlink)."""
+
+
+def _checked_dir(folder: str, create: bool) -> bool:
+    """True when ``folder`` is usable; creates it 0700 if asked. Refuses foreign folders."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return False
+    import stat as _stat
+
+    if _stat.S_ISLNK(st.st_mode) or not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RegistryError(f"{folder} is not a folder owned by this user; refusing to use it")
+    if st.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    return True
+
+
+def record_path(run_id: str, folder: Optional[str] = None) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id):
+        raise ValueError(f"not a run id: {run_id!r}")
+    return os.path.join(folder or registry_dir(), run_id + ".json")
+
+
+def write_record(record: Dict[str, Any], folder: Optional[str] = None) -> str:
+    """Write (or replace) a run's record atomically, 0600. Returns its path."""
+    folder = folder or registry_dir()
+    _checked_dir(folder, create=True)
+    path = record_path(str(record["run"]), folder)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, json.dumps(record, sort_keys=True).encode("utf-8"))
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def remove_record(run_id: str, folder: Optional[str] = None) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        os.unlink(record_path(run_id, folder))
+
+
+def read_records(folder: Optional[str] = None) -> tuple:  # type: ignore[type-arg]
+    """(records, problems): every readable run record, and why others were skipped."""
+    folder = folder or registry_dir()
+    if not _checked_dir(folder, create=False):
+        return [], []
+    records: List[Dict[str, Any]] = []
+    problems: List[str] = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as fh:
+                data = json.loads(fh.read(1 << 20).decode("utf-8"))
+            record = _valid_record(data)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path}: unreadable record ({exc})")
+            continue
+        record["path"] = path
+        records.append(record)
+    return records, problems
+
+
+def _valid_record(data: Any) -> Dict[str, Any]:
+    """Check a record's shape: every field the sweep relies on, with its type."""
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    for key in ("run", "cluster", "host"):
+        if not isinstance(data.get(key), str):
+            raise ValueError(f"{key!r} is not a string")
+    ranks = data.get("ranks")
+    if not isinstance(ranks, list):
+        raise ValueError("'ranks' is not a list")
+    for r in ranks:
+        if not isinstance(r, dict) or not all(
+                isinstance(r.get(k), int) and not isinstance(r.get(k), bool)
+                for k in ("rank", "pid", "start")):
+            raise ValueError("a rank entry lacks integer rank, pid or start")
+    record_path(data["run"])  # a run id that is a safe file name
+    return dict(data)
+
+
+def record_members(record: Dict[str, Any]) -> List[int]:
+    """Every live process of a recorded run on this host (see the module docstring)."""
+    found: Set[int] = set()
+    for r in record["ranks"]:
+        found.update(group_members(int(r["pid"]), int(r["start"])))
+    found.update(carriers(record["run"], record["host"]))
+    return sorted(found)
+
+
+def describe(pids: Sequence[int]) -> List[Dict[str, Any]]:
+    return [{"pid": p, "cmdline": cmdline(p)[:200]} for p in pids]
+
+
+def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: bool = False,
+          pattern: Optional[str] = None, grace: float = SWEEP_GRACE,
+          folder: Optional[str] = None, keep: Optional[str] = None,
+          wait: Callable[[float], None] = time.sleep) -> Dict[str, Any]:
+    """Stop the recorded runs selected by id, cluster key or ``all_runs``; verify; report.
+
+    A record whose processes are all gone is removed. ``keep`` is a run never selected:
+    the run the sweeping agent belongs to, whose other hosts may share this machine's
+    registry and be starting right now. With ``pattern``, processes whose command line
+    matches the regex are stopped too, like ``pkill -f``: an explicit opt-in, since it
+    can hit processes fdl-fabric did not start.
+    """
+    report: Dict[str, Any] = {"stopped": [], "leftovers": [], "stale": 0, "errors": []}
+    try:
+        records, problems = read_records(folder)
+    except RegistryError as exc:
+        report["errors"].append(str(exc))
+        records, problems = [], []
+    report["errors"].extend(problems)
+    wanted = set(runs)
+    selected = [r for r in records if r["run"] != keep and (
+        all_runs or r["run"] in wanted or (cluster and r["cluster"] == cluster))]
+    targets = []
+    for rec in selected:
+        pids = record_members(rec)
+        if pids:
+            targets.append(rec)
+            report["stopped"].append({"run": rec["run"], "host": rec["host"],
+                                      "ranks": sorted(r["rank"] for r in rec["ranks"]),
+                                      "pids": pids})
+        else:
+            report["stale"] += 1
+    hits: List[int] = []
+    if pattern:
+        regex = re.compile(pattern)
+        hits = [p for p in _own_pids() if alive(p) and regex.search(cmdline(p))]
+        if hits:
+            report["stopped"].append({"pattern": pattern, "pids": hits,
+                                      "cmdlines": [cmdline(p)[:200] for p in hits]})
+
+    def current() -> List[int]:
+        pids: Set[int] = set(p for p in hits if alive(p))
+        for rec in targets:
+            pids.update(record_members(rec))
+        return sorted(pids)
+
+    stop(current, grace, wait)
+    for rec in selected:
+        left = record_members(rec)
+        if left:
+            report["leftovers"].append({"run": rec["run"], "host": rec["host"],
+                                        "processes": describe(left)})
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(rec["path"])
+    left_hits = [p for p in hits if alive(p)]
+    if left_hits:
+        report["leftovers"].append({"pattern": pattern, "processes": describe(left_hits)})
+    return report

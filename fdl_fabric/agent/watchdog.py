@@ -1,0 +1,124 @@
+"""The leash's backstop: stops the host's ranks if the agent itself is SIGKILLed.
+
+The agent stops its ranks when the launcher goes away (EOF on its input) or when it
+is told to. A SIGKILLed agent can do nothing, so before it starts any rank it forks
+this watchdog: a separate process, in its own session (a terminal's Ctrl-C does not
+reach it), holding the read end of a pipe from the agent. The agent writes each
+rank's process group (pid and start time) to the pipe as it starts it, and ``done``
+when it exits normally. If the pipe reaches EOF without ``done``, the agent died:
+the watchdog sends TERM to every process of the run on this host, KILL after the
+kill grace, removes the run's record and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from typing import List, Optional, Set, Tuple
+
+from fdl_fabric.agent import procs
+
+
+class Watchdog:
+    """The agent's handle on its watchdog process."""
+
+    def __init__(self, pid: int, fd: int) -> None:
+        self.pid = pid
+        self._fd = fd
+
+    def watch(self, pgid: int, start: int) -> None:
+        """Tell the watchdog about a rank's process group."""
+        self._write(f"{pgid} {start}\n")
+
+    def done(self) -> None:
+        """The agent is exiting normally: nothing is left for the watchdog to do."""
+        self._write("done\n")
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+
+    def _write(self, text: str) -> None:
+        if self._fd < 0:
+            return
+        try:
+            os.write(self._fd, text.encode("ascii"))
+        except OSError:  # the watchdog is gone; the agent carries on without it
+            self.close()
+
+
+def start(run_id: str, host: str, kill_grace: float) -> Optional[Watchdog]:
+    """Fork the watchdog; None if it cannot be started (the agent still works)."""
+    try:
+        read_fd, write_fd = os.pipe()
+    except OSError:
+        return None
+    os.set_inheritable(write_fd, False)
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_fd)
+        os.close(write_fd)
+        return None
+    if pid == 0:  # pragma: no cover - the watchdog process; tested through its effects
+        code = 0
+        try:
+            os.close(write_fd)
+            _detach(read_fd)
+            _run(read_fd, run_id, host, kill_grace)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    os.close(read_fd)
+    return Watchdog(pid, write_fd)
+
+
+def _detach(keep: int) -> None:  # pragma: no cover - runs in the watchdog
+    """Own session, no terminal signals, no inherited fds (sshd must not wait for us)."""
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd != keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _run(fd: int, run_id: str, host: str, kill_grace: float) -> None:  # pragma: no cover
+    groups: List[Tuple[int, int]] = []
+    buf = b""
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except InterruptedError:
+            continue
+        if not data:
+            break
+        buf += data
+        *lines, rest = buf.split(b"\n")
+        buf = rest
+        for line in lines:
+            if line == b"done":
+                return
+            parts = line.split()
+            if len(parts) == 2:
+                groups.append((int(parts[0]), int(parts[1])))
+
+    def current() -> List[int]:
+        found: Set[int] = set(procs.carriers(run_id, host))
+        for pgid, start in groups:
+            found.update(procs.group_members(pgid, start))
+        return sorted(found)
+
+    procs.stop(current, kill_grace)
+    procs.remove_record(run_id)

@@ -1,0 +1,195 @@
+"""The protocol between the launcher and one agent: length-prefixed frames on a byte stream.
+
+It assumes nothing but an ordered byte stream in each direction (the agent's stdin and
+stdout), so the same frames can later ride an ``srun`` step's stdio or a TCP dial-in.
+docs/protocol.md is the contract; this module is its only implementation, used by both
+ends.
+
+Frame::
+
+    +-------------------------+----------+---------------------------+
+    | length (u32 big-endian) | type (u8)| body (length - 1 bytes)   |
+    +-------------------------+----------+---------------------------+
+
+``length`` counts the type byte and the body, and is at most `MAX_FRAME`; a larger
+value is a protocol error as soon as its four bytes arrive, so a peer can never make
+the other side allocate more. Bodies are compact UTF-8 JSON objects, except `OUTPUT`,
+which is binary (rank output must not pay for JSON escaping).
+
+Before its first frame the agent writes `HANDSHAKE` (which carries the protocol
+version). Anything a login shell prints before it (an rc file's banner) is skipped by
+the launcher, up to `MAX_NOISE` bytes, and reported; a different version is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+#: Protocol version; the handshake carries it and the spec repeats it.
+VERSION = 1
+#: What the agent writes first. The NUL bytes keep it from ever matching rc-file text.
+HANDSHAKE_PREFIX = b"\x00\x00FDL-AGENT/"
+HANDSHAKE = HANDSHAKE_PREFIX + str(VERSION).encode() + b"\n"
+#: Bytes of login-shell noise tolerated before the handshake.
+MAX_NOISE = 64 * 1024
+#: Largest frame (type + body), in either direction.
+MAX_FRAME = 16 * 1024 * 1024
+#: Largest piece of one output line forwarded at once; longer lines arrive in pieces.
+MAX_LINE_PIECE = 1024 * 1024
+
+_LENGTH = struct.Struct(">I")
+_OUTPUT_HEAD = struct.Struct(">IBB")
+
+# -- frame types, launcher -> agent ---------------------------------------------------------
+SPEC = 1  #: the run: ranks, env, envelope, kill grace, ... (JSON)
+START = 2  #: pre-flight passed everywhere: spawn the ranks
+SIGNAL = 3  #: {"signal": "USR1", "rank": null | int}: forward to one rank's group or all
+STOP = 4  #: graceful stop of every rank: TERM, KILL after the kill grace
+KILL = 5  #: KILL every rank's group now
+PROBE = 6  #: {"gpus": true}: report facts needed before the plan exists
+SWEEP = 7  #: {"runs": [...], "cluster": k, "all": bool, "pattern": p}: cleanup only
+
+# -- frame types, agent -> launcher ---------------------------------------------------------
+HELLO = 64  #: {"version", "pid", "python", "system", "machine"}
+FACTS = 65  #: {"gpus": [int] | null, "gpu_error": str}
+PREFLIGHT = 66  #: {"values": {name: value}}: raw facts; verdicts are the launcher's
+SWEPT = 67  #: {"stopped": [...], "leftovers": [...], "errors": [...], "stale": n}
+SPAWNED = 68  #: {"rank", "pid"}: the rank's pid, also its process group and session
+OUTPUT = 69  #: binary: rank u32, stream u8 (1 out, 2 err), flags u8, then the bytes
+EXITED = 70  #: {"rank", "code": int | null, "signal": int | null}
+VERIFIED = 71  #: {"stopped": [...], "remaining": [...]}: nothing of the run is left
+ERROR = 72  #: {"message", "rank": int | null}: a problem the agent reports and survives
+SPAWN_FAILED = 73  #: {"rank", "reason"}: the host's ranks were not (all) started
+DONE = 74  #: {}: the agent is about to exit normally
+
+DOWN_TYPES: FrozenSet[int] = frozenset({SPEC, START, SIGNAL, STOP, KILL, PROBE, SWEEP})
+UP_TYPES: FrozenSet[int] = frozenset({HELLO, FACTS, PREFLIGHT, SWEPT, SPAWNED, OUTPUT, EXITED,
+                                      VERIFIED, ERROR, SPAWN_FAILED, DONE})
+
+STDOUT = 1
+STDERR = 2
+#: OUTPUT flag: the bytes do not end with a newline (a long line's piece, or a last line).
+PARTIAL = 1
+
+#: Signals a launcher may forward with SIGNAL.
+SIGNALS = ("TERM", "KILL", "INT", "HUP", "USR1", "USR2")
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol; the stream cannot be trusted any more."""
+
+
+def frame(kind: int, body: bytes = b"") -> bytes:
+    """One frame of ``kind`` with ``body``."""
+    size = len(body) + 1
+    if size > MAX_FRAME:
+        raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _LENGTH.pack(size) + bytes((kind,)) + body
+
+
+def message(kind: int, obj: Optional[Dict[str, Any]] = None) -> bytes:
+    """A frame whose body is a JSON object."""
+    text = json.dumps(obj or {}, separators=(",", ":"), ensure_ascii=False)
+    return frame(kind, text.encode("utf-8"))
+
+
+def output(rank: int, stream: int, data: bytes, partial: bool) -> bytes:
+    """An OUTPUT frame: a chunk of whole lines (or one piece of a long line)."""
+    head = _OUTPUT_HEAD.pack(rank, stream, PARTIAL if partial else 0)
+    return frame(OUTPUT, head + data)
+
+
+def parse_output(body: bytes) -> Tuple[int, int, bool, bytes]:
+    """(rank, stream, partial, data) of an OUTPUT body."""
+    if len(body) < _OUTPUT_HEAD.size:
+        raise ProtocolError("output frame too short")
+    rank, stream, flags = _OUTPUT_HEAD.unpack_from(body)
+    if stream not in (STDOUT, STDERR):
+        raise ProtocolError(f"output frame names stream {stream}")
+    return rank, stream, bool(flags & PARTIAL), body[_OUTPUT_HEAD.size:]
+
+
+def parse_json(body: bytes) -> Dict[str, Any]:
+    """The JSON object of a frame body."""
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ProtocolError("frame body is not UTF-8 JSON") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame body is not a JSON object")
+    return obj
+
+
+class Reader:
+    """Turns the bytes of one direction into frames, with the limits enforced.
+
+    ``handshake`` is true on the launcher's side: bytes before `HANDSHAKE` are noise
+    (kept in `noise`, up to `MAX_NOISE`), and a handshake with another version is a
+    `ProtocolError` that says which. ``allowed`` is the set of frame types this side
+    may receive.
+    """
+
+    def __init__(self, allowed: FrozenSet[int], *, handshake: bool = False) -> None:
+        self._buf = bytearray()
+        self._allowed = allowed
+        self._waiting = handshake
+        self.noise = b""
+
+    @property
+    def synced(self) -> bool:
+        """True once the handshake was seen (always true without one)."""
+        return not self._waiting
+
+    def feed(self, data: bytes) -> List[Tuple[int, bytes]]:
+        """Add ``data``; return every complete frame, in order."""
+        self._buf += data
+        if self._waiting and not self._sync():
+            return []
+        frames: List[Tuple[int, bytes]] = []
+        buf = self._buf
+        start = 0
+        end = len(buf)
+        while end - start >= 5:
+            (size,) = _LENGTH.unpack_from(buf, start)
+            if size > MAX_FRAME or size < 1:
+                raise ProtocolError(f"frame of {size} bytes (limit {MAX_FRAME})")
+            kind = buf[start + 4]
+            if kind not in self._allowed:
+                raise ProtocolError(f"unexpected frame type {kind}")
+            stop = start + 4 + size
+            if stop > end:
+                break
+            frames.append((kind, bytes(buf[start + 5:stop])))
+            start = stop
+        if start:
+            del buf[:start]
+        return frames
+
+    def _sync(self) -> bool:
+        at = self._buf.find(HANDSHAKE_PREFIX)
+        if at < 0:
+            # Keep only what could still be the start of the prefix.
+            keep = len(HANDSHAKE_PREFIX) - 1
+            if len(self._buf) > keep:
+                self.noise += bytes(self._buf[:-keep])
+                del self._buf[:-keep]
+            if len(self.noise) > MAX_NOISE:
+                raise ProtocolError(f"no agent handshake within {MAX_NOISE} bytes of output "
+                                    f"(the login shell printed {self.noise[:120]!r}...)")
+            return False
+        newline = self._buf.find(b"\n", at)
+        if newline < 0:
+            if len(self._buf) - at > len(HANDSHAKE) + 16:
+                raise ProtocolError("malformed agent handshake")
+            return False
+        self.noise += bytes(self._buf[:at])
+        line = bytes(self._buf[at:newline + 1])
+        if line != HANDSHAKE:
+            got = line[len(HANDSHAKE_PREFIX):].strip().decode("ascii", "replace")
+            raise ProtocolError(f"agent speaks protocol version {got!r}, this launcher "
+                                f"speaks {VERSION}")
+        del self._buf[:newline + 1]
+        self._waiting = False
+        return True

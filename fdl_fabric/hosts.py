@@ -1,0 +1,111 @@
+"""Hosts: connecting to them and starting their agents, below the launcher and cleanup.
+
+Both `launcher` and `cleanup` need the same three things, so they live here and those
+two never import each other: every remote host connected in parallel (one Fabric
+Connection each, our host-key policy and timeouts, a Config of its own), one agent
+session per host (`sessions.AgentSession`: through Fabric for remote hosts, through
+invoke for local ones), and one error type whose exit code the tasks return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+from .config import ClusterSpec, WorkerSpec
+from .sessions import AgentSession, Post
+from .ssh import FdlConnection, SshConnectError, SshSettings, open_connection
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+#: Hosts connected at once; each connect is mostly waiting on the network.
+CONNECT_WORKERS = 32
+
+
+class LaunchError(Exception):
+    """A launch, cleanup or check cannot go on; the message names the host, key or flag.
+
+    ``exit_code`` is what the task exits with: 2 for a usage or config error (nothing
+    was started), 1 for a host that cannot be reached or used.
+    """
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def connect_each(settings: Mapping[str, SshSettings],
+                 on_connect: Optional[Callable[[str, SshSettings], None]] = None,
+                 ) -> tuple[dict[str, FdlConnection], dict[str, str]]:
+    """Connect every host at once: (connections, why each failed host failed)."""
+    opened: dict[str, FdlConnection] = {}
+    errors: dict[str, str] = {}
+    if not settings:
+        return opened, errors
+    with ThreadPoolExecutor(max_workers=min(CONNECT_WORKERS, len(settings))) as pool:
+        futures = {host: pool.submit(open_connection, s) for host, s in settings.items()}
+        for host, fut in futures.items():
+            try:
+                opened[host] = fut.result()
+            except SshConnectError as exc:
+                errors[host] = exc.reason
+                continue
+            if on_connect is not None:
+                on_connect(host, settings[host])
+    return opened, errors
+
+
+def connect_all(settings: Mapping[str, SshSettings],
+                on_connect: Optional[Callable[[str, SshSettings], None]] = None,
+                ) -> dict[str, FdlConnection]:
+    """Connect every host at once; fail naming every host that failed (closing the rest)."""
+    opened, errors = connect_each(settings, on_connect)
+    if errors:
+        close_all(opened.values())
+        raise LaunchError("\n".join(f"cluster launcher: cannot connect to host {h!r}: {why}"
+                                     for h, why in errors.items()))
+    return opened
+
+
+def close_all(connections: Iterable[FdlConnection]) -> None:
+    """Close connections in parallel: paramiko joins each transport thread on close."""
+    threads = [threading.Thread(target=_close, args=(c,), daemon=True) for c in connections]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2.0)
+
+
+def _close(conn: FdlConnection) -> None:
+    with contextlib.suppress(Exception):  # best effort: the process is about to exit
+        conn.close()
+
+
+def start_agents(workers: Iterable[WorkerSpec], connections: Mapping[str, FdlConnection],
+                 post: Post) -> dict[str, AgentSession]:
+    """One agent per worker host, started in parallel; a host that cannot start fails all."""
+    sessions = {w.host: AgentSession(w.host, post, connection=None if w.is_local
+                                     else connections[w.host]) for w in workers}
+    errors: list[str] = []
+
+    def start(session: AgentSession) -> None:
+        try:
+            session.start()
+        except Exception as exc:
+            errors.append(f"cluster launcher: host {session.host!r}: cannot start its agent: "
+                          f"{type(exc).__name__}: {exc}")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(CONNECT_WORKERS, len(sessions)))) as pool:
+        list(pool.map(start, sessions.values()))
+    if errors:
+        for s in sessions.values():
+            s.abandon()
+        raise LaunchError("\n".join(sorted(errors)))
+    return sessions
+
+
+def remote_workers(cluster: ClusterSpec) -> list[WorkerSpec]:
+    return [w for w in cluster.workers if not w.is_local]

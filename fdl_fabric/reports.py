@@ -1,0 +1,129 @@
+"""What hosts report to the supervisor: one small immutable record per kind of report.
+
+Agent sessions (`fdl_fabric.sessions`) turn protocol frames into these; the supervisor
+consumes them from its inbox, on its own thread, and is the only one that changes rank
+state. Requests from signal handlers and the coordinator travel the same way, so the
+supervisor sees everything in one order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+
+@dataclass(frozen=True)
+class AgentReady:
+    """The agent answered with its handshake."""
+
+    host: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Answers to a probe (GPU indices), needed before the plan exists."""
+
+    host: str
+    gpus: Optional[list[int]]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """The host's fast pre-flight facts (raw values; `preflight` judges them)."""
+
+    host: str
+    values: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Swept:
+    """What a sweep stopped on the host (leftovers of this cluster, or a cleanup)."""
+
+    host: str
+    report: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Spawned:
+    host: str
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class SpawnFailed:
+    host: str
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Output:
+    """A chunk of one rank's output: whole lines, or a piece of a long or last line."""
+
+    host: str
+    rank: int
+    stderr: bool
+    data: bytes
+    partial: bool
+
+
+@dataclass(frozen=True)
+class Exited:
+    host: str
+    rank: int
+    code: Optional[int]
+    signal: Optional[int]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """After its last rank: what the agent had to stop, and anything it could not."""
+
+    host: str
+    stopped: list[dict[str, Any]]
+    remaining: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class AgentError:
+    host: str
+    message: str
+    rank: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class AgentDone:
+    """The agent said it is about to exit normally."""
+
+    host: str
+
+
+@dataclass(frozen=True)
+class AgentGone:
+    """The agent's session ended. ``clean``: after DONE and with status 0."""
+
+    host: str
+    clean: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The coordinator accepted this rank's hello."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Request:
+    """From a signal handler or the launcher: interrupt, kill, forward a signal, abort."""
+
+    kind: str
+    arg: Optional[str] = None
+
+
+Report = Union[AgentReady, Facts, Preflight, Swept, Spawned, SpawnFailed, Output, Exited,
+               Verified, AgentError, AgentDone, AgentGone, Joined, Request]
