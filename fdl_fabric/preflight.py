@@ -36,7 +36,6 @@ import os
 import re
 import secrets
 import select
-import shlex
 import shutil
 import socket
 import subprocess
@@ -54,6 +53,7 @@ import paramiko
 from .config import ClusterSpec, ConfigError, WorkerSpec, load_cluster
 from .envelope import ENV_PREBUILD, EnvelopeError, PrebuildEntry, parse_prebuild
 from .plan import bind_loopback, controller_dial_host
+from .shell import quote
 from .ssh import (
     SshConnectError,
     SshSettings,
@@ -84,6 +84,8 @@ __all__ = [
 
 #: Prefix of every value line the host script prints.
 SENTINEL = "__FDL_CHECK__"
+#: The oldest Python the worker agent runs on.
+AGENT_PYTHON = (3, 8)
 #: What an agent reports for ``dial`` when this run's coordinator answered with its key
 #: (`fdl_fabric.agent.checks.DIAL_OK`).
 AGENT_DIAL_OK = "ok"
@@ -333,7 +335,17 @@ class HostPlan:
 
 
 def _q(value: str) -> str:
-    return shlex.quote(value)
+    return quote(value)
+
+
+def _path_word(path: str) -> str:
+    """A host path as one shell word; ``~`` and ``~/x`` mean the user's home there, as
+    for the agent, which expands them."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + quote(path[2:])
+    return quote(path)
 
 
 # Dial the controller and print the first line it sends (or "!reason"). bash's /dev/tcp
@@ -361,7 +373,7 @@ def probe_script(plan: HostPlan) -> str:
 
     It only *reports* (exists, missing, the output of a tool); every verdict is made
     on the controller by `evaluate`, so changing a threshold never touches a host.
-    Every interpolated value is quoted once with shlex.quote.
+    Every interpolated value is quoted once (`shell.quote`).
     """
     w = plan.worker
     s = [
@@ -375,12 +387,13 @@ def probe_script(plan: HostPlan) -> str:
     if not plan.fast:
         # First, so it is printed as early as possible: its arrival time is the reference.
         s.append('e clock "$(date +%s.%N 2>/dev/null)"\n')
-        s.append('for t in bash setsid pkill; do e "have.$t" "$(command -v "$t" 2>/dev/null)";'
-                 " done\n")
-    s.append(f"P={_q(w.path)}\n")
+        # The worker agent runs under the host's /usr/bin/python3 (else python3 on PATH).
+        s.append("e python \"$( (p=/usr/bin/python3; [ -x \"$p\" ] || p=python3; \"$p\" -c "
+                 "'import sys; print(\"%d.%d\" % sys.version_info[:2])') 2>/dev/null)\"\n")
+    s.append(f"P={_path_word(w.path)}\n")
     s.append('e path "$(dir_state "$P")"\n')
     s.append('e disk_kb "$(df -Pk -- "$P" 2>/dev/null | awk \'NR==2 {print $4}\')"\n')
-    s.append(f"C={_q(plan.cwd)}\n")
+    s.append(f"C={_path_word(plan.cwd)}\n")
     if plan.prebuild and plan.prebuild.cwd_subpath:
         s.append('e cwd "$(dir_state "$C")"\n')
     s.append(_program_section(plan))
@@ -390,7 +403,7 @@ def probe_script(plan: HostPlan) -> str:
         if w.local_devices is not None:
             s.append(_gpu_section())
         if w.data_path is not None:
-            s.append(f"D={_q(w.data_path)}\n")
+            s.append(f"D={_path_word(w.data_path)}\n")
             s.append('if [ -e "$D" ]; then if [ -r "$D" ]; then e data ok; else e data unreadable;'
                      ' fi; else e data missing; fi\n')
     if plan.dial is not None:
@@ -546,14 +559,13 @@ def _shell_row(plan: HostPlan, facts: HostFacts) -> Check:
     v = facts.values
     statuses: list[Status] = []
     parts: list[str] = []
-    missing_hard = [t for t in ("bash", "setsid") if not v.get(f"have.{t}")]
-    if missing_hard:
+    python = v.get("python", "")
+    python_ok = bool(python) and _version_tuple(python) >= AGENT_PYTHON
+    if not python_ok:
         statuses.append(Status.FAIL)
-        parts.append(f"{' and '.join(missing_hard)} not found on PATH (the rank wrapper runs "
-                     "under bash and starts each rank with setsid)")
-    if not v.get("have.pkill"):
-        statuses.append(Status.WARN)
-        parts.append("pkill not found (only `inv cleanup --pattern` needs it)")
+        found = f"found {python}" if python else "found none"
+        parts.append(f"the worker agent needs python3 {'.'.join(map(str, AGENT_PYTHON))} or "
+                     f"newer at /usr/bin/python3 or on PATH ({found})")
     if facts.shell_ms is not None:
         if facts.shell_ms > SHELL_WARN_MS:
             statuses.append(Status.WARN)
@@ -561,8 +573,8 @@ def _shell_row(plan: HostPlan, facts: HostFacts) -> Check:
                          "slow rc file? every rank start and helper command pays it)")
         else:
             parts.append(f"shell start-up {facts.shell_ms:.0f} ms")
-    if not missing_hard and v.get("have.pkill"):
-        parts.append("bash, setsid, pkill found")
+    if python_ok:
+        parts.append(f"python3 {python} for the agent")
     return Check(plan.host, "shell", _worst(statuses), "; ".join(parts))
 
 
@@ -572,11 +584,7 @@ def _dir_problem(label: str, path: str, state: str) -> str:
         "notdir": "is not a directory",
         "unreadable": "is not readable/enterable by this user",
     }.get(state, f"cannot be checked ({state or 'no answer'})")
-    hint = ""
-    if state == "missing" and path.startswith("~"):
-        hint = " ('~' is not expanded: the rank wrapper runs `cd -- <path>` quoted; give an " \
-               "absolute path)"
-    return f"{label} {path} {what}{hint}"
+    return f"{label} {path} {what}"
 
 
 def _human_bytes(n: float) -> str:

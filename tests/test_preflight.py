@@ -60,8 +60,7 @@ def _plan(worker: Optional[WorkerSpec] = None, *, fast: bool = False,
 
 def _values(**overrides: str) -> dict[str, str]:
     """What a healthy host prints."""
-    v = {"clock": "1000.5", "have.bash": "/usr/bin/bash", "have.setsid": "/usr/bin/setsid",
-         "have.pkill": "/usr/bin/pkill", "path": "ok", "disk_kb": str(50 * 1024 * 1024),
+    v = {"clock": "1000.5", "python": "3.11", "path": "ok", "disk_kb": str(50 * 1024 * 1024),
          "prog": "/usr/bin/python3", "pyscript": "ok", "arch": "x86_64", "libc": GLIBC,
          "end": "1"}
     v.update(overrides)
@@ -121,23 +120,22 @@ def test_a_script_that_did_not_finish_is_one_probe_failure() -> None:
                           "the check script did not finish (exit 2): sh: 1: Syntax error")]
 
 
-def test_shell_missing_setsid_fails_missing_pkill_warns_slow_start_warns() -> None:
-    row = _row(evaluate(_plan(), HostFacts(_values(**{"have.setsid": ""}), shell_ms=5), CTL),
-               "shell")
-    assert row.status is Status.FAIL and "setsid not found" in row.reason
-    row = _row(evaluate(_plan(), HostFacts(_values(**{"have.pkill": ""}), shell_ms=5), CTL),
-               "shell")
-    assert row.status is Status.WARN and "pkill not found" in row.reason
+def test_shell_without_a_python_for_the_agent_fails_and_a_slow_start_warns() -> None:
+    row = _row(evaluate(_plan(), HostFacts(_values(python=""), shell_ms=5), CTL), "shell")
+    assert row.status is Status.FAIL and "needs python3 3.8 or newer" in row.reason
+    row = _row(evaluate(_plan(), HostFacts(_values(python="3.6"), shell_ms=5), CTL), "shell")
+    assert row.status is Status.FAIL and "found 3.6" in row.reason
+    row = _row(evaluate(_plan(), HostFacts(_values(), shell_ms=5), CTL), "shell")
+    assert row.status is Status.OK and "python3 3.11 for the agent" in row.reason
     row = _row(evaluate(_plan(), HostFacts(_values(), shell_ms=340), CTL), "shell")
     assert row.status is Status.WARN and "shell start-up 340 ms" in row.reason
 
 
-def test_paths_missing_fails_and_an_unexpanded_tilde_is_explained() -> None:
+def test_paths_missing_fails_and_a_tilde_path_is_looked_up_in_the_home_there() -> None:
     row = _row(evaluate(_plan(), HostFacts(_values(path="missing", prog="!nocwd")), CTL), "paths")
     assert row == Check("gpu1", "paths", Status.FAIL, "path /srv/proj does not exist")
     tilde = _plan(_worker(path="~/proj"))
-    row = _row(evaluate(tilde, HostFacts(_values(path="missing")), CTL), "paths")
-    assert row.status is Status.FAIL and "'~' is not expanded" in row.reason
+    assert 'P="$HOME"/proj' in probe_script(tilde)
     row = _row(evaluate(_plan(), HostFacts(_values(path="unreadable")), CTL), "paths")
     assert "not readable" in row.reason
 
