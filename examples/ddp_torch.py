@@ -40,7 +40,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="", help="folder for params-r<rank>.json")
+    parser.add_argument("--dump-env", default="",
+                        help="folder for env-r<rank>.json: the environment this rank got")
     args = parser.parse_args()
+    if args.dump_env:
+        Path(args.dump_env).mkdir(parents=True, exist_ok=True)
+        Path(args.dump_env, f"env-r{os.environ.get('RANK', 'x')}.json").write_text(
+            json.dumps(dict(os.environ)))
 
     if cohort.is_launched():
         cohort.join()

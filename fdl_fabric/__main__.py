@@ -1,3 +1,3 @@
-from .cli import program
+from .cli import main
 
-program.run()
+main()

@@ -19,7 +19,6 @@ from typing import Any, Optional
 from . import reports
 from .hosts import EXIT_USAGE, LaunchError, close_all, connect_each
 from .sessions import AgentSession
-from .ssh import apply_host_key_policy, describe_connect_error
 
 #: Seconds a sweep may take on a host (TERM, the sweep grace, KILL, plus start-up).
 SWEEP_TIMEOUT = 60.0
@@ -107,7 +106,7 @@ def run_cleanup(cluster_file: str, *, run_id: Optional[str] = None, all_runs: bo
     from .config import ConfigError, load_cluster
     from .output import Console
     from .plan import cluster_key
-    from .ssh import resolve_all_settings
+    from .sshopts import resolve_all_settings
 
     console = console or Console()
     try:
@@ -155,6 +154,7 @@ def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
     from concurrent.futures import ThreadPoolExecutor
 
     from .output import Console
+    from .ssh import apply_host_key_policy, describe_connect_error
 
     console = console or Console()
     errors: dict[str, str] = {}

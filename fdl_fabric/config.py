@@ -71,6 +71,7 @@ from .limits import (
     PROBLEMS_MAX,
     RANKS_MAX,
     RANKS_PER_WORKER_MAX,
+    RESTARTS_MAX,
     SECONDS_MAX,
     SSH_OPTION_MAX_BYTES,
     SSH_OPTIONS_MAX,
@@ -168,6 +169,8 @@ class WorkerSpec:
     data_path: Optional[str]
     is_local: bool
     line: int
+    #: Names or globs of launcher variables carried to this worker's ranks.
+    env_forward: tuple[str, ...] = ()
 
     @property
     def ssh_target(self) -> str:
@@ -190,6 +193,9 @@ class ElasticSpec:
     max_failure: Union[int, float, None] = None
     formation_timeout: float = 300.0
     heartbeat_timeout: float = 30.0
+    #: Times the whole group is started again after a failed attempt (torchrun's
+    #: ``--max-restarts``).
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,8 @@ class ClusterSpec:
     master_port: int
     elastic: ElasticSpec
     workers: tuple[WorkerSpec, ...]
+    #: Names or globs of launcher variables carried to every rank (``env_forward``).
+    env_forward: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,8 +237,16 @@ RESERVED_ENV_KEYS: frozenset[str] = frozenset(
         "WORLD_SIZE",
         "LOCAL_WORLD_SIZE",
         "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_NAME",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_ERROR_FILE",
     }
 )
 _RESERVED_ENV_PREFIX = "FLODL_INTERNAL_"
@@ -421,9 +437,10 @@ def parse_cluster(
 _DEFAULT_KILL_GRACE = 10.0  # seconds a rank gets to exit cleanly before it is killed
 _DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary port
 
-_TOP_KEYS = ("controller", "command", "env", "kill_grace", "master_port", "elastic", "workers")
+_TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "master_port",
+             "elastic", "workers")
 _CONTROLLER_KEYS = ("host", "port")
-_ELASTIC_KEYS = ("max_failure", "formation_timeout", "heartbeat_timeout")
+_ELASTIC_KEYS = ("max_failure", "formation_timeout", "heartbeat_timeout", "max_restarts")
 _WORKER_KEYS = (
     "host",
     "nproc",
@@ -434,6 +451,7 @@ _WORKER_KEYS = (
     "ssh",
     "tunnel",
     "env",
+    "env_forward",
     "data_path",
 )
 _SSH_KEYS = ("target", "user", "port", "identity_file", "options")
@@ -466,6 +484,7 @@ def _read_cluster(
     # A worker's check adds its own env to the cluster's; once the cluster env alone is too
     # big, saying so again for every worker would only bury the first message.
     rank_env = env if _check_rank_env(r, env_field, env, {}) else {}
+    env_forward = _read_env_forward(r, top.field("env_forward"))
     kill_grace = r.number(top.field("kill_grace"), minimum=0.0, maximum=SECONDS_MAX)
     master_port = r.integer(top.field("master_port"), minimum=1, maximum=PORT_MAX)
     elastic = _read_elastic(r, top.field("elastic"))
@@ -510,6 +529,7 @@ def _read_cluster(
         master_port=_or(master_port, _DEFAULT_MASTER_PORT),
         elastic=elastic,
         workers=tuple(workers),
+        env_forward=env_forward,
     )
 
 
@@ -567,11 +587,44 @@ def _read_elastic(r: _Reader, field: _Field) -> ElasticSpec:
     heartbeat = r.number(
         block.field("heartbeat_timeout"), minimum=0.0, exclusive=True, maximum=SECONDS_MAX
     )
+    restarts = r.integer(block.field("max_restarts"), minimum=0, maximum=RESTARTS_MAX)
     return ElasticSpec(
         max_failure=_read_max_failure(r, block.field("max_failure")),
         formation_timeout=_or(formation, default.formation_timeout),
         heartbeat_timeout=_or(heartbeat, default.heartbeat_timeout),
+        max_restarts=_or(restarts, default.max_restarts),
     )
+
+
+#: What an ``env_forward`` entry may be: a variable name, or a glob of one (``WANDB_*``).
+_FORWARD_RE = re.compile(r"[A-Za-z_*?\[][A-Za-z0-9_*?\[\]!]*")
+
+
+def _read_env_forward(r: _Reader, field: _Field) -> tuple[str, ...]:
+    """Launcher variables to carry to the ranks: names or globs, never reserved names."""
+    items = r.sequence(field, expected="a list of variable names or globs, e.g. [HF_TOKEN, "
+                       "'WANDB_*']")
+    if items is None:
+        return ()
+    if len(items) > ENV_VARS_MAX:
+        r.problem(field, f"lists {len(items)} names; at most {ENV_VARS_MAX} are allowed")
+        return ()
+    names: list[str] = []
+    for i, item in enumerate(items):
+        item_field = _Field(item, f"{field.key}[{i}]")
+        name = r.string(item_field)
+        if name is None:
+            continue
+        if len(name) > ENV_NAME_MAX or not _FORWARD_RE.fullmatch(name):
+            r.problem(item_field, "expected a variable name or a glob of one "
+                      f"([A-Za-z_][A-Za-z0-9_]*, with * ? [...]), got {_shown(name)}")
+            continue
+        if not any(c in name for c in "*?[") and is_reserved_env_key(name):
+            r.problem(item_field, f"{name} is set by the launcher for each rank; it cannot be "
+                      "forwarded")
+            continue
+        names.append(name)
+    return tuple(names)
 
 
 def _read_max_failure(r: _Reader, field: _Field) -> Union[int, float, None]:
@@ -666,6 +719,7 @@ def _read_worker(
     env = r.env(env_field)
     if env:
         _check_rank_env(r, env_field, cluster_env, env)
+    env_forward = _read_env_forward(r, w.field("env_forward"))
 
     if host is None or (nproc is None and local_devices is None):
         return None
@@ -683,6 +737,7 @@ def _read_worker(
         data_path=None if raw_data_path is None else _resolve_path(raw_data_path, folder, is_local),
         is_local=is_local,
         line=_line(w.node),
+        env_forward=env_forward,
     )
 
 
@@ -1117,6 +1172,9 @@ class _Field(NamedTuple):
     key: str
 
 
+_PLAIN_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*|<<")
+
+
 @dataclass
 class _Block:
     """A mapping whose keys were checked; gives each entry its key path."""
@@ -1130,7 +1188,9 @@ class _Block:
         return name in self.entries
 
     def key(self, name: str) -> str:
-        if self.bracket_keys:
+        """The key path of an entry; a name that is not a plain word is shown quoted, so a
+        key holding a newline or a dot cannot break or fake the path."""
+        if self.bracket_keys or not _PLAIN_KEY_RE.fullmatch(name):
             return f"{self.path}[{json.dumps(_clip(name, _SHOWN_MAX), ensure_ascii=False)}]"
         name = _clip(name, _SHOWN_MAX)
         return f"{self.path}.{name}" if self.path else name

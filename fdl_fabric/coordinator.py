@@ -36,6 +36,7 @@ from typing import Any, Optional, Union
 
 from .events import EventBus, Kind
 from .rank import (
+    MAX_FRAME,
     FrameError,
     decode_payload,
     encode_frame,
@@ -46,6 +47,14 @@ from .supervisor import Verdict
 
 #: How often the coordinator drains reported deaths and checks heartbeats.
 TICK_INTERVAL = 0.05
+#: Largest frame a connection may send before its hello verified: a hello or a probe is
+#: about a hundred bytes, so an unauthenticated peer can make us hold little.
+PRE_AUTH_FRAME = 4096
+#: Connections without a verified hello held at once (at least; twice the world size if
+#: larger); the oldest is dropped when another arrives.
+PENDING_MAX = 256
+#: Refused connections are reported at once, then as one count per this many seconds.
+REJECT_REPORT_INTERVAL = 5.0
 #: A write to a rank that stalls this long closes that connection (the peer stopped reading).
 SEND_TIMEOUT = 5.0
 #: Sequence numbers around the expected one tried when a tag fails, to name replays.
@@ -228,6 +237,10 @@ class Coordinator:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self._port = spec.port
+        # Refused connections since the last report (I/O thread only).
+        self._rejected_at: Optional[float] = None
+        self._rejected: dict[str, int] = {}
+        self._rejected_peer = ""
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -243,7 +256,7 @@ class Coordinator:
             try:
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 listener.bind(sockaddr)
-                listener.listen(max(16, self.spec.world_size))
+                listener.listen(max(socket.SOMAXCONN, self.spec.world_size))
                 listener.setblocking(False)
             except BaseException:
                 listener.close()
@@ -271,6 +284,7 @@ class Coordinator:
             thread.join(timeout=SEND_TIMEOUT + 5.0)
         for conn in list(self._conns):
             self._close(conn)
+        self._flush_refused(time.monotonic(), force=True)
         if self._selector is not None:
             self._selector.close()
             self._selector = None
@@ -381,6 +395,10 @@ class Coordinator:
             host, port = str(addr[0]), int(addr[1])
             peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             conn = _Conn(sock=sock, peer=peer, opened=time.monotonic())
+            pending = [c for c in self._conns if c.rank is None]
+            if len(pending) >= max(PENDING_MAX, 2 * self.spec.world_size):
+                oldest = min(pending, key=lambda c: c.opened)
+                self._drop(oldest, "too many connections without a hello; dropped the oldest")
             self._conns.add(conn)
             self._selector.register(sock, selectors.EVENT_READ, conn)
 
@@ -398,7 +416,8 @@ class Coordinator:
         conn.buf += data
         while not conn.closed:
             try:
-                frame = take_frame(conn.buf)
+                frame = take_frame(conn.buf,
+                                   PRE_AUTH_FRAME if conn.rank is None else MAX_FRAME)
                 if frame is None:
                     return
                 tag, payload = frame
@@ -462,8 +481,8 @@ class Coordinator:
         elif self.abort_reason() is not None:
             reason = "the cohort did not form in time; the run is being aborted"
         if reason is not None:
-            self.events(Kind.WARNING, f"cluster coordinator: rejected hello from {conn.peer}: "
-                        f"{reason}")
+            self._report_refused(f"cluster coordinator: rejected hello from {conn.peer}: "
+                                 f"{reason}", conn.peer, reason)
             self._send(conn, {"type": "reject", "reason": reason})
             self._close(conn)
             return
@@ -564,6 +583,7 @@ class Coordinator:
         for conn in list(self._conns):
             if conn.rank is None and now - conn.opened > self.spec.hello_timeout:
                 self._drop(conn, f"no hello within {_seconds(self.spec.hello_timeout)}")
+        self._flush_refused(now)
 
     # -- connection helpers -------------------------------------------------------------------
     def _members(self) -> list[int]:
@@ -584,12 +604,40 @@ class Coordinator:
             self._send(conn, message)
 
     def _drop(self, conn: _Conn, reason: str) -> None:
-        """A protocol violation: exactly one warning, then close only this connection."""
+        """A protocol violation: one warning (rate-limited), then close only this connection."""
         if conn.closed:
             return
-        self.events(Kind.WARNING,
-                    f"cluster coordinator: dropped connection from {conn.peer}: {reason}")
+        self._report_refused(f"cluster coordinator: dropped connection from {conn.peer}: "
+                             f"{reason}", conn.peer, reason)
         self._close(conn)
+
+    def _report_refused(self, message: str, peer: str, reason: str) -> None:
+        """The first refusal is a warning line at once; later ones within
+        `REJECT_REPORT_INTERVAL` are counted and reported together, so 500 hostile peers
+        make one line every few seconds, not 500."""
+        now = time.monotonic()
+        if self._rejected_at is None or (now - self._rejected_at >= REJECT_REPORT_INTERVAL
+                                         and not self._rejected):
+            self._rejected_at = now
+            self.events(Kind.WARNING, message, data={"refused": 1})
+            return
+        key = reason.split(" (")[0]
+        self._rejected[key] = self._rejected.get(key, 0) + 1
+        self._rejected_peer = peer
+
+    def _flush_refused(self, now: float, *, force: bool = False) -> None:
+        if not self._rejected or self._rejected_at is None:
+            return
+        if not force and now - self._rejected_at < REJECT_REPORT_INTERVAL:
+            return
+        count = sum(self._rejected.values())
+        reasons = ", ".join(f"{why}: {n}" for why, n in sorted(self._rejected.items()))
+        self.events(Kind.WARNING, f"cluster coordinator: refused {count} more connection(s) in "
+                    f"{now - self._rejected_at:.0f}s ({reasons}; last from "
+                    f"{self._rejected_peer})", data={"refused": count,
+                                                     "reasons": dict(self._rejected)})
+        self._rejected = {}
+        self._rejected_at = now
 
     def _lost(self, conn: _Conn, detail: str) -> None:
         """The peer went away; whether its rank died is the supervisor's or staleness's call."""

@@ -19,7 +19,7 @@ from . import shell
 from .config import ClusterSpec
 from .output import redact_env
 from .plan import LaunchPlan
-from .ssh import SshSettings, make_connection
+from .sshopts import SshSettings
 
 
 def dry_run_devices(cluster: ClusterSpec) -> dict[str, list[int]]:
@@ -79,6 +79,8 @@ def _env_words(env: Mapping[str, str]) -> str:
 
 def _ssh_line(settings: SshSettings) -> str:
     """How the host is reached, resolved like the launch would (no socket is opened)."""
+    from .ssh import make_connection
+
     conn = make_connection(settings)
     parts = [f"ssh {conn.user}@{conn.host} port {conn.port}"]
     if settings.identity_files:

@@ -26,6 +26,7 @@ class Kind(str, Enum):
     DEATH = "death"
     TOLERATED = "tolerated"
     STOPPING = "stopping"
+    RESTART = "restart"
     SHUTDOWN = "shutdown"
     VERDICT = "verdict"
     WARNING = "warning"

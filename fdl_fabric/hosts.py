@@ -13,11 +13,14 @@ import contextlib
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .config import ClusterSpec, WorkerSpec
 from .sessions import AgentSession, Post
-from .ssh import FdlConnection, SshConnectError, SshSettings, open_connection
+from .sshopts import SshSettings
+
+if TYPE_CHECKING:  # Fabric's SSH stack loads only when a host is remote
+    from .ssh import FdlConnection
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -45,6 +48,7 @@ def connect_each(settings: Mapping[str, SshSettings],
     errors: dict[str, str] = {}
     if not settings:
         return opened, errors
+    from .ssh import SshConnectError, open_connection
     with ThreadPoolExecutor(max_workers=min(CONNECT_WORKERS, len(settings))) as pool:
         futures = {host: pool.submit(open_connection, s) for host, s in settings.items()}
         for host, fut in futures.items():

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from . import reports, shell
 from .config import ClusterSpec, ConfigError, load_cluster, parse_max_failure
@@ -45,12 +45,13 @@ from .envelope import (
 )
 from .events import EventBus, Kind
 from .hosts import EXIT_FAILURE, EXIT_USAGE, LaunchError, close_all, connect_all, start_agents
+from .limits import RANKS_MAX, RANKS_PER_WORKER_MAX
 from .output import Console, LiveConsole, RunLog, summary_table
-from .plan import LaunchPlan, build_plan
-from .preflight import agent_checks, judge, launch_plan
+from .plan import OMP_NOTICE, LaunchPlan, build_plan
+from .preflight import Status, agent_checks, judge, launch_plan
 from .sessions import AgentSession
-from .ssh import KeepaliveMonitor, SshSettings, resolve_all_settings
-from .supervisor import RunResult, Supervisor, summary_rows
+from .sshopts import SshSettings, resolve_all_settings
+from .supervisor import RunResult, Supervisor, Verdict, summary_rows
 
 #: Seconds to wait for every agent's answer to a device probe.
 PROBE_TIMEOUT = 60.0
@@ -71,6 +72,9 @@ class LaunchOptions:
     dry_run: bool = False
     env_overrides: dict[str, str] = field(default_factory=dict)
     preflight: bool = True
+    max_restarts: Optional[int] = None
+    #: A cluster built in code (``fdl-fabric run``) instead of ``cluster_file``.
+    cluster: Optional[ClusterSpec] = None
 
 
 def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
@@ -126,8 +130,37 @@ def coordinator_spec(plan: LaunchPlan, max_failure: MaxFailure, scale: float) ->
     )
 
 
+class Attempts:
+    """Where signals go while a launch runs one attempt after another.
+
+    The handlers are installed once, for the whole launch; each attempt's supervisor
+    registers here. An interrupt also ends the launch: it is never followed by a restart.
+    """
+
+    def __init__(self, kill_grace: float) -> None:
+        self.kill_grace = kill_grace
+        self.supervisor: Optional[Supervisor] = None
+        self.interrupted = False
+
+    def live(self) -> list[object]:
+        return list(self.supervisor.live()) if self.supervisor is not None else []
+
+    def request_interrupt(self, signum: int) -> None:
+        self.interrupted = True
+        if self.supervisor is not None:
+            self.supervisor.request_interrupt(signum)
+
+    def request_kill(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.request_kill()
+
+    def request_signal(self, name: str) -> None:
+        if self.supervisor is not None:
+            self.supervisor.request_signal(name)
+
+
 @contextlib.contextmanager
-def signal_handlers(supervisor: Supervisor, console: Console) -> Iterator[None]:
+def signal_handlers(supervisor: Union[Supervisor, Attempts], console: Console) -> Iterator[None]:
     """Ctrl-C/TERM stop the run gracefully, a second Ctrl-C kills; USR1/2 are forwarded."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -183,7 +216,8 @@ class Launch:
         self.sessions: dict[str, AgentSession] = {}
         self.connections: dict[str, object] = {}
         self.stack = contextlib.ExitStack()
-        self.monitor: Optional[KeepaliveMonitor] = None
+        self.monitor: Optional[Any] = None
+        self.log: Optional[RunLog] = None
 
     def run(self) -> int:
         try:
@@ -207,11 +241,15 @@ class Launch:
 
     def _run(self) -> int:
         opts = self.opts
-        cluster = load_cluster(opts.cluster_file)
+        cluster = opts.cluster or load_cluster(opts.cluster_file)
         if opts.kill_grace is not None:
             cluster = dataclasses.replace(cluster, kill_grace=opts.kill_grace)
-        argv = command_argv(opts, cluster)
+        if opts.max_restarts is not None:
+            cluster = dataclasses.replace(cluster, elastic=dataclasses.replace(
+                cluster.elastic, max_restarts=opts.max_restarts))
+        max_restarts = cluster.elastic.max_restarts
         max_failure = resolve_max_failure(opts, cluster)
+        argv = command_argv(opts, cluster)
         settings = resolve_all_settings(cluster, self.console.message)
         try:
             prebuild = prebuild_from_environ()
@@ -231,24 +269,74 @@ class Launch:
         self.sessions = start_agents(cluster.workers, self.connections,  # type: ignore[arg-type]
                                      self.inbox.put)
         resolved = self._resolve_devices(cluster)
-        plan = self._plan(cluster, argv, resolved, prebuild, launcher_env)
+        run_id = new_run_id()
+        plan = self._plan(cluster, argv, resolved, prebuild, launcher_env, run_id=run_id)
         if opts.log_dir:
-            log = RunLog(opts.log_dir, plan.run_id)
-            self.stack.callback(log.close)
-            self.events.add(log)
-            log.write_cluster(plan_as_json(plan))
+            self.log = RunLog(opts.log_dir, plan.run_id)
+            self.stack.callback(self.log.close)
+            self.events.add(self.log)
+            self.log.write_cluster(plan_as_json(plan))
         self.events(Kind.LAUNCH, describe_plan(plan), data={"run_id": plan.run_id,
                                                             "world_size": plan.world_size})
-        coordinator = Coordinator(coordinator_spec(plan, max_failure, scale), self.events,
-                                  on_join=lambda rank: self.inbox.put(reports.Joined(rank)))
-        try:
-            coordinator.start()
-        except CoordinatorError as exc:
-            raise LaunchError(f"{exc} — nothing was started") from None
-        self.stack.callback(coordinator.stop)
-        self._open_tunnels(plan)
-        self._watch_connections(settings)
-        return self._supervise(plan, coordinator, argv, prebuild).exit_code
+        for warning in plan_warnings(plan):
+            self.events(Kind.WARNING, warning)
+        if any(plan.defaults(h) for h in plan.hosts()):
+            self.events(Kind.INFO, OMP_NOTICE)
+        attempts = Attempts(plan.cluster.kill_grace)
+        results: list[RunResult] = []
+        joined_any = False
+        with signal_handlers(attempts, self.console):
+            for attempt in range(max_restarts + 1):
+                if attempt:
+                    plan = self._plan(cluster, argv, resolved, prebuild, launcher_env,
+                                      run_id=run_id, attempt=attempt)
+                    self.sessions = start_agents(cluster.workers,
+                                                 self.connections,  # type: ignore[arg-type]
+                                                 self.inbox.put)
+                if self.log is not None:
+                    self.log.attempt = attempt
+                coordinator = Coordinator(coordinator_spec(plan, max_failure, scale),
+                                          self.events,
+                                          on_join=lambda r: self.inbox.put(reports.Joined(r)))
+                try:
+                    coordinator.start()
+                except CoordinatorError as exc:
+                    raise LaunchError(f"{exc} — nothing was started") from None
+                if attempt == 0:  # after the bind: a tunnel delivers to the coordinator
+                    try:
+                        self._open_tunnels(plan)
+                    except LaunchError:
+                        coordinator.stop()
+                        raise
+                    self._watch_connections(settings)
+                try:
+                    result = self._attempt(plan, coordinator, attempts, argv, prebuild)
+                finally:
+                    coordinator.stop()
+                joined_any = joined_any or bool(coordinator.joined)
+                results.append(result)
+                if attempts.interrupted or not result.restartable or attempt == max_restarts:
+                    break
+                self.events(Kind.RESTART, f"cluster launcher: attempt {attempt} failed "
+                            f"({result.message.removeprefix('cluster launcher: ')}); "
+                            f"restarting every rank (restart {attempt + 1} of {max_restarts})",
+                            data={"attempt": attempt + 1, "cause": result.message})
+        final = results[-1]
+        if final.started_any and self.console.verbosity >= 0:
+            self.console.message(summary_table(summary_rows(final.ranks)))
+            if len(results) > 1:
+                self.console.message(attempts_table(results))
+        cause = root_cause_text(final)
+        if cause and self.console.verbosity >= 0:
+            self.console.message(cause)
+        if max_failure is not None and not joined_any and final.started_any:
+            self.events(Kind.WARNING, "cluster launcher: max_failure had no effect: no rank "
+                        "joined the cohort, so every failure was fatal (ranks join with "
+                        "fdl_fabric.rank.join())")
+        self.events(Kind.VERDICT, final.message, data={"exit_code": final.exit_code,
+                                                        "verdict": final.verdict.value,
+                                                        "attempts": len(results)})
+        return final.exit_code
 
     def _connected(self, host: str, settings: SshSettings) -> None:
         self.events(Kind.CONNECT, f"cluster launcher: connected to {host} ({settings.target})",
@@ -275,6 +363,11 @@ class Launch:
                         f"cluster launcher: host {report.host!r}: `local_devices: all` found no "
                         f"GPU (nvidia-smi: {report.error or 'listed none'}); give an explicit "
                         "list instead")
+                if len(report.gpus) > RANKS_PER_WORKER_MAX:
+                    raise LaunchError(
+                        f"cluster launcher: host {report.host!r}: `local_devices: all` found "
+                        f"{len(report.gpus)} GPUs; at most {RANKS_PER_WORKER_MAX} ranks a host",
+                        EXIT_USAGE)
                 resolved[report.host] = report.gpus
             elif isinstance(report, reports.AgentGone):
                 raise LaunchError(f"cluster launcher: host {report.host!r}: {report.reason}")
@@ -282,15 +375,23 @@ class Launch:
                 kept.append(report)
         for report in kept:
             self.inbox.put(report)
+        total = sum(len(d) for d in resolved.values()) + sum(
+            w.nproc or len(w.local_devices or ()) for w in cluster.workers
+            if w.local_devices != "all")
+        if total > RANKS_MAX:
+            raise LaunchError(f"cluster launcher: {total} ranks in all once `local_devices: all` "
+                              f"is resolved; at most {RANKS_MAX} are allowed", EXIT_USAGE)
         return resolved
 
     def _plan(self, cluster: ClusterSpec, argv: list[str], resolved: Mapping[str, list[int]],
-              prebuild: Mapping[str, PrebuildEntry],
-              launcher_env: Mapping[str, str]) -> LaunchPlan:
+              prebuild: Mapping[str, PrebuildEntry], launcher_env: Mapping[str, str], *,
+              run_id: Optional[str] = None, attempt: int = 0) -> LaunchPlan:
+        """The plan of one attempt: a fresh salt every time, so nothing of an earlier
+        attempt can join this one's cohort; the run id stays (TORCHELASTIC_RUN_ID)."""
         try:
-            return build_plan(cluster, argv=argv, run_id=new_run_id(), salt=new_salt(),
-                              resolved_devices=resolved, prebuild=prebuild,
-                              launcher_env=launcher_env)
+            return build_plan(cluster, argv=argv, run_id=run_id or new_run_id(),
+                              salt=new_salt(), resolved_devices=resolved, prebuild=prebuild,
+                              launcher_env=launcher_env, attempt=attempt)
         except ValueError as exc:
             raise LaunchError(f"{cluster.file}: {exc}", EXIT_USAGE) from None
 
@@ -313,6 +414,10 @@ class Launch:
                         f"controller {target}:{port}", host=w.host)
 
     def _watch_connections(self, settings: Mapping[str, SshSettings]) -> None:
+        if not self.connections:
+            return
+        from .keepalive import KeepaliveMonitor
+
         def dead(host: str, silent: float) -> None:
             self.events(Kind.WARNING, f"cluster launcher: host {host!r} stopped answering "
                         f"keepalives for {silent:.0f}s; treating its connection as lost",
@@ -324,38 +429,85 @@ class Launch:
             if transport is not None:
                 self.monitor.watch(host, transport, settings[host])
 
-    def _supervise(self, plan: LaunchPlan, coordinator: Coordinator, argv: list[str],
-                   prebuild: Mapping[str, PrebuildEntry]) -> RunResult:
+    def _attempt(self, plan: LaunchPlan, coordinator: Coordinator, attempts: Attempts,
+                 argv: list[str], prebuild: Mapping[str, PrebuildEntry]) -> RunResult:
+        """One attempt: every agent gets its spec, the supervisor runs to a verdict."""
         checks = {w.host: launch_plan(plan.cluster, w, argv, prebuild.get(w.host))
                   for w in plan.cluster.workers}
 
         def judge_host(host: str, values: Mapping[str, str]) -> tuple[list[str], list[str]]:
             rows = judge(checks[host], values)
-            warn = [f"{c.name}: {c.reason}" for c in rows if c.status.value == "warn"]
-            fail = [f"{c.name}: FAIL: {c.reason}" for c in rows if c.status.value == "FAIL"]
+            warn = [f"{c.name}: {c.reason}" for c in rows if c.status is Status.WARN]
+            fail = [f"{c.name}: FAIL: {c.reason}" for c in rows if c.status is Status.FAIL]
             return warn, fail
 
         supervisor = Supervisor(plan.ranks, self.sessions, kill_grace=plan.cluster.kill_grace,
                                 events=self.events, elastic=coordinator,
                                 preflight=judge_host if self.opts.preflight else None,
                                 inbox=self.inbox)
+        attempts.supervisor = supervisor
+        if attempts.interrupted:  # Ctrl-C between attempts
+            supervisor.request_interrupt(signal.SIGINT)
         self.console.start_status(lambda: supervisor.ranks)
         try:
-            # Handlers first: a Ctrl-C while agents prepare must stop them like any stop.
-            with signal_handlers(supervisor, self.console):
-                for host in plan.hosts():
-                    spec = plan.agent_spec(
-                        host, checks=agent_checks(checks[host]) if self.opts.preflight else None,
-                        start_now=not self.opts.preflight)
-                    self.sessions[host].spec(spec)
-                result = supervisor.run()
+            for host in plan.hosts():
+                spec = plan.agent_spec(
+                    host, checks=agent_checks(checks[host]) if self.opts.preflight else None,
+                    start_now=not self.opts.preflight)
+                self.sessions[host].spec(spec)
+            return supervisor.run()
         finally:
             self.console.stop_status()
-        if result.started_any and self.console.verbosity >= 0:
-            self.console.message(summary_table(summary_rows(result.ranks)))
-        self.events(Kind.VERDICT, result.message, data={"exit_code": result.exit_code,
-                                                         "verdict": result.verdict.value})
-        return result
+
+
+def plan_warnings(plan: LaunchPlan) -> list[str]:
+    """Addresses that cannot work: loopback where a remote worker must dial in."""
+    remote = [w for w in plan.cluster.workers if not w.is_local and not w.tunnel
+              and not is_loopback(w.addr)]
+    if not remote:
+        return []
+    names = ", ".join(f"{w.host} ({w.addr})" for w in remote)
+    warnings = []
+    master = plan.ranks[0].env.get("MASTER_ADDR", "")
+    if is_loopback(master):
+        warnings.append(f"cluster launcher: MASTER_ADDR is {master}, a loopback address, but "
+                        f"{names} dial it from another machine: give the first worker an "
+                        "`addr:` the others reach")
+    host = plan.cluster.controller.host
+    if is_loopback(host):
+        warnings.append(f"cluster launcher: controller.host is {host}, a loopback address, but "
+                        f"{names} dial the coordinator from another machine: set "
+                        "controller.host to an address they reach, or tunnel: true")
+    return warnings
+
+
+def is_loopback(address: str) -> bool:
+    return address == "localhost" or address == "::1" or address.startswith("127.")
+
+
+def attempts_table(results: Sequence[RunResult]) -> str:
+    """One row per attempt: what ended it."""
+    rows = [("attempt", "verdict", "cause")]
+    rows += [(str(i), r.verdict.value, r.message.removeprefix("cluster launcher: "))
+             for i, r in enumerate(results)]
+    width = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{a.ljust(width[0])}  {v.ljust(width[1])}  {c}".rstrip()
+                     for a, v, c in rows)
+
+
+def root_cause_text(result: RunResult) -> str:
+    """The first failed rank, with what its error file says (as torchrun's summary)."""
+    rank = result.root_cause
+    if rank is None or result.verdict is Verdict.OK or rank.exit is None:
+        return ""
+    head = f"root cause: {rank.label} ({rank.plan.label}) exited with {rank.exit.describe()}"
+    error = rank.exit.error
+    if error is None:
+        return head + " (no error file: decorate the entry point with torch's @record to " \
+            "see the exception here)"
+    lines = [f"{head}: {error.message}"]
+    lines += ["  " + line for line in error.traceback_tail()]
+    return "\n".join(lines)
 
 
 def make_console(opts: LaunchOptions) -> Console:

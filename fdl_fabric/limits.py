@@ -30,6 +30,7 @@ __all__ = [
     "PROBLEMS_MAX",
     "RANKS_MAX",
     "RANKS_PER_WORKER_MAX",
+    "RESTARTS_MAX",
     "SECONDS_MAX",
     "SSH_OPTIONS_MAX",
     "SSH_OPTION_MAX_BYTES",
@@ -59,6 +60,10 @@ RANKS_PER_WORKER_MAX = 1024
 #: rank; at this size it takes about 0.1 GB, or 0.5 GB with ``ENV_VARS_MAX`` variables each
 #: (measured, under a second either way).
 RANKS_MAX = 65536
+
+#: ``elastic.max_restarts`` / ``--max-restarts``: attempts beyond the first. More than this
+#: is a crash loop, not elasticity.
+RESTARTS_MAX = 1000
 
 #: Linux MAX_ARG_STRLEN (32 pages) counts the terminating NUL, so one argv word or one
 #: ``NAME=value`` environment string may have at most this many bytes. Longer ones make

@@ -148,7 +148,8 @@ class LiveConsole(Console):
     def start_status(self, rows: Callable[[], Sequence[Rank]]) -> None:
         from rich.live import Live
 
-        self._live = Live(get_renderable=lambda: status_table(rows(), self), console=self._rich,
+        self._live = Live(get_renderable=lambda: status_table(rows(), self._rich.width),
+                          console=self._rich,
                           refresh_per_second=4, transient=True, redirect_stdout=False,
                           redirect_stderr=False)
         self._live.start()
@@ -172,20 +173,40 @@ _STATE_STYLES = {
 }
 
 
-def status_table(ranks: Sequence[Rank], console: Console) -> Any:
-    """The live view: one line per rank."""
+#: Below this terminal width the live table drops its device and uptime columns.
+NARROW_WIDTH = 100
+
+
+def status_table(ranks: Sequence[Rank], width: int) -> Any:
+    """The live view: one line per rank, fitted to ``width`` columns.
+
+    Every column but the last output keeps its full values (a host, pid or state cut to
+    ``localh…`` helps nobody); the last output line gets what is left. Below
+    `NARROW_WIDTH` the device and uptime columns go, so 80 columns still read well.
+    """
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(box=None, pad_edge=False, header_style="bold dim", expand=False)
-    for col in ("host", "rank", "device", "pid", "state", "uptime", "last output"):
-        table.add_column(col, no_wrap=True, overflow="ellipsis",
-                         max_width=60 if col == "last output" else None)
+    narrow = width < NARROW_WIDTH
+    cells: list[list[Any]] = []
     for r in ranks:
-        device = "cpu" if r.plan.device is None else str(r.plan.device)
-        table.add_row(Text(r.host), str(r.rank), device, str(r.pid or "-"),
-                      Text(r.state.value, style=_STATE_STYLES.get(r.state, "")), _uptime(r),
-                      Text(r.last_line))
+        row: list[Any] = [Text(r.host), str(r.rank)]
+        if not narrow:
+            row.append("cpu" if r.plan.device is None else str(r.plan.device))
+        row += [str(r.pid or "-"), Text(r.state.value, style=_STATE_STYLES.get(r.state, ""))]
+        if not narrow:
+            row.append(_uptime(r))
+        row.append(Text(r.last_line))
+        cells.append(row)
+    names = ["host", "rank", *([] if narrow else ["device"]), "pid", "state",
+             *([] if narrow else ["uptime"]), "last output"]
+    table = Table(box=None, pad_edge=False, header_style="bold dim", expand=True, width=width)
+    for i, name in enumerate(names[:-1]):
+        longest = max([len(name), *(len(str(row[i])) for row in cells)])
+        table.add_column(name, no_wrap=True, min_width=longest)
+    table.add_column(names[-1], no_wrap=True, overflow="ellipsis", ratio=1)
+    for row in cells:
+        table.add_row(*row)
     return table
 
 
@@ -194,10 +215,13 @@ class RunLog:
 
     Layout (like torchrun's ``--log-dir``)::
 
-        <dir>/<run_id>/r<rank>/stdout.log     rank output, byte for byte
-        <dir>/<run_id>/r<rank>/stderr.log
+        <dir>/<run_id>/attempt_<k>/r<rank>/stdout.log   rank output, byte for byte
+        <dir>/<run_id>/attempt_<k>/r<rank>/stderr.log
+        <dir>/<run_id>/attempt_<k>/r<rank>/error.json   a failed rank's error file
         <dir>/<run_id>/events.jsonl           every other event, one JSON object a line
         <dir>/<run_id>/cluster.json           the resolved plan, secrets redacted
+
+    ``k`` counts attempts (``--max-restarts``), from 0.
 
     Rank output can carry tokens, so folders are 0700 and files 0600, like the run
     registry, whatever the umask.
@@ -208,16 +232,22 @@ class RunLog:
         Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one is kept
         _private_dir(self.folder)
         self._events = _private_file(self.folder / "events.jsonl")
-        self._ranks: dict[tuple[int, bool], IO[bytes]] = {}
+        self._ranks: dict[tuple[int, int, bool], IO[bytes]] = {}
         self._lock = threading.Lock()
+        #: The attempt whose rank output is being written (``--max-restarts``).
+        self.attempt = 0
+
+    def rank_folder(self, rank: int) -> Path:
+        return self.folder / f"attempt_{self.attempt}" / f"r{rank}"
 
     def _rank_file(self, rank: int, stderr: bool) -> IO[bytes]:
-        fh = self._ranks.get((rank, stderr))
+        fh = self._ranks.get((self.attempt, rank, stderr))
         if fh is None:
-            folder = self.folder / f"r{rank}"
+            folder = self.rank_folder(rank)
+            _private_dir(folder.parent)
             _private_dir(folder)
             fh = _private_file(folder / ("stderr.log" if stderr else "stdout.log"))
-            self._ranks[(rank, stderr)] = fh
+            self._ranks[(self.attempt, rank, stderr)] = fh
         return fh
 
     def emit(self, event: Event) -> None:
@@ -233,7 +263,13 @@ class RunLog:
             if event.kind is Kind.SPAWN and event.rank is not None:
                 for stderr in (False, True):  # both exist from the start, as with torchrun
                     self._rank_file(event.rank, stderr)
-            line = json.dumps(event.to_json(), ensure_ascii=False) + "\n"
+            record = event.to_json()
+            text = record.pop("error_file", None)
+            if isinstance(text, str) and event.rank is not None:
+                with _private_file(self.rank_folder(event.rank) / "error.json") as fh:
+                    fh.write(text.encode("utf-8"))
+            record.setdefault("attempt", self.attempt)
+            line = json.dumps(record, ensure_ascii=False) + "\n"
             self._events.write(line.encode("utf-8"))
             self._events.flush()
 

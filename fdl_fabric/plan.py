@@ -8,6 +8,7 @@ check it without any process or socket.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .agent.wire import VERSION as AGENT_PROTOCOL
-from .config import ClusterSpec, WorkerSpec
+from .config import ClusterSpec, WorkerSpec, is_reserved_env_key
 from .envelope import (
     ENV_CLUSTER_JSON,
     ENV_CLUSTER_KEY,
@@ -30,6 +31,17 @@ from .envelope import (
 
 #: Launcher variables forwarded to every rank when set where the launcher runs.
 FORWARDED_ENV = (ENV_VERBOSITY, ENV_NET_TIMEOUT_SCALE)
+
+#: torchrun's role name; fdl-fabric has one role.
+ROLE_NAME = "default"
+
+#: Set to 1 for every rank of a host running more than one, unless the user set it:
+#: otherwise each rank starts a thread per core and they fight for them (torchrun does
+#: the same, with the notice below).
+OMP_DEFAULT = {"OMP_NUM_THREADS": "1"}
+OMP_NOTICE = ("cluster launcher: setting OMP_NUM_THREADS=1 for each rank of a host that runs "
+              "more than one, where it is not set already, to avoid overloading the system; "
+              "tune it for your program (env: OMP_NUM_THREADS: \"N\")")
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,10 @@ class LaunchPlan:
     ranks: tuple[RankPlan, ...]
     envelopes: dict[str, SlimEnvelope] = field(repr=False)
     bind_loopback: bool
+    #: Which attempt of the run this is (0, then 1.. after restarts).
+    attempt: int = 0
+    #: Of the defaults' names, those set where the launcher runs (local ranks inherit them).
+    launcher_sets: frozenset[str] = frozenset()
 
     @property
     def world_size(self) -> int:
@@ -86,12 +102,23 @@ class LaunchPlan:
             seen.setdefault(r.host, None)
         return list(seen)
 
+    def defaults(self, host: str) -> dict[str, str]:
+        """Variables a host's ranks get only where their environment does not set them."""
+        ranks = self.host_ranks(host)
+        if len(ranks) < 2:
+            return {}
+        local = ranks[0].worker.is_local
+        return {k: v for k, v in OMP_DEFAULT.items()
+                if k not in ranks[0].env and not (local and k in self.launcher_sets)}
+
     def agent_spec(self, host: str, *, checks: Optional[dict[str, Any]] = None,
                    start_now: bool = False) -> dict[str, Any]:
         """What one host's agent is told (docs/protocol.md, ``spec``); carries the salt.
 
         Variables every rank of the host shares are sent once (``env``); each rank's
-        entry holds only its own (``RANK``, ``LOCAL_RANK``, a GPU pin...).
+        entry holds only its own (``RANK``, ``LOCAL_RANK``, a GPU pin...). ``defaults``
+        apply where the host's own environment does not set the variable; the agent
+        sets ``TORCHELASTIC_ERROR_FILE`` itself, under its host's run registry.
         """
         ranks = self.host_ranks(host)
         common = dict(ranks[0].env)
@@ -109,6 +136,9 @@ class LaunchPlan:
             "env": common,
             "ranks": [{"rank": r.rank, "env": {k: v for k, v in r.env.items()
                                                if k not in common}} for r in ranks],
+            "defaults": self.defaults(host),
+            "error_files": True,
+            "attempt": self.attempt,
             "envelope": self.envelope_hex(host),
             "checks": checks,
             "start_now": start_now,
@@ -155,8 +185,15 @@ def build_plan(
     resolved_devices: Optional[Mapping[str, Sequence[int]]] = None,
     prebuild: Optional[Mapping[str, PrebuildEntry]] = None,
     launcher_env: Optional[Mapping[str, str]] = None,
+    attempt: int = 0,
 ) -> LaunchPlan:
-    """Number ranks in roster order and compute each one's env and command."""
+    """Number ranks in roster order and compute each one's env and command.
+
+    A rank's environment, lowest precedence first: its host's own (the launcher's for
+    local ranks, the SSH login environment for remote ones: the agent's), then
+    ``env_forward`` (launcher variables carried over), the launcher's own variables
+    below, the cluster ``env``, the host ``env``.
+    """
     resolved = resolved_devices or {}
     prebuild = prebuild or {}
     environ = os.environ if launcher_env is None else launcher_env
@@ -176,6 +213,7 @@ def build_plan(
         raise ValueError(f"controller.host {cluster.controller.host!r} is a wildcard: remote "
                          "workers need an address they can dial")
     cluster_id = cluster_key(cluster)
+    workers_with_ranks = sum(1 for d in devices_by_worker if d)
 
     ranks: list[RankPlan] = []
     envelopes: dict[str, SlimEnvelope] = {}
@@ -203,7 +241,9 @@ def build_plan(
         cwd = entry.cwd(worker.path) if entry else worker.path
         rank_argv = (entry.program(worker.path), *argv[1:]) if entry else tuple(argv)
         for local_rank, (rank, device) in enumerate(zip(worker_ranks, devices)):
-            env: dict[str, str] = {
+            env: dict[str, str] = forwarded_env(environ, (*cluster.env_forward,
+                                                           *worker.env_forward))
+            env.update({
                 ENV_LOCAL_RANK: str(local_rank),
                 ENV_HOST_NAME: worker.host,
                 ENV_RUN_ID: run_id,
@@ -213,9 +253,16 @@ def build_plan(
                 "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(len(devices)),
                 "GROUP_RANK": str(worker.index),
+                "GROUP_WORLD_SIZE": str(workers_with_ranks),
+                "ROLE_NAME": ROLE_NAME,
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(world_size),
                 "MASTER_ADDR": master_addr,
                 "MASTER_PORT": str(cluster.master_port),
-            }
+                "TORCHELASTIC_RUN_ID": run_id,
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                "TORCHELASTIC_MAX_RESTARTS": str(cluster.elastic.max_restarts),
+            })
             if device is not None:
                 env["CUDA_VISIBLE_DEVICES"] = str(device)
                 env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -251,4 +298,14 @@ def build_plan(
         ranks=tuple(ranks),
         envelopes=envelopes,
         bind_loopback=loopback,
+        attempt=attempt,
+        launcher_sets=frozenset(k for k in OMP_DEFAULT if k in environ),
     )
+
+
+def forwarded_env(environ: Mapping[str, str], patterns: Sequence[str]) -> dict[str, str]:
+    """The launcher variables ``env_forward`` names (globs allowed), reserved ones skipped."""
+    if not patterns:
+        return {}
+    return {k: v for k, v in environ.items()
+            if not is_reserved_env_key(k) and any(fnmatch.fnmatchcase(k, p) for p in patterns)}

@@ -48,20 +48,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
 
-import paramiko
-
 from .config import ClusterSpec, ConfigError, WorkerSpec, load_cluster
 from .envelope import ENV_PREBUILD, EnvelopeError, PrebuildEntry, parse_prebuild
 from .plan import bind_loopback, controller_dial_host
 from .shell import quote
-from .ssh import (
-    SshConnectError,
-    SshSettings,
-    batchmode_warning,
-    make_connection,
-    open_connection,
-    resolve_all_settings,
-)
+from .sshopts import SshSettings, batchmode_warning, resolve_all_settings
 
 __all__ = [
     "CONTROLLER",
@@ -964,6 +955,10 @@ def _known_host_state(settings: SshSettings, config: Any) -> tuple[str, str]:
     """
     if settings.strict_host_key_checking == "no":
         return "unchecked", ""
+    import paramiko
+
+    from .ssh import make_connection
+
     scratch = make_connection(settings, config)  # resolves aliases; opens no socket
     name = scratch.host if int(scratch.port) == 22 else f"[{scratch.host}]:{scratch.port}"
     for path in (settings.known_hosts_file, "/etc/ssh/ssh_known_hosts"):
@@ -1012,6 +1007,8 @@ def _ms(start: float) -> float:
 
 def _check_remote(plan: HostPlan, settings: SshSettings, config: Any,
                   ctl: ControllerFacts) -> list[Check]:
+    from .ssh import SshConnectError, open_connection
+
     host = plan.host
     state, key_name = _known_host_state(settings, config)
     start = time.monotonic()

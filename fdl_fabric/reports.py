@@ -76,6 +76,8 @@ class Exited:
     rank: int
     code: Optional[int]
     signal: Optional[int]
+    #: The rank's error file (TORCHELASTIC_ERROR_FILE), when it failed and wrote one.
+    error: str = ""
 
 
 @dataclass(frozen=True)

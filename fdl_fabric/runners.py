@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import IO, Any, Callable, Protocol
 
-from fabric.runners import Remote
 from invoke.runners import Local
 
 
@@ -23,7 +22,7 @@ class ByteSink(Protocol):
     def close(self) -> None: ...
 
 
-class _RawOutput:
+class RawOutput:
     read_chunk_size = 64 * 1024
 
     def _handle_output(
@@ -40,9 +39,9 @@ class _RawOutput:
             sink.close()
 
 
-class RawLocal(_RawOutput, Local):  # type: ignore[misc]
-    """A local process whose stdout and stderr go to `ByteSink`s."""
+class RawLocal(RawOutput, Local):  # type: ignore[misc]
+    """A local process whose stdout and stderr go to `ByteSink`s.
 
-
-class RawRemote(_RawOutput, Remote):  # type: ignore[misc]
-    """An SSH session whose stdout and stderr go to `ByteSink`s."""
+    Its remote twin, `fdl_fabric.ssh.RawRemote`, lives with the other Fabric classes, so
+    that a launch with only local workers never imports Fabric's SSH stack.
+    """

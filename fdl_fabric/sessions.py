@@ -26,7 +26,7 @@ from invoke.context import Context
 
 from . import bundle, reports
 from .agent import wire
-from .runners import RawLocal, RawRemote
+from .runners import RawLocal
 
 #: Bytes of an agent's stderr kept to explain how it ended.
 STDERR_TAIL = 4096
@@ -117,6 +117,8 @@ class AgentSession:
             self.promise = runner.run(bundle.local_command(self.python), env=env,
                                       replace_env=True, shell="/bin/sh", **options)
         else:
+            from .ssh import RawRemote  # Fabric's SSH stack, only when a host is remote
+
             runner = RawRemote(context=self.connection, inline_env=True)
             self.promise = runner.run(bundle.remote_command(), **options)
         self.write(bundle.payload())
@@ -205,7 +207,7 @@ class AgentSession:
         elif kind == wire.EXITED:
             code, sig = obj.get("code"), obj.get("signal")
             post(reports.Exited(host, int(obj["rank"]), None if code is None else int(code),
-                                None if sig is None else int(sig)))
+                                None if sig is None else int(sig), str(obj.get("error", ""))))
         elif kind == wire.VERIFIED:
             post(reports.Verified(host, list(obj.get("stopped", [])),
                                   list(obj.get("remaining", []))))

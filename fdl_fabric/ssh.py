@@ -1,76 +1,29 @@
-"""SSH policy on Fabric and paramiko: options, host keys, connecting, liveness.
+"""SSH connections on Fabric and paramiko: host keys, connecting, sessions that stream bytes.
 
-Users describe SSH the way they know it, as OpenSSH ``Key=Value`` options;
-this module maps the options we support onto Fabric and paramiko and refuses
-the rest (silently ignoring an option the user relies on is worse than an
-error). Defaults follow the flodl launcher: no prompts, keepalive 10 s x 3,
-connect timeout 10 s, and host keys with ``accept-new`` semantics: an unknown
-key is recorded, a changed key is refused. Fabric's own default,
-``AutoAddPolicy``, accepts changed keys too and is replaced here.
+Settings come from `fdl_fabric.sshopts`. Fabric's default host-key policy,
+``AutoAddPolicy``, accepts changed keys too and is replaced here with OpenSSH's
+``accept-new``: an unknown key is recorded, a changed key is refused. Sessions open
+with a timeout, and a remote command killed by a signal is recorded as such.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import socket
 import threading
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import paramiko
 from fabric import Config, Connection
+from fabric.runners import Remote
 
-from .config import (
-    ClusterSpec,
-    ConfigError,
-    Problem,
-    WorkerSpec,
-    host_name_problem,
-    single_line_problem,
-    ssh_option_value_problem,
-    ssh_target_problem,
-    user_name_problem,
-)
-from .limits import PORT_MAX
-
-#: OpenSSH options we understand, by lowercase name.
-SUPPORTED_OPTIONS = {
-    "stricthostkeychecking": "StrictHostKeyChecking",
-    "userknownhostsfile": "UserKnownHostsFile",
-    "connecttimeout": "ConnectTimeout",
-    "serveraliveinterval": "ServerAliveInterval",
-    "serveralivecountmax": "ServerAliveCountMax",
-    "proxyjump": "ProxyJump",
-    "identityfile": "IdentityFile",
-    "user": "User",
-    "port": "Port",
-    "batchmode": "BatchMode",
-    "hostname": "HostName",
-}
-
-#: Our defaults; user options override them.
-DEFAULT_OPTIONS = {
-    "stricthostkeychecking": "accept-new",
-    "connecttimeout": "10",
-    "serveraliveinterval": "10",
-    "serveralivecountmax": "3",
-    "batchmode": "yes",
-}
-
-#: known_hosts when nothing else is configured, as for OpenSSH.
-DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+from .runners import RawOutput
+from .sshopts import DEFAULT_KNOWN_HOSTS, SshSettings
 
 #: Seconds paramiko may spend opening one session channel.
 SESSION_OPEN_TIMEOUT = 15.0
-
-
-class SshOptionError(ValueError):
-    """An ``ssh.options`` entry we cannot honour; the message names it."""
 
 
 class SshConnectError(RuntimeError):
@@ -80,172 +33,6 @@ class SshConnectError(RuntimeError):
         super().__init__(f"host {host!r}: {reason}")
         self.host = host
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class SshSettings:
-    """Everything needed to open one host's Connection, resolved."""
-
-    host: str
-    target: str
-    user: Optional[str]
-    port: Optional[int]
-    identity_files: tuple[str, ...]
-    strict_host_key_checking: str
-    known_hosts_file: str
-    connect_timeout: float
-    alive_interval: float
-    alive_count_max: int
-    proxy_jump: Optional[str]
-    batch_mode: bool
-
-    @property
-    def alive_timeout(self) -> float:
-        """How long a silent connection is trusted before it is declared dead."""
-        return self.alive_interval * max(1, self.alive_count_max)
-
-
-def parse_options(options: Sequence[str]) -> dict[str, str]:
-    """Lowercase option name to value; the first occurrence wins, as in OpenSSH.
-
-    Values follow config's grammar (one line, a port in 1-65535, a host name for HostName,
-    ...), the same one a cluster file is checked against, so options given in code cannot
-    carry a second line ("...\\nProxyCommand ...") or a port 0 that paramiko reads as 22.
-    """
-    parsed: dict[str, str] = {}
-    for raw in options:
-        problem = single_line_problem(raw)
-        if problem:
-            raise SshOptionError(f"ssh option {_shown(raw)} {problem}")
-        key, sep, value = raw.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key:
-            raise SshOptionError(f"{_shown(raw)} is not of the form Key=Value")
-        name = key.lower()
-        if name not in SUPPORTED_OPTIONS:
-            known = ", ".join(sorted(SUPPORTED_OPTIONS.values()))
-            raise SshOptionError(
-                f"ssh option {_shown(key)} is not supported (supported: {known})"
-            )
-        problem = ssh_option_value_problem(key, value)
-        if problem:
-            raise SshOptionError(problem)
-        parsed.setdefault(name, value)
-    return parsed
-
-
-def _shown(text: str) -> str:
-    """repr() of a user's text, shortened so an error stays one readable line."""
-    return repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
-
-
-def batchmode_warning(options: Sequence[str], host: str) -> Optional[str]:
-    """The seed's warning when a user turns BatchMode off; the option is still honoured."""
-    for opt in options:
-        key, sep, value = opt.partition("=")
-        if sep and key.strip().lower() == "batchmode" and value.strip().lower() != "yes":
-            return (
-                f"fdl-fabric: host {host!r} ssh.options set `{opt.strip()}` — the ssh dispatch "
-                "is non-interactive and will hang on any prompt (passphrase, host-key). "
-                "Proceeding as requested."
-            )
-    return None
-
-
-def _number(name: str, value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise SshOptionError(f"{SUPPORTED_OPTIONS[name]}={value!r} must be a number") from None
-    if not math.isfinite(number):  # float() takes "nan" and "inf"; no timeout can be either
-        raise SshOptionError(f"{SUPPORTED_OPTIONS[name]}={value!r} must be a finite number")
-    if number < 0:
-        raise SshOptionError(f"{SUPPORTED_OPTIONS[name]}={value!r} must not be negative")
-    return number
-
-
-def _check_spec_names(worker: WorkerSpec) -> None:
-    """The names ``resolve_settings`` hands to paramiko, held to config's grammar again: a
-    WorkerSpec can be built in code, without the cluster file's checks."""
-    spec = worker.ssh
-    problems = [
-        ("host", host_name_problem(worker.host)),
-        ("ssh.target", spec.target and ssh_target_problem(spec.target)),
-        ("ssh.user", spec.user and user_name_problem(spec.user)),
-    ]
-    for key, problem in problems:
-        if problem:
-            raise SshOptionError(f"{key}: {problem}")
-    if spec.port is not None and not 1 <= spec.port <= PORT_MAX:
-        raise SshOptionError(f"ssh.port: must be between 1 and {PORT_MAX}, got {spec.port}")
-
-
-def resolve_settings(worker: WorkerSpec) -> SshSettings:
-    """Merge a worker's ``ssh`` block, its options and our defaults.
-
-    Precedence: the explicit ``ssh.target/user/port/identity_file`` fields,
-    then user options, then our defaults; whatever is still unset comes from
-    ``~/.ssh/config`` through Fabric (HostName, User, Port, IdentityFile,
-    ProxyJump for Host aliases).
-    """
-    spec = worker.ssh
-    _check_spec_names(worker)
-    opts = {**DEFAULT_OPTIONS, **parse_options(spec.options)}
-    strict = opts["stricthostkeychecking"].lower()
-    if strict == "off":
-        strict = "no"
-    if strict == "ask":
-        strict = "yes"  # we never prompt; 'ask' without a prompt is 'yes'
-    if strict not in ("yes", "no", "accept-new"):
-        raise SshOptionError(
-            f"StrictHostKeyChecking={opts['stricthostkeychecking']!r} must be one of "
-            "yes, no, accept-new"
-        )
-    port: Optional[int] = spec.port
-    if port is None and "port" in opts:
-        port = int(opts["port"])  # parse_options made sure it is 1..65535
-    identities = [spec.identity_file] if spec.identity_file else []
-    if "identityfile" in opts:
-        identities.append(os.path.expanduser(opts["identityfile"]))
-    count_max = _number("serveralivecountmax", opts["serveralivecountmax"])
-    return SshSettings(
-        host=worker.host,
-        target=spec.target or opts.get("hostname") or worker.host,
-        user=spec.user or opts.get("user"),
-        port=port,
-        identity_files=tuple(identities),
-        strict_host_key_checking=strict,
-        known_hosts_file=os.path.expanduser(
-            opts.get("userknownhostsfile", DEFAULT_KNOWN_HOSTS).split()[0]
-        ),
-        connect_timeout=_number("connecttimeout", opts["connecttimeout"]),
-        alive_interval=_number("serveraliveinterval", opts["serveraliveinterval"]),
-        alive_count_max=int(count_max),
-        proxy_jump=opts.get("proxyjump") if opts.get("proxyjump", "none") != "none" else None,
-        batch_mode=opts["batchmode"].lower() == "yes",
-    )
-
-
-def resolve_all_settings(
-    cluster: ClusterSpec, warn: Optional[Callable[[str], None]] = None
-) -> dict[str, SshSettings]:
-    """Every remote worker's SSH settings; a bad option is a ConfigError (exit 2)."""
-    settings: dict[str, SshSettings] = {}
-    problems: list[Problem] = []
-    for w in cluster.workers:
-        if w.is_local:
-            continue
-        warning = batchmode_warning(w.ssh.options, w.host)
-        if warning and warn is not None:
-            warn(warning)
-        try:
-            settings[w.host] = resolve_settings(w)
-        except SshOptionError as exc:
-            problems.append(Problem(cluster.file, f"workers[{w.index}].ssh.options", w.line,
-                                    str(exc)))
-    if problems:
-        raise ConfigError(problems)
-    return settings
 
 
 _known_hosts_lock = threading.Lock()
@@ -445,78 +232,5 @@ def open_connection(settings: SshSettings, config: Optional[Config] = None) -> F
     return conn
 
 
-class KeepaliveMonitor:
-    """Declare a connection dead when it stops answering keepalives.
-
-    paramiko's own keepalive only sends packets and never notices a silent
-    peer (a partitioned network keeps TCP retransmitting for many minutes).
-    This monitor asks the server for a reply every ``interval`` seconds, as
-    OpenSSH's ServerAliveInterval does, and closes the transport after
-    ``interval x count_max`` seconds without one; every session on it then
-    ends, which the supervisor sees as lost ranks.
-    """
-
-    def __init__(self, on_dead: Callable[[str, float], None]) -> None:
-        self._on_dead = on_dead
-        self._entries: list[_Watched] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="fdl-keepalive", daemon=True)
-
-    def watch(self, host: str, transport: paramiko.Transport, settings: SshSettings) -> None:
-        if settings.alive_interval <= 0:
-            return
-        with self._lock:
-            self._entries.append(_Watched(host, transport, settings.alive_interval,
-                                          settings.alive_timeout))
-        if not self._thread.is_alive():
-            self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.2):
-            now = time.monotonic()
-            with self._lock:
-                entries = list(self._entries)
-            for entry in entries:
-                if entry.dead or not entry.transport.is_active():
-                    continue
-                silent = now - entry.last_reply
-                if silent > entry.timeout:
-                    entry.dead = True
-                    entry.transport.close()
-                    self._on_dead(entry.host, silent)
-                elif not entry.pinging and now - entry.last_ping >= entry.interval:
-                    entry.ping()
-
-
-class _Watched:
-    def __init__(self, host: str, transport: paramiko.Transport, interval: float,
-                 timeout: float) -> None:
-        self.host = host
-        self.transport = transport
-        self.interval = interval
-        self.timeout = timeout
-        self.last_reply = time.monotonic()
-        self.last_ping = 0.0
-        self.pinging = False
-        self.dead = False
-
-    def ping(self) -> None:
-        self.pinging = True
-        self.last_ping = time.monotonic()
-        threading.Thread(target=self._ping, name=f"fdl-ping-{self.host}", daemon=True).start()
-
-    def _ping(self) -> None:
-        try:
-            # OpenSSH answers an unknown global request with a failure reply;
-            # any reply proves the peer is alive.
-            self.transport.global_request("keepalive@openssh.com", wait=True)
-            if self.transport.is_active():
-                self.last_reply = time.monotonic()
-        except Exception:
-            pass
-        finally:
-            self.pinging = False
+class RawRemote(RawOutput, Remote):  # type: ignore[misc]
+    """An SSH session whose stdout and stderr go to `runners.ByteSink`s (an agent's)."""

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional, Protocol
 
-from . import reports
+from . import errorfile, reports
+from .errorfile import RankError
 from .events import EventBus, Kind
 from .plan import RankPlan
 
@@ -85,11 +86,14 @@ _CAUSES = {
 
 @dataclass(frozen=True)
 class RankExit:
-    """How a rank ended: an exit code, a signal, or lost (no status ever came)."""
+    """How a rank ended: an exit code, a signal, or lost (no status ever came), and
+    what its error file said, if it wrote one."""
 
     code: Optional[int] = None
     signal: Optional[int] = None
     lost: Optional[str] = None
+    error: Optional[RankError] = None
+    error_text: str = ""
 
     @property
     def ok(self) -> bool:
@@ -163,10 +167,18 @@ class RunResult:
     exit_code: int
     message: str
     ranks: tuple[Rank, ...]
+    #: The first rank that failed (in the order failures were seen): the root cause.
+    root_cause: Optional[Rank] = None
 
     @property
     def started_any(self) -> bool:
         return any(r.started is not None for r in self.ranks)
+
+    @property
+    def restartable(self) -> bool:
+        """A failed run whose ranks had started: another attempt may succeed. Pre-flight
+        failures, interrupts and successes are not retried."""
+        return self.verdict is Verdict.FAILED and self.started_any
 
 
 class HostHandle(Protocol):
@@ -243,6 +255,7 @@ class Supervisor:
         self._interrupt: Optional[int] = None
         self._shutdown_seen: Optional[float] = None
         self._preflight_failures: list[str] = []
+        self.root_cause: Optional[Rank] = None
 
     # -- called from other threads (all go through the inbox) --------------------------------
     def post(self, report: reports.Report) -> None:
@@ -410,10 +423,16 @@ class Supervisor:
         r = self.by_rank.get(report.rank)
         if r is None or r.state.terminal or r.host != report.host:
             return
-        self._on_exit(r, RankExit(code=report.code, signal=report.signal))
+        self._on_exit(r, RankExit(code=report.code, signal=report.signal,
+                                  error=errorfile.parse(report.error),
+                                  error_text=report.error))
 
     def _on_exit(self, r: Rank, info: RankExit) -> None:
-        data = {"status": info.describe(), "ok": info.ok}
+        data: dict[str, object] = {"status": info.describe(), "ok": info.ok}
+        if info.error is not None:
+            data["error"] = info.error.message
+        if info.error_text:
+            data["error_file"] = info.error_text
         if info.ok:
             self._end(r, info, RankState.SUCCEEDED)
             self.events(Kind.EXIT, f"cluster launcher: {r.label} exited with status 0",
@@ -427,6 +446,8 @@ class Supervisor:
             self.events(Kind.EXIT, msg if lost else f"{msg} (stopped by the launcher)",
                         host=r.host, rank=r.rank, data=data)
             return
+        if self.root_cause is None:
+            self.root_cause = r
         if self.elastic is not None and self.elastic.cohort_formed and self.failure is None:
             self._end(r, info, RankState.TOLERATED)
             self.tolerated += 1
@@ -578,11 +599,11 @@ class Supervisor:
                              f"cluster launcher: interrupted by {name} — every rank was stopped",
                              ranks)
         if self.failure is not None:
-            return RunResult(Verdict.FAILED, 1, self.failure, ranks)
+            return RunResult(Verdict.FAILED, 1, self.failure, ranks, self.root_cause)
         if self.elastic is not None:
             verdict, message = self.elastic.verdict(world, self.tolerated)
             return RunResult(verdict, 0 if verdict in (Verdict.OK, Verdict.DEGRADED) else 1,
-                             message, ranks)
+                             message, ranks, self.root_cause)
         return RunResult(Verdict.OK, 0,
                          f"cluster launcher: run completed — all {world} ranks exited 0", ranks)
 

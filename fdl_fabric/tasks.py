@@ -15,6 +15,9 @@ from invoke.context import Context
 from invoke.exceptions import Exit
 from invoke.tasks import task
 
+from . import flags
+from .config import parse_max_failure
+from .hosts import LaunchError
 from .launcher import LaunchOptions
 from .launcher import launch as run_launch
 
@@ -40,6 +43,34 @@ def _remainder() -> list[str]:
     return []
 
 
+def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
+                   cmd: Optional[str] = None, kill_grace: Optional[str] = None,
+                   quiet: bool = False, verbose: Optional[str] = None,
+                   max_failure: Optional[str] = None, max_restarts: Optional[str] = None,
+                   log_dir: Optional[str] = None, dry_run: bool = False,
+                   preflight: bool = True) -> LaunchOptions:
+    """The launch's options from the flags as invoke gives them, every one checked: a bad
+    value is a LaunchError (exit 2) naming its flag, before anything is read or started."""
+    if max_failure is not None:
+        try:
+            parse_max_failure(max_failure)
+        except ValueError as exc:
+            raise flags.usage("--max-failure", str(exc)) from None
+    return LaunchOptions(
+        cluster_file=flags.cluster_file(cluster, settings["cluster"]),
+        command=flags.command(cmd),
+        argv=_remainder(),
+        kill_grace=flags.seconds("--kill-grace", kill_grace),
+        verbosity=1 + flags.verbosity(verbose),
+        quiet=quiet,
+        max_failure=max_failure,
+        max_restarts=flags.restarts("--max-restarts", max_restarts),
+        log_dir=flags.log_dir(log_dir or settings["log_dir"] or None),
+        dry_run=dry_run,
+        preflight=preflight,
+    )
+
+
 @task(
     help={
         "cluster": "cluster file (default: cluster.yml)",
@@ -47,24 +78,29 @@ def _remainder() -> list[str]:
         "or give the words after `--`",
         "kill-grace": "seconds between TERM and KILL when stopping ranks (default: kill_grace)",
         "quiet": "show only launcher status and events, not rank output",
-        "verbose": "more detail (-v, -vv); also sets FLODL_VERBOSITY for the ranks",
-        "log-dir": "keep <dir>/<run_id>/r<rank>/{stdout,stderr}.log, events.jsonl, cluster.json",
-        "dry-run": "print the resolved plan and each host's exact command; connect nowhere",
-        "preflight": "check ssh, paths, program and port on every host before starting any "
+        "verbose": "more detail: -v, -vv, or --verbose=N (1-3); also sets FLODL_VERBOSITY "
+        "for the ranks",
+        "log-dir": "keep <dir>/<run_id>/attempt_<k>/r<rank>/{stdout,stderr}.log, "
+        "events.jsonl and cluster.json",
+        "dry-run": "print each host's agent spec and how it is reached; connect nowhere",
+        "preflight": "check paths, program and port on every host before starting any "
         "rank (default); --no-preflight skips it",
         "max-failure": "after the cohort forms, stop the run once this many ranks died "
-        "(a count, or a percentage such as 25%%); default: elastic.max_failure",
+        "(a count, or a percentage such as 25%); default: elastic.max_failure",
+        "max-restarts": "start the whole group again up to N times after a failure, as "
+        "torchrun does (default: elastic.max_restarts, 0)",
     },
-    incrementable=["verbose"],
+    optional=["verbose"],
 )
 def launch(
     c: Context,
     cluster: Optional[str] = None,
     cmd: Optional[str] = None,
-    kill_grace: Optional[float] = None,
+    kill_grace: Optional[str] = None,
     quiet: bool = False,
-    verbose: int = 0,
+    verbose: Optional[str] = None,
     max_failure: Optional[str] = None,
+    max_restarts: Optional[str] = None,
     log_dir: Optional[str] = None,
     dry_run: bool = False,
     preflight: bool = True,
@@ -74,20 +110,13 @@ def launch(
     Exit codes: 0 ok (or degraded), 1 run failure, 2 config or usage error,
     130/143 interrupted by SIGINT/SIGTERM.
     """
-    argv = _remainder()
-    settings = _settings(c)
-    opts = LaunchOptions(
-        cluster_file=cluster or settings["cluster"],
-        command=cmd,
-        argv=argv,
-        kill_grace=float(kill_grace) if kill_grace is not None else None,
-        verbosity=1 + int(verbose),
-        quiet=quiet,
-        max_failure=max_failure,
-        log_dir=log_dir or settings["log_dir"] or None,
-        dry_run=dry_run,
-        preflight=preflight,
-    )
+    try:
+        opts = launch_options(_settings(c), cluster=cluster, cmd=cmd, kill_grace=kill_grace,
+                              quiet=quiet, verbose=verbose, max_failure=max_failure,
+                              max_restarts=max_restarts, log_dir=log_dir, dry_run=dry_run,
+                              preflight=preflight)
+    except LaunchError as exc:
+        raise Exit(str(exc), code=exc.exit_code) from None
     code = run_launch(opts)
     if code:
         raise Exit(code=code)
@@ -172,6 +201,34 @@ def plot_run(c: Context, run_dir: str, output: str = "") -> None:
 
     print(draw(run_dir, output))
 
+
+def _usage_errors_exit_2() -> None:
+    """invoke exits 1 when it cannot parse a task's flags; our tasks promise 2 for every
+    usage error (docs/cli.md), under ``inv`` as under ``fdl-fabric``. Only parse errors of
+    this collection's tasks change; invoke prints the message either way."""
+    from invoke.exceptions import ParseError
+    from invoke.program import Program
+
+    original = Program.parse_tasks
+    if getattr(original, "_fdl_usage_exit", False):
+        return
+
+    def parse_tasks(self: Program) -> None:
+        try:
+            original(self)
+        except ParseError as exc:
+            name = str(getattr(exc.context, "name", "") or "")
+            if name.rpartition(".")[2] in TASK_NAMES:
+                raise Exit(str(exc), code=2) from None
+            raise
+
+    parse_tasks._fdl_usage_exit = True  # type: ignore[attr-defined]
+    Program.parse_tasks = parse_tasks  # type: ignore[method-assign]
+
+
+#: This collection's tasks, by their command-line names.
+TASK_NAMES = frozenset({"launch", "cleanup", "prebuild-check", "plot-run"})
+_usage_errors_exit_2()
 
 ns = Collection("fdl")
 ns.add_task(launch)

@@ -27,3 +27,6 @@ else
   "$PY" -m pip install -q --disable-pip-version-check -r requirements.txt -e . 2>&1 \
     | grep -v -e "Running pip as the 'root' user" -e "is ignored: it is neither" || true
 fi
+# Bytecode for the package: every launch imports it, and with PYTHONDONTWRITEBYTECODE
+# set (as on these machines) Python would compile it from source at every start.
+"$PY" -m compileall -q fdl_fabric >/dev/null

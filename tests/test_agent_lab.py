@@ -104,7 +104,7 @@ def test_a_50_mb_line_from_a_remote_rank_arrives_whole_in_the_log(
                      timeout=110)
     assert out.returncode == 0, out.stderr
     (run_dir,) = logs.iterdir()
-    data = (run_dir / "r0" / "stdout.log").read_bytes()
+    data = (run_dir / "attempt_0" / "r0" / "stdout.log").read_bytes()
     assert len(data) == 50 * (1 << 20) + 2 and data.endswith(b"y!\n")
 
 
@@ -138,7 +138,7 @@ def test_connecting_32_hosts_20_times_never_fails(tmp_path: Path) -> None:
     connect in 26 fail at 32 hosts with "No attribute or config key found")."""
     from fdl_fabric.config import load_cluster
     from fdl_fabric.hosts import close_all, connect_each
-    from fdl_fabric.ssh import resolve_all_settings
+    from fdl_fabric.sshopts import resolve_all_settings
 
     with SshdLab(tmp_path, n_hosts=32) as lab:
         cluster = load_cluster(str(lab.write_cluster([lab.worker(h) for h in lab.hosts])))

@@ -19,6 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fdl_fabric.coordinator import (
+    PENDING_MAX,
+    PRE_AUTH_FRAME,
     Coordinator,
     CoordinatorError,
     CoordinatorSpec,
@@ -368,7 +370,7 @@ def _second_hello(f: FakeRank) -> None:
     (_other_run, "bad tag"),
     (_replay, "replayed frame (sequence 0, expected 1)"),
     (_out_of_order, "out-of-order frame (sequence 5, expected 1)"),
-    (_oversize, f"frame too large ({2 * MAX_FRAME} bytes, limit {MAX_FRAME})"),
+    (_oversize, f"frame too large ({2 * MAX_FRAME} bytes, limit {PRE_AUTH_FRAME})"),
     (_short, "frame too short (3 bytes)"),
     (_frame_of(b"{not json"), "payload is not UTF-8 JSON"),
     (_frame_of(b"\xff\xfe"), "payload is not UTF-8 JSON"),
@@ -588,3 +590,43 @@ def test_stop_closes_every_rank_and_is_idempotent(make: Callable[..., Harness]) 
     h.coord.stop()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", h.coord.port), timeout=1.0)
+
+
+# -- hostile peers before authentication ---------------------------------------------------
+def test_before_its_hello_a_peer_may_send_a_small_frame_only_after_it_the_full_size(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    stranger = h.rank()
+    stranger.raw(struct.pack(">I", PRE_AUTH_FRAME + 1))
+    assert stranger.is_closed()
+    assert f"limit {PRE_AUTH_FRAME}" in h.log.of(Kind.WARNING)[0].message
+    member = h.rank()
+    assert member.hello(0)["type"] == "welcome"
+    member.send({"type": "heartbeat", "note": "x" * (4 * PRE_AUTH_FRAME)})
+    assert not member.is_closed(0.3)
+
+
+def test_the_oldest_peer_without_a_hello_is_dropped_past_the_cap(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    idle = [h.rank() for _ in range(PENDING_MAX)]
+    assert wait_for(lambda: len(h.coord._conns) == PENDING_MAX)
+    newest = h.rank()
+    assert idle[0].is_closed()
+    assert not newest.is_closed(0.2) and not idle[-1].is_closed(0.2)
+    for f in [*idle, newest]:
+        f.sock.close()
+
+
+def test_refused_peers_make_one_line_at_once_then_one_count(make: Callable[..., Harness]) -> None:
+    h = make()
+    for _ in range(40):
+        f = h.rank()
+        f.raw(struct.pack(">I", 3))
+        assert f.is_closed()
+    h.coord.stop()
+    warnings = h.log.of(Kind.WARNING)
+    assert len(warnings) == 2, [w.message for w in warnings]
+    assert "frame too short" in warnings[0].message
+    assert warnings[1].message.startswith("cluster coordinator: refused 39 more connection(s)")
+    assert warnings[1].data["refused"] == 39

@@ -41,9 +41,9 @@ def test_log_dir_keeps_every_rank_output_the_events_and_the_redacted_cluster(
         run.kill()
     (run_dir,) = (tmp_path / "logs").iterdir()
     for r in range(3):
-        assert "joined on" in (run_dir / f"r{r}" / "stdout.log").read_text()
-        assert (run_dir / f"r{r}" / "stderr.log").exists()
-    assert "[lab1" not in (run_dir / "r1" / "stdout.log").read_text()  # unprefixed
+        assert "joined on" in (run_dir / "attempt_0" / f"r{r}" / "stdout.log").read_text()
+        assert (run_dir / "attempt_0" / f"r{r}" / "stderr.log").exists()
+    assert "[lab1" not in (run_dir / "attempt_0" / "r1" / "stdout.log").read_text()  # unprefixed
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     kinds = {e["event"] for e in events}
     assert {"launch", "spawn", "join", "formed", "tolerated", "verdict"} <= kinds
@@ -84,8 +84,11 @@ def test_the_run_summary_names_each_rank_exit_and_cause(sshd_lab, tmp_path: Path
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert lines[-1] == "cluster launcher: rank 2 of lab1 exited with status 7"
-    table = lines[-5:-1]
-    assert table[0].split() == ["rank", "host", "exit", "cause", "duration"]
+    head = lines.index(next(x for x in lines if x.split() == ["rank", "host", "exit", "cause",
+                                                               "duration"]))
+    table = lines[head:head + 4]
+    assert lines[head + 4].startswith("root cause: rank 2 of lab1 (lab1:cpu:r2) exited with "
+                                      "status 7")
     assert table[3].split()[:4] == ["2", "lab1", "7", "failed"]
     assert "stopped by the launcher" in table[1] and "signal 15" in table[1]
 
@@ -148,7 +151,7 @@ def test_the_collection_imports_into_an_ops_repo_and_launches(sshd_lab, tmp_path
     assert out.returncode == 0, out.stderr
     assert "[lab1:cpu:r1] hello from rank 1" in out.stdout
     (run_dir,) = (tmp_path / "logs").iterdir()  # the log dir came from INVOKE_FDL_LOG_DIR
-    assert (run_dir / "r1" / "stdout.log").exists()
+    assert (run_dir / "attempt_0" / "r1" / "stdout.log").exists()
 
 
 def test_verbose_shows_routine_events_and_sets_flodl_verbosity(sshd_lab, tmp_path: Path) -> None:

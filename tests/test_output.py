@@ -50,12 +50,13 @@ def test_rank_output_is_kept_byte_for_byte_in_a_private_log_file(tmp_path: Path)
     log.emit(output("h", 1, "e", stderr=True, raw=b"e\n"))
     log.close()
     folder = tmp_path / "run1"
-    assert (folder / "r1" / "stdout.log").read_bytes() == b"a\nb \xff"
-    assert (folder / "r1" / "stderr.log").read_bytes() == b"e\n"
+    rank = folder / "attempt_0" / "r1"
+    assert (rank / "stdout.log").read_bytes() == b"a\nb \xff"
+    assert (rank / "stderr.log").read_bytes() == b"e\n"
     assert not (folder / "events.jsonl").read_text()  # output is not an event line
-    for path in (folder, folder / "r1"):
+    for path in (folder, folder / "attempt_0", rank):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
-    for path in (folder / "r1" / "stdout.log", folder / "events.jsonl"):
+    for path in (rank / "stdout.log", folder / "events.jsonl"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 

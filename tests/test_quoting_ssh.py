@@ -24,7 +24,8 @@ from fdl_fabric.config import parse_cluster
 from fdl_fabric.envelope import new_salt
 from fdl_fabric.plan import build_plan
 from fdl_fabric.sessions import AgentSession
-from fdl_fabric.ssh import open_connection, resolve_settings
+from fdl_fabric.ssh import open_connection
+from fdl_fabric.sshopts import resolve_settings
 
 pytestmark = pytest.mark.lab
 

@@ -36,7 +36,7 @@ from fdl_fabric.cleanup import sweep_request, sweep_with_agents
 from fdl_fabric.config import load_cluster
 from fdl_fabric.hosts import close_all, connect_all
 from fdl_fabric.plan import cluster_key
-from fdl_fabric.ssh import resolve_all_settings
+from fdl_fabric.sshopts import resolve_all_settings
 from fdl_fabric.testing import REGISTRY_MOUNTPOINT, LabHost, SshdLab
 from labutil import PROBE, ROOT, alive, launch_argv, processes_of_run, wait_for
 

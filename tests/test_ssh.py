@@ -11,12 +11,11 @@ import paramiko
 import pytest
 
 from fdl_fabric.config import ConfigError, SshSpec, WorkerSpec, parse_cluster
-from fdl_fabric.ssh import (
+from fdl_fabric.ssh import AcceptNewPolicy, make_connection
+from fdl_fabric.sshopts import (
     SUPPORTED_OPTIONS,
-    AcceptNewPolicy,
     SshOptionError,
     batchmode_warning,
-    make_connection,
     parse_options,
     resolve_settings,
 )

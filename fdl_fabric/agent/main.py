@@ -47,6 +47,7 @@ EXIT_INTERNAL = 4
 
 _INTERNAL_PREFIX = "FLODL_INTERNAL_"
 ENV_CLUSTER_JSON = "FLODL_INTERNAL_CLUSTER_JSON"
+ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 
 @dataclass
@@ -59,6 +60,7 @@ class RankProc:
     open_streams: int = 2
     status: Optional[int] = None
     reported: bool = False
+    error_file: str = ""
 
     @property
     def running(self) -> bool:
@@ -309,7 +311,9 @@ class Agent:
         self.started = True
         run_id, host = str(spec["run_id"]), str(spec["host"])
         self.watchdog = watchdog.start(run_id, host, float(spec["kill_grace"]))
-        base = {k: v for k, v in os.environ.items() if not k.startswith(_INTERNAL_PREFIX)}
+        # Defaults first, then this host's own environment, then the spec's.
+        base = {str(k): str(v) for k, v in (spec.get("defaults") or {}).items()}
+        base.update({k: v for k, v in os.environ.items() if not k.startswith(_INTERNAL_PREFIX)})
         base.update(spec["env"])
         if spec.get("envelope"):
             base[ENV_CLUSTER_JSON] = str(spec["envelope"])
@@ -318,13 +322,21 @@ class Agent:
             rank = int(entry["rank"])
             env = dict(base)
             env.update(entry.get("env") or {})
+            error_file = ""
             try:
+                if spec.get("error_files"):
+                    error_file = procs.error_file(run_id, int(spec.get("attempt", 0)), rank)
+                    env[ENV_ERROR_FILE] = error_file
                 child = children.spawn(argv, env, str(spec["cwd"]))
+            except (OSError, procs.RegistryError) as exc:
+                self.send(wire.SPAWN_FAILED, {"rank": rank, "reason": f"error file: {exc}"})
+                self._leash()
+                break
             except children.SpawnError as exc:
                 self.send(wire.SPAWN_FAILED, {"rank": rank, "reason": str(exc)})
                 self._leash()  # all or none: stop what this host already started
                 break
-            proc = RankProc(rank=rank, pid=child.pid, start=child.start)
+            proc = RankProc(rank=rank, pid=child.pid, start=child.start, error_file=error_file)
             self.ranks[rank] = proc
             self.by_pid[child.pid] = proc
             for fd, kind in ((child.stdout, wire.STDOUT), (child.stderr, wire.STDERR)):
@@ -413,7 +425,12 @@ class Agent:
             else:
                 code = os.WEXITSTATUS(status)
             proc.reported = True
-            self.send(wire.EXITED, {"rank": proc.rank, "code": code, "signal": sig})
+            exited: Dict[str, Any] = {"rank": proc.rank, "code": code, "signal": sig}
+            if code != 0 and proc.error_file:
+                error = procs.read_error_file(proc.error_file)
+                if error:
+                    exited["error"] = error
+            self.send(wire.EXITED, exited)
 
     def _signal(self, sig: int, rank: Optional[Any]) -> None:
         for proc in self.ranks.values():
@@ -493,6 +510,7 @@ class Agent:
             remaining = procs.stop(lambda: procs.carriers(run_id, host), grace)
         if not remaining:
             procs.remove_record(run_id)
+        procs.remove_error_files(run_id)
         # Output that leftovers wrote before they were stopped still belongs to the run.
         for fd, stream in list(self.streams.items()):
             self._read_rank(fd)

@@ -212,6 +212,43 @@ def _checked_dir(folder: str, create: bool) -> bool:
     return True
 
 
+#: Bytes of a rank's error file that are read and reported; the rest is cut.
+ERROR_FILE_MAX = 64 * 1024
+
+
+def error_file(run_id: str, attempt: int, rank: int, folder: Optional[str] = None) -> str:
+    """Where a rank writes its error file (torchrun's TORCHELASTIC_ERROR_FILE), made ready.
+
+    Under the run registry, so it is private to the user (0700 folders); a stale file
+    from an earlier launch with the same path is removed.
+    """
+    base = folder or registry_dir()
+    _checked_dir(base, create=True)
+    path = os.path.join(record_path(run_id, base)[:-len(".json")], f"attempt_{attempt}",
+                        f"r{rank}", "error.json")
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return path
+
+
+def read_error_file(path: str) -> str:
+    """The text a failed rank left in its error file ("" when it wrote none)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read(ERROR_FILE_MAX).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def remove_error_files(run_id: str, folder: Optional[str] = None) -> None:
+    import shutil
+
+    with contextlib.suppress(OSError, ValueError):
+        shutil.rmtree(record_path(run_id, folder)[:-len(".json")])
+
+
 def record_path(run_id: str, folder: Optional[str] = None) -> str:
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id):
         raise ValueError(f"not a run id: {run_id!r}")

@@ -1,0 +1,191 @@
+"""The command line: every flag checked up front and named when wrong, usage errors exit 2,
+-v in all its spellings, readable dry runs and live tables, consistent host names."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fdl_fabric.config import parse_cluster
+from fdl_fabric.plan import build_plan
+from labutil import ROOT, dumps, run_launch
+
+PROBE = f"python3 {ROOT}/tests/progs/rankprobe.py"
+
+
+def local_cluster(tmp_path: Path, nproc: int = 2, extra: str = "") -> Path:
+    path = tmp_path / "c.yml"
+    path.write_text(f"command: 'true'\nworkers:\n  - host: localhost\n    nproc: {nproc}\n"
+                    f"    path: {ROOT}\n" + extra)
+    return path
+
+
+def fdl_fabric(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fdl_fabric", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=str(ROOT))
+
+
+@pytest.mark.parametrize("flags,level", [(["-v"], "2"), (["-vv"], "3"), (["--verbose=2"], "3"),
+                                         (["--verbose", "1"], "2")])
+def test_v_vv_and_verbose_n_all_set_the_verbosity(flags: list[str], level: str,
+                                                   tmp_path: Path) -> None:
+    out = run_launch(local_cluster(tmp_path, 1), *flags, "--cmd",
+                     f"{PROBE} --dump {tmp_path}/d")
+    assert out.returncode == 0, out.stderr
+    assert dumps(tmp_path / "d", 1)[0]["env"]["FLODL_VERBOSITY"] == level
+    assert "cluster launcher: started localhost:cpu:r0" in out.stderr  # -v shows spawns
+
+
+@pytest.mark.parametrize("entry", ["inv", "fdl-fabric"])
+def test_an_unknown_flag_is_a_usage_error_exit_2(entry: str, tmp_path: Path) -> None:
+    if entry == "inv":
+        out = run_launch(local_cluster(tmp_path), "--no-such-flag")
+    else:
+        out = fdl_fabric("launch", "--cluster", str(local_cluster(tmp_path)), "--no-such-flag")
+    assert out.returncode == 2, out.stderr
+    assert "--no-such-flag" in out.stderr
+
+
+def test_help_shows_a_literal_percent_and_a_percentage_is_accepted(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(ROOT), "--help",
+                          "launch"], capture_output=True, text=True, cwd=str(ROOT), timeout=30)
+    assert "25%)" in out.stdout and "%%" not in out.stdout
+    dry = run_launch(local_cluster(tmp_path), "--max-failure", "50%", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--max-failure", "abc"], "--max-failure"),
+    (["--kill-grace", "abc"], "--kill-grace"),
+    (["--kill-grace", "nan"], "--kill-grace"),
+    (["--kill-grace", "inf"], "--kill-grace"),
+    (["--kill-grace=-1"], "--kill-grace"),
+    (["--max-restarts", "-2"], "--max-restarts"),
+    (["--cmd", "   "], "--cmd"),
+    (["--cluster", ""], "--cluster"),
+    (["--log-dir", "/proc/fdl-test/x"], "--log-dir"),
+    (["--log-dir", "/sys/fdl-test"], "--log-dir"),
+])
+def test_a_bad_flag_exits_2_naming_it_before_any_output_or_connection(
+        args: list[str], flag: str, tmp_path: Path) -> None:
+    cluster = local_cluster(tmp_path)
+    argv = [a for a in args]
+    if "--cluster" in args:
+        out = subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(ROOT),
+                              "launch", *argv, "--cmd", "true"], capture_output=True, text=True,
+                             timeout=30, cwd=str(tmp_path))
+    else:
+        out = run_launch(cluster, *argv, "--log-dir", str(tmp_path / "logs")) \
+            if "--log-dir" not in args else run_launch(cluster, *argv)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(flag) or f"\n{flag}" in out.stderr or \
+        out.stderr.splitlines()[0].startswith(flag), out.stderr
+    assert "cluster launcher: run" not in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "logs").exists(), "nothing may be written before the flags pass"
+
+
+def test_a_log_dir_that_is_a_file_is_refused_and_left_alone(tmp_path: Path) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("keep me")
+    out = run_launch(local_cluster(tmp_path), "--log-dir", str(target / "sub"))
+    assert out.returncode == 2 and "--log-dir" in out.stderr and "not a folder" in out.stderr
+    assert target.read_text() == "keep me"
+
+
+def test_a_dry_run_of_six_ranks_fits_one_screen_and_names_how_each_host_is_reached(
+        tmp_path: Path) -> None:
+    key = tmp_path / "id_test"
+    key.write_text("")
+    path = tmp_path / "c.yml"
+    path.write_text(textwrap.dedent(f"""\
+        workers:
+          - host: localhost
+            nproc: 2
+            path: {ROOT}
+          - host: gpu-a.example.invalid
+            nproc: 2
+            path: /srv/a
+            ssh: {{user: alice, port: 2222, identity_file: {key}}}
+          - host: gpu-b.example.invalid
+            nproc: 2
+            path: /srv/b
+        """))
+    out = run_launch(path, "--dry-run", "--cmd", "python3 train.py --lr 0.1")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) <= 30, out.stdout
+    assert any(f"host gpu-a.example.invalid: ssh alice@gpu-a.example.invalid port 2222, "
+               f"identity {key}" in line for line in lines), out.stdout
+    assert any("host gpu-b.example.invalid: ssh " in line and "port 22" in line
+               for line in lines)
+    assert "<envelope with the salt" in out.stdout
+
+
+def test_the_live_table_stays_readable_at_80_columns() -> None:
+    from rich.console import Console as RichConsole
+
+    from fdl_fabric.output import status_table
+    from fdl_fabric.supervisor import Rank, RankState
+
+    cluster = parse_cluster("workers:\n  - host: localhost\n    nproc: 3\n    path: /srv\n",
+                            local_hostname="x")
+    plan = build_plan(cluster, argv=["python3", "train.py"], run_id="r", salt=b"\0" * 16)
+    ranks = [Rank(p, state=RankState.RUNNING, pid=2841000 + p.rank, started=0.0,
+                  last_line="epoch 3 step 1200 loss=0.1234 lr=0.001 " * 3) for p in plan.ranks]
+    buf = io.StringIO()
+    RichConsole(file=buf, width=80, force_terminal=False, color_system=None).print(
+        status_table(ranks, 80))
+    lines = buf.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    for r in ranks:
+        row = next(line for line in lines if str(r.pid) in line)
+        assert "localhost" in row and "running" in row and "…" in row
+
+
+def test_inv_cleanup_names_the_local_worker_as_the_launcher_does(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(ROOT), "cleanup",
+                          "--cluster", str(local_cluster(tmp_path))], capture_output=True,
+                         text=True, timeout=60, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr
+    assert "cleanup: localhost: nothing to stop" in out.stderr
+
+
+def test_max_failure_on_a_script_that_never_joins_the_cohort_warns_at_the_end(
+        tmp_path: Path) -> None:
+    out = run_launch(local_cluster(tmp_path), "--max-failure", "1", "--cmd", "true")
+    assert out.returncode == 0
+    assert "max_failure had no effect: no rank joined the cohort" in out.stderr
+
+
+def test_a_loopback_master_addr_with_a_remote_worker_on_a_real_address_warns() -> None:
+    from fdl_fabric.launcher import plan_warnings
+
+    cluster = parse_cluster(textwrap.dedent("""\
+        workers:
+          - host: localhost
+            nproc: 1
+            path: /srv
+          - host: gpu-b.example.invalid
+            addr: 192.0.2.10
+            nproc: 1
+            path: /srv
+        """), local_hostname="x")
+    plan = build_plan(cluster, argv=["true"], run_id="r", salt=b"\0" * 16)
+    warnings = plan_warnings(plan)
+    assert any("MASTER_ADDR is 127.0.0.1" in w and "gpu-b.example.invalid (192.0.2.10)" in w
+               for w in warnings)
+    assert any("controller.host is 127.0.0.1" in w for w in warnings)
+
+
+def test_fdl_fabric_run_exits_2_on_its_own_usage_errors() -> None:
+    out = fdl_fabric("run", "--nproc-per-node", "zero", "x.py")
+    assert out.returncode == 2 and "--nproc-per-node" in out.stderr
+    out = fdl_fabric("run")
+    assert out.returncode == 2 and "training_script" in out.stderr
+    assert os.environ.get("FLODL_INTERNAL_RUN_ID") is None
