@@ -226,13 +226,17 @@ def _render_slurm_conf(lab: SlurmLab, ports: _Ports) -> str:
 
 
 def _render_gres_conf(lab: SlurmLab) -> str:
-    """gres.conf for fake GPUs: counted, not backed by device files.
+    """gres.conf for fake GPUs: ``<root>/dev/gpu<i>``, symlinks to /dev/null.
 
-    Without ``File=`` Slurm allocates and accounts GPUs as it would real ones (which is
-    what launcher tests look at: ``--gres``, ``SLURM_GPUS_ON_NODE``, step sharing), but it
-    has no devices to bind, so CUDA_VISIBLE_DEVICES is not set.
+    Slurm drops GPUs declared without ``File=`` ("Removing file-less GPU") and complains
+    about files that are not devices, so each fake GPU is a link to a character device;
+    the index in its name is what Slurm hands out (CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS).
+    With ``task/none`` nothing is constrained: Slurm only allocates and accounts for the
+    GPUs as it would for real ones, which is what launcher tests look at.
     """
-    return f"AutoDetect=off\nName=gpu Count={lab.gpus_per_node}\n"
+    last = lab.gpus_per_node - 1
+    files = f"{lab.root / 'dev' / 'gpu'}[0-{last}]" if last else f"{lab.root / 'dev' / 'gpu'}0"
+    return f"AutoDetect=off\nName=gpu File={files}\n"
 
 
 # --------------------------------------------------------------------------------------
@@ -385,7 +389,10 @@ class SlurmLab:
     to ``scontrol show job``).  ``gpus_per_node`` declares that many counted, fake GPUs
     (gres ``gpu``) per node; ``task_plugin`` may be ``task/affinity`` to have Slurm bind
     tasks to CPUs (every node's CPU 0 is this machine's CPU 0).  ``extra_conf`` appends
-    lines to slurm.conf before the node and partition lines.
+    lines to slurm.conf before the node and partition lines; for a key that the lab
+    already sets (e.g. ``SelectTypeParameters=CR_Core_Memory``) the later line wins.
+
+    A lab is started once: ``stop()`` is final (idempotent), make a new lab to start over.
     """
 
     def __init__(
@@ -446,20 +453,21 @@ class SlurmLab:
         self.nodes: list[str] = [f"{node_prefix}{i + 1}" for i in range(n_nodes)]
         self.conf_path = self.root / "slurm.conf"
         self._short_dir: Optional[str] = None
-        runtime: Path = self.root
-        if len(str(self.root)) > _MAX_SOCKET_DIR:
-            self._short_dir = tempfile.mkdtemp(prefix="fdl-slurm-")
-            runtime = Path(self._short_dir)
-        self.munge_dir = runtime / "munge"
-        self.munge_socket = str(self.munge_dir / "munge.socket")
+        self._set_runtime_dir(self.root)
         self.munge_key = str(self.root / "munge-key" / "munge.key")
-        self.spool_root = runtime / "spool"
         #: Environment for client commands (complete, not a diff): ours without inherited
         #: SLURM_* settings, plus SLURM_CONF and the lab marker.  Filled by ``start()``.
         self.env: dict[str, str] = {}
         self.ports: Optional[_Ports] = None
         self._daemons: list[_Daemon] = []
         self._started = False
+        self._stopped = False
+
+    def _set_runtime_dir(self, runtime: Path) -> None:
+        """Where the Unix sockets go: the munge socket and the slurmd spool folders."""
+        self.munge_dir = runtime / "munge"
+        self.munge_socket = str(self.munge_dir / "munge.socket")
+        self.spool_root = runtime / "spool"
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -470,6 +478,8 @@ class SlurmLab:
         nodes are not all idle within ``startup_timeout``.  On any failure everything
         already started is stopped before the error propagates.
         """
+        if self._stopped:
+            raise SlurmLabError("a stopped lab cannot be started again; make a new SlurmLab")
         if self._started:
             return self
         self._started = True
@@ -484,6 +494,9 @@ class SlurmLab:
 
     def _start(self) -> None:
         binaries = {name: _require(name) for name in (*_DAEMONS, *_CLIENTS)}
+        if len(str(self.root)) > _MAX_SOCKET_DIR:
+            self._short_dir = tempfile.mkdtemp(prefix="fdl-slurm-")
+            self._set_runtime_dir(Path(self._short_dir))
         # A fresh cluster every start: slurmctld refuses state saved under another
         # ClusterName (and every lab has its own), and old logs would mislead error tails.
         for stale in (self.root / "state", self.root / "log", self.root / "run", self.spool_root):
@@ -534,6 +547,11 @@ class SlurmLab:
             self.conf_path.write_text(_render_slurm_conf(self, self.ports))
             gres_path = self.root / "gres.conf"
             if self.gpus_per_node:
+                (self.root / "dev").mkdir(exist_ok=True)
+                for index in range(self.gpus_per_node):
+                    fake = self.root / "dev" / f"gpu{index}"
+                    if not fake.is_symlink():
+                        fake.symlink_to(os.devnull)
                 gres_path.write_text(_render_gres_conf(self))
             elif gres_path.exists():
                 gres_path.unlink()
@@ -635,6 +653,8 @@ class SlurmLab:
         hold open, never by name alone: another engineer's Slurm on the same machine runs
         slurmstepd too.  Idempotent.
         """
+        if self._started:
+            self._stopped = True
         grace = self.kill_grace
         # Daemons and their helpers (slurmctld's slurmscriptd) stop with their daemon.
         skip = _own_lineage() | self._daemon_tree()
@@ -708,7 +728,14 @@ class SlurmLab:
         return _stepds(self.lab_id, [self.root / "log", self.spool_root], exclude)
 
     def kill_slurmd(self, node: str, sig: int = signal.SIGKILL) -> None:
-        """Signal ``node``'s slurmd (default SIGKILL: a node whose daemon died)."""
+        """Signal ``node``'s slurmd (default SIGKILL: a node whose daemon died).
+
+        As on a real node, the node's running steps survive: their slurmstepd is not a
+        child of slurmd.  slurmctld marks the node DOWN after ``slurmd_timeout`` (to
+        ~1.5 times that) and kills the job's other steps, but nothing kills the steps on
+        this node until ``restart_slurmd`` (the new slurmd reports them and is told to
+        kill them) or ``stop()``.
+        """
         daemon = self._daemon(f"slurmd {node}")
         if daemon.proc is not None and daemon.alive():
             daemon.proc.send_signal(sig)

@@ -22,7 +22,6 @@ import pytest
 # ``slurm_lab`` is the factory fixture, imported as a user's test module may do.  (Loading
 # the module with ``pytest_plugins`` here instead makes pytest warn that it was imported
 # before it could rewrite its asserts.)
-from fdl_fabric import slurmlab
 from fdl_fabric.slurmlab import (
     MARKER_ENV,
     SlurmLab,
@@ -39,7 +38,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
-    with SlurmLab(tmp_path_factory.mktemp("slurm"), n_nodes=3, cpus_per_node=2) as started:
+    root = tmp_path_factory.mktemp("slurm")
+    with SlurmLab(root, n_nodes=3, cpus_per_node=2, gpus_per_node=2) as started:
         yield started
 
 
@@ -141,6 +141,72 @@ def test_three_concurrent_single_node_steps_each_forward_stdin_and_stdout(
     assert len(step_ids) == 3, "each srun must be a step of its own"
 
 
+@pytest.mark.timeout(30)
+def test_a_plain_step_per_node_gets_every_cpu_and_gpu_the_job_has_there(
+    lab: SlurmLab, tmp_path: Path
+) -> None:
+    # The launcher's recipe: whole-node job, then ``srun -N1 -n1 -w node`` without -c,
+    # --exact or a step --exclusive (Slurm >= 20.11.3 gives such a step the whole node).
+    report = (
+        'echo "$SLURMD_NODENAME cpus=$SLURM_CPUS_ON_NODE gpus=$CUDA_VISIBLE_DEVICES"; '
+        'scontrol show step "$SLURM_JOB_ID.$SLURM_STEP_ID" | grep -o "TRES=cpu=[0-9]*"'
+    )
+    steps = " ".join(
+        f"srun -N1 -n1 -w {node} bash -c '{report}' > $0/{node}.out &" for node in lab.nodes
+    )
+    result = lab.run(
+        lab.salloc_argv(3, ["bash", "-c", f"{steps} wait", str(tmp_path)], "--gpus-per-node=2")
+    )
+
+    assert result.returncode == 0, result.stderr
+    for node in lab.nodes:
+        assert (tmp_path / f"{node}.out").read_text().split() == [
+            node, "cpus=2", "gpus=0,1", "TRES=cpu=2"
+        ]
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_slurmd_downs_its_node_and_leaves_its_task_running_until_restart(
+    slurm_lab: Callable[..., SlurmLab],  # noqa: F811 (the imported fixture)
+) -> None:
+    own = slurm_lab(n_nodes=2, slurmd_timeout=3, message_timeout=2, kill_wait=1)
+    alloc = own.run(own.salloc_argv(2, [], "--no-shell"))
+    job = re.search(r"Granted job allocation (\d+)", alloc.stderr)
+    assert job, alloc.stderr
+    step = subprocess.Popen(
+        ["srun", f"--jobid={job.group(1)}", "-N1", "-n1", "-w", "n2", "sleep", "300"],
+        env=own.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        def task() -> list[psutil.Process]:
+            return [p for p in own.processes() if p.name() == "sleep" and "300" in p.cmdline()]
+
+        deadline = time.monotonic() + 15
+        while not task() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert task(), "the step never started"
+
+        own.kill_slurmd("n2")
+        killed = time.monotonic()
+        _, err = step.communicate(timeout=20)
+        detected = time.monotonic() - killed
+
+        assert "Node failure on n2" in err
+        assert detected < 10, f"SlurmdTimeout=3 should down the node in ~5 s, took {detected}"
+        states = own.run(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout.split("\n")
+        assert "n2 down*" in states
+        orphans = task()
+        assert len(orphans) == 1, "nobody kills a step whose slurmd is dead"
+
+        own.restart_slurmd("n2")  # registers, learns the job is gone, kills the step
+        assert not psutil.wait_procs(orphans, timeout=15)[1]
+    finally:
+        if step.poll() is None:
+            step.kill()
+        step.wait(10)
+
+
 @pytest.mark.timeout(40)
 def test_stop_leaves_no_process_of_the_lab_behind(
     slurm_lab: Callable[..., SlurmLab],  # noqa: F811 (the imported fixture)
@@ -192,7 +258,7 @@ def test_a_daemon_that_cannot_start_fails_the_lab_with_its_log(tmp_path: Path) -
 def test_without_slurm_installed_the_reason_names_the_packages(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(slurmlab.shutil, "which", lambda *_args, **_kw: None)
+    monkeypatch.setattr("shutil.which", lambda *_args, **_kw: None)
     reason = slurm_missing()
     assert reason is not None
     assert "slurmctld" in reason and "munged" in reason and "apt-get install" in reason
