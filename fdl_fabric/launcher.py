@@ -78,18 +78,12 @@ class LaunchOptions:
 
 
 def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
-    """The rank program's argv: ``--`` words, else ``--cmd``, else cluster.yml."""
-    if opts.argv:
-        return list(opts.argv)
-    text = opts.command if opts.command is not None else cluster.command
-    if not text:
-        raise LaunchError(
-            f"{cluster.file}: no command to run: set `command:` in the file, or pass "
-            "--cmd \"...\" or `-- prog args`", EXIT_USAGE)
+    """The rank program's argv (see `shell.command_words`); a missing one is exit 2."""
     try:
-        return shell.split_command(text)
+        return shell.command_words(opts.argv, opts.command, cluster.command)
     except ValueError as exc:
-        raise LaunchError(f"{cluster.file}: command: {exc}", EXIT_USAGE) from None
+        raise LaunchError(f"{cluster.file}: {exc}" if "no command" in str(exc)
+                          else f"{cluster.file}: command: {exc}", EXIT_USAGE) from None
 
 
 def net_timeout_scale(environ: Mapping[str, str]) -> float:

@@ -176,19 +176,10 @@ def prebuild_check(
     data_path, clock skew and the controller port, all hosts in parallel.
     Exit 0 when nothing FAILs, 1 otherwise, 2 on a config error.
     """
-    from .preflight import main as preflight_main
+    from .preflight import check_cluster
 
-    args = ["--cluster", cluster or _settings(c)["cluster"]]
-    if json:
-        args.append("--json")
-    if cmd is not None:
-        args += ["--cmd", cmd]
-    if fast:
-        args.append("--fast")
-    rest = _remainder()
-    if rest:
-        args += ["--", *rest]
-    code = preflight_main(args)
+    code = check_cluster(cluster or _settings(c)["cluster"], cmd=cmd, words=_remainder(),
+                         as_json=json, fast=fast)
     if code:
         raise Exit(code=code)
 

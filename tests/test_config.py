@@ -38,8 +38,6 @@ from fdl_fabric.config import (
     parse_max_failure,
     this_host_name,
 )
-from fdl_fabric.names import host_name_problem
-from fdl_fabric.shell import shell_words
 from fdl_fabric.limits import (
     ARG_STRLEN_MAX,
     COMMAND_MAX_BYTES,
@@ -54,6 +52,8 @@ from fdl_fabric.limits import (
     SSH_OPTIONS_MAX,
     WORKERS_MAX,
 )
+from fdl_fabric.names import host_name_problem
+from fdl_fabric.shell import shell_words
 
 FOLDER = "/srv/cluster"
 LOCAL = "launcher"  # the name of "this machine" in every test unless said otherwise
