@@ -188,9 +188,16 @@ def prebuild_check(
             "output": "SVG file to write (default: <run-dir>/timeline.svg)"})
 def plot_run(c: Context, run_dir: str, output: str = "") -> None:
     """Draw a run's timeline (ranks against time, deaths, cohort formation) as SVG."""
+    from .output import Console
     from .plot import plot_run as draw
 
-    print(draw(run_dir, output))
+    console = Console()
+    try:
+        drawn = draw(run_dir, output)
+    except (OSError, ValueError) as exc:  # no such run folder, no events in it
+        console.message(f"plot-run: cannot draw {run_dir}: {exc}")
+        raise Exit(code=2) from None
+    console.result(str(drawn))
 
 
 def _usage_errors_exit_2() -> None:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import pytest
 
 from fdl_fabric.config import WorkerSpec, load_cluster, parse_cluster
-from fdl_fabric.envelope import PrebuildEntry
+from fdl_fabric.envelope import PrebuiltBinary
 from fdl_fabric.output import Console, check_table, use_color
 from fdl_fabric.preflight import (
     CONTROLLER,
@@ -165,8 +165,8 @@ def test_program_verdicts() -> None:
 
 
 def test_prebuild_program_and_cwd_are_checked_under_the_worker_path() -> None:
-    entry = PrebuildEntry(bin="target/release/train", ld_library_path="", cwd_subpath="run")
-    plan = _plan(prebuild=entry)
+    entry = PrebuiltBinary(bin="target/release/train", ld_library_path="", cwd_subpath="run")
+    plan = _plan(prebuilt=entry)
     assert plan.program == "/srv/proj/target/release/train" and plan.cwd == "/srv/proj/run"
     rows = evaluate(plan, HostFacts(_values(prog="!missing", cwd="missing")), CTL)
     assert _row(rows, "program").status is Status.FAIL
@@ -186,8 +186,8 @@ def test_platform_mismatches() -> None:
     musl = platform(libc="musl libc (x86_64)")
     assert musl.status is Status.FAIL and "musl here, glibc on the controller" in musl.reason
     assert platform(libc="sh: ldd: not found").status is Status.WARN
-    old = PrebuildEntry(bin="train", ld_library_path="")
-    assert platform(_plan(prebuild=old), libc="ldd (GNU libc) 2.31").status is Status.WARN
+    old = PrebuiltBinary(bin="train", ld_library_path="")
+    assert platform(_plan(prebuilt=old), libc="ldd (GNU libc) 2.31").status is Status.WARN
     assert platform(libc="ldd (GNU libc) 2.31").status is Status.OK  # no native binary shipped
 
 

@@ -28,7 +28,8 @@ import pytest
 from fdl_fabric.config import load_cluster
 from fdl_fabric.output import check_table
 from fdl_fabric.preflight import CONTROLLER, Check, Report, Status, run_checks
-from fdl_fabric.testing import SshdLab, _find_sshd, _read_banner
+from fdl_fabric.testing import SshdLab
+from fdl_fabric.testing.sshd import _find_sshd, _read_banner
 from labutil import PROBE, ROOT
 
 pytestmark = pytest.mark.lab

@@ -7,8 +7,8 @@ the one line that matters ("path does not exist on gpu-b") is buried. So
 will rely on (SSH and host keys, shell tools, paths, the program, platform,
 GPUs, the data folder, the clock and the controller port) and answers with one
 table: one row per host and check, ``ok`` / ``warn`` / ``FAIL`` and a one-line
-reason. ``inv launch`` runs the cheap subset (``fast=True``: ssh, paths,
-program, port) before it spawns anything.
+reason. ``inv launch`` has each host's agent gather the cheap subset (paths, program,
+the controller dial) before any rank starts (`launch`).
 
 Why one script per host: a check must not cost a round trip each, or checking
 64 hosts over a slow link takes minutes. Every host runs one POSIX ``sh``

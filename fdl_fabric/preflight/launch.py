@@ -10,22 +10,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from ..config import ClusterSpec, WorkerSpec
-from ..envelope import PrebuildEntry
-from ..plan import bind_loopback, controller_dial_host
+from ..envelope import PrebuiltBinary
+from ..plan import controller_dial_host, coordinator_bind_host
 from .probe import Dial, HostPlan
 from .report import Check
 from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate
 
 
 def launch_plan(cluster: ClusterSpec, worker: WorkerSpec, argv: Sequence[str],
-                prebuild: Optional[PrebuildEntry]) -> HostPlan:
+                prebuilt: Optional[PrebuiltBinary]) -> HostPlan:
     """What a launch checks on one host before any rank starts (``fast``)."""
     dial_host = controller_dial_host(cluster, worker)
-    bind_host = "127.0.0.1" if bind_loopback(cluster) else cluster.controller.host
+    bind_host = coordinator_bind_host(cluster)
     port = cluster.controller.port
     dial = Dial(host=dial_host, port=port, token="", tunnel=worker.tunnel,
                 listen_host=bind_host, listen_port=port, configured_port=port)
-    return HostPlan(worker=worker, fast=True, argv=tuple(argv), prebuild=prebuild, dial=dial,
+    return HostPlan(worker=worker, fast=True, argv=tuple(argv), prebuilt=prebuilt, dial=dial,
                     path_env=worker.env.get("PATH", cluster.env.get("PATH")))
 
 
@@ -34,7 +34,7 @@ def agent_checks(plan: HostPlan) -> dict[str, Any]:
     assert plan.dial is not None
     return {
         "path": plan.worker.path,
-        "cwd": plan.cwd if plan.prebuild and plan.prebuild.cwd_subpath else None,
+        "cwd": plan.cwd if plan.prebuilt and plan.prebuilt.cwd_subpath else None,
         "program": plan.program,
         "pyscript": plan.python_script,
         "path_env": plan.path_env,

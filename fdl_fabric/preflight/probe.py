@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import WorkerSpec
-from ..envelope import PrebuildEntry
+from ..envelope import PrebuiltBinary
 from ..shell import quote
 
 #: Prefix of every value line the host script prints.
@@ -91,12 +91,12 @@ class Dial:
 
 @dataclass(frozen=True)
 class HostPlan:
-    """What to check on one worker, derived from the cluster file, argv and prebuild map."""
+    """What to check on one worker, derived from the cluster file, argv and prebuilt binaries."""
 
     worker: WorkerSpec
     fast: bool
     argv: tuple[str, ...]
-    prebuild: Optional[PrebuildEntry] = None
+    prebuilt: Optional[PrebuiltBinary] = None
     dial: Optional[Dial] = None
     #: PATH as the rank will see it when cluster/host env sets it (exported literally,
     #: like the rank wrapper's env script does), else None.
@@ -109,19 +109,19 @@ class HostPlan:
     @property
     def cwd(self) -> str:
         """The rank's working directory: the prebuild cwd when the host has an entry."""
-        return self.prebuild.cwd(self.worker.path) if self.prebuild else self.worker.path
+        return self.prebuilt.cwd(self.worker.path) if self.prebuilt else self.worker.path
 
     @property
     def program(self) -> Optional[str]:
         """The word the wrapper hands to ``setsid`` (a prebuilt binary replaces argv[0])."""
-        if self.prebuild:
-            return self.prebuild.program(self.worker.path)
+        if self.prebuilt:
+            return self.prebuilt.program(self.worker.path)
         return self.argv[0] if self.argv else None
 
     @property
     def python_script(self) -> Optional[str]:
         """``train.py`` of ``python3 train.py``: the commonest missing file, cheap to check."""
-        if self.prebuild or len(self.argv) < 2:
+        if self.prebuilt or len(self.argv) < 2:
             return None
         interpreter, first = os.path.basename(self.argv[0]), self.argv[1]
         if re.fullmatch(r"python[0-9.]*", interpreter) and first.endswith(".py"):
@@ -189,7 +189,7 @@ def probe_script(plan: HostPlan) -> str:
     s.append('e path "$(dir_state "$P")"\n')
     s.append('e disk_kb "$(df -Pk -- "$P" 2>/dev/null | awk \'NR==2 {print $4}\')"\n')
     s.append(f"C={_path_word(plan.cwd)}\n")
-    if plan.prebuild and plan.prebuild.cwd_subpath:
+    if plan.prebuilt and plan.prebuilt.cwd_subpath:
         s.append('e cwd "$(dir_state "$C")"\n')
     s.append(_program_section(plan))
     if not plan.fast:

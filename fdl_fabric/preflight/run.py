@@ -22,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from ..config import ClusterSpec
-from ..envelope import ENV_PREBUILD, EnvelopeError, PrebuildEntry, parse_prebuild
-from ..plan import bind_loopback, controller_dial_host
+from ..coordinator import bind_listener
+from ..envelope import ENV_PREBUILD, EnvelopeError, PrebuiltBinary, parse_prebuilt
+from ..plan import controller_dial_host, coordinator_bind_host
 from ..shell import quote
 from ..sshopts import SshSettings, resolve_all_settings
 from .probe import SENTINEL, Dial, HostPlan, parse_sentinels, probe_script
@@ -71,21 +72,6 @@ class _TokenListener:
         self.sock.close()
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind and listen like the coordinator does (SO_REUSEADDR), so "free" means the same."""
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(64)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def _port_owner(port: int) -> str:
     """``pid 123 (python3)`` for the local listener on ``port``, best effort."""
     try:
@@ -107,12 +93,12 @@ def _port_owner(port: int) -> str:
 
 def _open_listener(cluster: ClusterSpec, token: str) -> tuple[Check, Optional[_TokenListener]]:
     """Check that the coordinator port is free and keep it open for the workers to dial."""
-    host = "127.0.0.1" if bind_loopback(cluster) else cluster.controller.host
+    host = coordinator_bind_host(cluster)
     port = cluster.controller.port
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         return (Check(CONTROLLER, "port", Status.OK, f"{address} is free (the coordinator "
-                      "binds it)"), _TokenListener(_bind(host, port), token))
+                      "binds it)"), _TokenListener(bind_listener(host, port), token))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             row = Check(CONTROLLER, "port", Status.FAIL,
@@ -125,7 +111,7 @@ def _open_listener(cluster: ClusterSpec, token: str) -> tuple[Check, Optional[_T
         else:
             row = Check(CONTROLLER, "port", Status.FAIL, f"cannot bind {address}: {exc}")
     try:  # a stand-in port still tests routes and firewalls from every worker
-        return row, _TokenListener(_bind(host, 0), token)
+        return row, _TokenListener(bind_listener(host, 0), token)
     except OSError:
         return row, None
 
@@ -317,18 +303,18 @@ def _controller_facts(cluster: ClusterSpec, fast: bool) -> ControllerFacts:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
             boot = fh.read().strip()
         identity = f"{os.readlink('/proc/self/ns/net')} {boot}"
-    host = "127.0.0.1" if bind_loopback(cluster) else cluster.controller.host
+    host = coordinator_bind_host(cluster)
     return ControllerFacts(arch=arch, libc=libc, identity=identity, bind_host=host,
                            port=cluster.controller.port)
 
 
-def _prebuild_rows(cluster: ClusterSpec,
-                   environ: Mapping[str, str]) -> tuple[list[Check], dict[str, PrebuildEntry]]:
+def _prebuilt_rows(cluster: ClusterSpec,
+                   environ: Mapping[str, str]) -> tuple[list[Check], dict[str, PrebuiltBinary]]:
     raw = environ.get(ENV_PREBUILD)
     if raw is None or not raw.strip():
         return [], {}
     try:
-        entries = parse_prebuild(raw)
+        entries = parse_prebuilt(raw)
     except EnvelopeError as exc:
         return [Check(CONTROLLER, "prebuild", Status.FAIL, str(exc))], {}
     hosts = {w.host for w in cluster.workers}
@@ -368,7 +354,7 @@ def run_checks(
     if not argv:
         rows.append(Check(CONTROLLER, "command", Status.FAIL,
                           "no command to check: set `command:` in the cluster file or pass --cmd"))
-    prebuild_rows, prebuild = _prebuild_rows(cluster, env)
+    prebuild_rows, prebuilt = _prebuilt_rows(cluster, env)
     rows += prebuild_rows
     token = secrets.token_hex(8)
     port_row, listener = _open_listener(cluster, token)
@@ -385,7 +371,7 @@ def run_checks(
                     token=token, tunnel=w.tunnel, listen_host=ctl.bind_host,
                     listen_port=listener.port, configured_port=cluster.controller.port)
             path_env = w.env.get("PATH", cluster.env.get("PATH"))
-            plan = HostPlan(worker=w, fast=fast, argv=tuple(argv), prebuild=prebuild.get(w.host),
+            plan = HostPlan(worker=w, fast=fast, argv=tuple(argv), prebuilt=prebuilt.get(w.host),
                             dial=dial, path_env=path_env)
             if w.tunnel and dial is not None and ctl.bind_host not in ("127.0.0.1", *BIND_ALL):
                 jobs.append((w.host, _tunnel_mismatch, (plan, ctl, settings[w.host], config)))
@@ -413,7 +399,7 @@ def _tunnel_mismatch(plan: HostPlan, ctl: ControllerFacts, settings: SshSettings
     paramiko's transport thread when the local connect is refused.
     """
     assert plan.dial is not None
-    plan_no_dial = HostPlan(plan.worker, plan.fast, plan.argv, plan.prebuild, None,
+    plan_no_dial = HostPlan(plan.worker, plan.fast, plan.argv, plan.prebuilt, None,
                             plan.path_env)
     rows = _check_remote(plan_no_dial, settings, config, ctl)
     if any(r.name == "ssh" and r.status is Status.FAIL for r in rows):

@@ -130,7 +130,7 @@ def _paths_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
         return Check(plan.host, "paths", Status.FAIL, _dir_problem("path", path, v.get("path", "")))
     statuses: list[Status] = []
     parts = [f"{path} exists"]
-    if plan.prebuild and plan.prebuild.cwd_subpath:
+    if plan.prebuilt and plan.prebuilt.cwd_subpath:
         if v.get("cwd") != "ok":
             statuses.append(Status.FAIL)
             parts.append(_dir_problem("prebuild cwd", plan.cwd, v.get("cwd", "")))
@@ -157,7 +157,7 @@ def _program_row(plan: HostPlan, v: Mapping[str, str]) -> Optional[Check]:
         return None  # no command at all: one controller row says so
     got = v.get("prog", "")
     where = f"from {plan.cwd}"
-    if plan.prebuild:
+    if plan.prebuilt:
         label = f"prebuilt binary {program} ({ENV_PREBUILD})"
         if got.startswith("/"):
             return Check(plan.host, "program", Status.OK, f"{program} is executable")
@@ -212,7 +212,7 @@ def _platform_row(plan: HostPlan, v: Mapping[str, str], ctl: ControllerFacts) ->
                      f"{here}: cannot tell the C library (ldd --version: "
                      f"{libc_line[:60] or 'no output'!r})")
     if (kind == ctl_kind == "glibc" and version and ctl_version
-            and version_tuple(version) < version_tuple(ctl_version) and plan.prebuild):
+            and version_tuple(version) < version_tuple(ctl_version) and plan.prebuilt):
         return Check(plan.host, "platform", Status.WARN,
                      f"{here}, older than the controller's glibc {ctl_version}: the prebuilt "
                      "binary may need symbols this host lacks")
