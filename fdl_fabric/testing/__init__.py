@@ -34,6 +34,8 @@ process and watching it: one helper for tests and benchmarks), `fixtures` (pytes
 
 from __future__ import annotations
 
+import importlib.util
+
 from .launches import (
     LiveLaunch,
     LiveProcess,
@@ -48,6 +50,11 @@ from .netns import NetnsLab, netns_available
 from .processes import LabError
 from .slurm import SlurmLab, SlurmLabError, slurm_missing
 from .sshd import MARKER_ENV, REGISTRY_MOUNTPOINT, LabHost, SshdLab, sshd_available
+
+# ``pytest_plugins = ["fdl_fabric.testing"]`` keeps working (it predates the fixtures
+# module); without pytest installed, the labs are still importable for benchmarks.
+if importlib.util.find_spec("pytest") is not None:
+    from .fixtures import netns_lab, pytest_configure, slurm_lab, sshd_lab  # noqa: F401
 
 __all__ = [
     "MARKER_ENV",
