@@ -67,6 +67,23 @@ _RECV_CHUNK = 65536
 MaxFailure = Union[int, float, None]
 
 
+def bind_listener(host: str, port: int, backlog: int = socket.SOMAXCONN) -> socket.socket:
+    """Listen on ``host:port`` as the coordinator does (SO_REUSEADDR, so a TIME_WAIT
+    socket does not block a rebind, but a live listener does). Pre-flight's port check
+    binds the same way, so "free" means what the coordinator will find."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class CoordinatorError(RuntimeError):
     """The coordinator could not start; the message names the address and the cause."""
 
@@ -250,17 +267,8 @@ class Coordinator:
         host, port = self.spec.bind_host, self.spec.port
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            family, kind, proto, _, sockaddr = socket.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-            listener = socket.socket(family, kind, proto)
-            try:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind(sockaddr)
-                listener.listen(max(socket.SOMAXCONN, self.spec.world_size))
-                listener.setblocking(False)
-            except BaseException:
-                listener.close()
-                raise
+            listener = bind_listener(host, port, max(socket.SOMAXCONN, self.spec.world_size))
+            listener.setblocking(False)
         except OSError as exc:
             raise CoordinatorError(
                 f"cluster launcher: coordinator could not bind {address}: {exc}") from None

@@ -10,15 +10,15 @@ same data, as JSON, is the ``cluster.json`` of ``--log-dir``.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 from . import shell
+from .agent.checks import gpu_indices
 from .config import ClusterSpec
 from .output import redact_env
-from .plan import LaunchPlan
+from .plan import LaunchPlan, coordinator_bind_host
 from .sshopts import SshSettings
 
 
@@ -33,12 +33,7 @@ def dry_run_devices(cluster: ClusterSpec) -> dict[str, list[int]]:
         if w.local_devices != "all":
             continue
         if w.is_local:
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=10, check=False)
-                resolved[w.host] = [int(x) for x in out.stdout.split() if x.isdigit()] or [0]
-            except (OSError, subprocess.TimeoutExpired):
-                resolved[w.host] = [0]
+            resolved[w.host] = gpu_indices().get("gpus") or [0]
         else:
             resolved[w.host] = [0]
     return resolved
@@ -51,7 +46,7 @@ def plan_as_json(plan: LaunchPlan) -> dict[str, Any]:
         "run_id": plan.run_id,
         "file": c.file,
         "controller": {"host": c.controller.host, "port": c.controller.port,
-                       "bind": "127.0.0.1" if plan.bind_loopback else c.controller.host},
+                       "bind": coordinator_bind_host(c)},
         "kill_grace": c.kill_grace,
         "master_port": c.master_port,
         "elastic": {"max_failure": c.elastic.max_failure,
@@ -98,7 +93,7 @@ def _ranks_text(ranks: list[int]) -> str:
 
 def describe_dry_run(plan: LaunchPlan, settings: Mapping[str, SshSettings]) -> str:
     c = plan.cluster
-    bind = "127.0.0.1" if plan.bind_loopback else c.controller.host
+    bind = coordinator_bind_host(c)
     hosts = plan.hosts()
     lines = [f"# dry run of {c.file}: {plan.world_size} rank(s) on {len(hosts)} host(s); "
              "nothing is connected or started",

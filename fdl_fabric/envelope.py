@@ -1,4 +1,4 @@
-"""Envelopes: what a rank learns about its run, and the prebuild map.
+"""Envelopes: what a rank learns about its run, and the map of prebuilt binaries.
 
 The slim envelope (``FLODL_INTERNAL_CLUSTER_JSON``) is hex-encoded JSON, as in
 flodl, so it travels as one shell-safe token. It carries the per-run salt, the
@@ -20,14 +20,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-ENV_CLUSTER_JSON = "FLODL_INTERNAL_CLUSTER_JSON"
-ENV_LOCAL_RANK = "FLODL_INTERNAL_LOCAL_RANK"
-ENV_RUN_ID = "FLODL_INTERNAL_RUN_ID"
-ENV_CLUSTER_KEY = "FLODL_INTERNAL_CLUSTER_KEY"
+from .rank import (  # the names are defined once, where the rank client needs them
+    ENV_CLUSTER_JSON,
+    ENV_CLUSTER_KEY,
+    ENV_HOST_NAME,
+    ENV_LOCAL_RANK,
+    ENV_NET_TIMEOUT_SCALE,
+    ENV_RUN_ID,
+    ENV_VERBOSITY,
+)
+
+#: Set by a build step on the controller: prebuilt binaries by host (plain JSON).
 ENV_PREBUILD = "FLODL_INTERNAL_PREBUILD_PER_HOST"
-ENV_HOST_NAME = "FLODL_HOST_NAME"
-ENV_VERBOSITY = "FLODL_VERBOSITY"
-ENV_NET_TIMEOUT_SCALE = "FLODL_NET_TIMEOUT_SCALE"
+
+__all__ = ["ENV_CLUSTER_JSON", "ENV_CLUSTER_KEY", "ENV_HOST_NAME", "ENV_LOCAL_RANK",
+           "ENV_NET_TIMEOUT_SCALE", "ENV_PREBUILD", "ENV_RUN_ID", "ENV_VERBOSITY"]
 
 SALT_BYTES = 16
 
@@ -142,7 +149,7 @@ class SlimEnvelope:
 
 
 @dataclass(frozen=True)
-class PrebuildEntry:
+class PrebuiltBinary:
     """A prebuilt binary for one host (flodl spec section 4.7)."""
 
     bin: str
@@ -157,7 +164,7 @@ class PrebuildEntry:
         return f"{path.rstrip('/')}/{self.cwd_subpath}" if self.cwd_subpath else path
 
 
-def parse_prebuild(raw: Optional[str]) -> dict[str, PrebuildEntry]:
+def parse_prebuilt(raw: Optional[str]) -> dict[str, PrebuiltBinary]:
     """Parse ``FLODL_INTERNAL_PREBUILD_PER_HOST``; unset or blank means none.
 
     Bad JSON is loud: it means the controller's build step is broken, and
@@ -172,7 +179,7 @@ def parse_prebuild(raw: Optional[str]) -> dict[str, PrebuildEntry]:
         raise EnvelopeError(f"{prefix}: {exc}") from None
     if not isinstance(data, dict):
         raise EnvelopeError(f"{prefix}: expected an object keyed by host")
-    entries: dict[str, PrebuildEntry] = {}
+    entries: dict[str, PrebuiltBinary] = {}
     for host, entry in data.items():
         if not isinstance(entry, dict):
             raise EnvelopeError(f"{prefix}: entry for host {host!r} must be an object")
@@ -187,10 +194,10 @@ def parse_prebuild(raw: Optional[str]) -> dict[str, PrebuildEntry]:
             raise EnvelopeError(
                 f"{prefix}: host {host!r}: ld_library_path and cwd_subpath must be strings"
             )
-        entries[host] = PrebuildEntry(bin=entry["bin"], ld_library_path=ld, cwd_subpath=sub)
+        entries[host] = PrebuiltBinary(bin=entry["bin"], ld_library_path=ld, cwd_subpath=sub)
     return entries
 
 
-def prebuild_from_environ(environ: Optional[Mapping[str, str]] = None) -> dict[str, PrebuildEntry]:
+def prebuilt_from_environ(environ: Optional[Mapping[str, str]] = None) -> dict[str, PrebuiltBinary]:
     env = os.environ if environ is None else environ
-    return parse_prebuild(env.get(ENV_PREBUILD))
+    return parse_prebuilt(env.get(ENV_PREBUILD))

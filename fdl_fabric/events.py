@@ -81,7 +81,7 @@ class EventBus:
 
 
 class EventLog:
-    """Keeps events in memory; used by tests and by the run summary."""
+    """Keeps every event in memory, so a caller can look back at what happened."""
 
     def __init__(self) -> None:
         self.events: list[Event] = []

@@ -38,16 +38,16 @@ from .envelope import (
     ENV_NET_TIMEOUT_SCALE,
     ENV_VERBOSITY,
     EnvelopeError,
-    PrebuildEntry,
+    PrebuiltBinary,
     new_run_id,
     new_salt,
-    prebuild_from_environ,
+    prebuilt_from_environ,
 )
 from .events import EventBus, Kind
 from .hosts import EXIT_FAILURE, EXIT_USAGE, LaunchError, close_all, connect_all, start_agents
 from .limits import RANKS_MAX, RANKS_PER_WORKER_MAX
 from .output import Console, LiveConsole, RunLog, summary_table
-from .plan import OMP_NOTICE, LaunchPlan, build_plan
+from .plan import OMP_NOTICE, LaunchPlan, build_plan, coordinator_bind_host
 from .preflight import Status, agent_checks, judge, launch_plan
 from .sessions import AgentSession
 from .sshopts import SshSettings, resolve_all_settings
@@ -78,18 +78,12 @@ class LaunchOptions:
 
 
 def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
-    """The rank program's argv: ``--`` words, else ``--cmd``, else cluster.yml."""
-    if opts.argv:
-        return list(opts.argv)
-    text = opts.command if opts.command is not None else cluster.command
-    if not text:
-        raise LaunchError(
-            f"{cluster.file}: no command to run: set `command:` in the file, or pass "
-            "--cmd \"...\" or `-- prog args`", EXIT_USAGE)
+    """The rank program's argv (see `shell.command_words`); a missing one is exit 2."""
     try:
-        return shell.split_command(text)
+        return shell.command_words(opts.argv, opts.command, cluster.command)
     except ValueError as exc:
-        raise LaunchError(f"{cluster.file}: command: {exc}", EXIT_USAGE) from None
+        raise LaunchError(f"{cluster.file}: {exc}" if "no command" in str(exc)
+                          else f"{cluster.file}: command: {exc}", EXIT_USAGE) from None
 
 
 def net_timeout_scale(environ: Mapping[str, str]) -> float:
@@ -121,7 +115,7 @@ def coordinator_spec(plan: LaunchPlan, max_failure: MaxFailure, scale: float) ->
         run_id=plan.run_id,
         salt=plan.salt,
         world_size=plan.world_size,
-        bind_host="127.0.0.1" if plan.bind_loopback else cluster.controller.host,
+        bind_host=coordinator_bind_host(cluster),
         port=cluster.controller.port,
         formation_timeout=cluster.elastic.formation_timeout * scale,
         heartbeat_timeout=cluster.elastic.heartbeat_timeout * scale,
@@ -252,7 +246,7 @@ class Launch:
         argv = command_argv(opts, cluster)
         settings = resolve_all_settings(cluster, self.console.message)
         try:
-            prebuild = prebuild_from_environ()
+            prebuilt = prebuilt_from_environ()
         except EnvelopeError as exc:
             raise LaunchError(str(exc), EXIT_USAGE) from None
         launcher_env = dict(os.environ)
@@ -260,7 +254,7 @@ class Launch:
         scale = net_timeout_scale(launcher_env)
 
         if opts.dry_run:
-            plan = self._plan(cluster, argv, dry_run_devices(cluster), prebuild, launcher_env)
+            plan = self._plan(cluster, argv, dry_run_devices(cluster), prebuilt, launcher_env)
             self.console.out.write(describe_dry_run(plan, settings))
             self.console.out.flush()
             return 0
@@ -270,7 +264,7 @@ class Launch:
                                      self.inbox.put)
         resolved = self._resolve_devices(cluster)
         run_id = new_run_id()
-        plan = self._plan(cluster, argv, resolved, prebuild, launcher_env, run_id=run_id)
+        plan = self._plan(cluster, argv, resolved, prebuilt, launcher_env, run_id=run_id)
         if opts.log_dir:
             self.log = RunLog(opts.log_dir, plan.run_id)
             self.stack.callback(self.log.close)
@@ -288,7 +282,7 @@ class Launch:
         with signal_handlers(attempts, self.console):
             for attempt in range(max_restarts + 1):
                 if attempt:
-                    plan = self._plan(cluster, argv, resolved, prebuild, launcher_env,
+                    plan = self._plan(cluster, argv, resolved, prebuilt, launcher_env,
                                       run_id=run_id, attempt=attempt)
                     self.sessions = start_agents(cluster.workers,
                                                  self.connections,  # type: ignore[arg-type]
@@ -310,7 +304,7 @@ class Launch:
                         raise
                     self._watch_connections(settings)
                 try:
-                    result = self._attempt(plan, coordinator, attempts, argv, prebuild)
+                    result = self._attempt(plan, coordinator, attempts, argv, prebuilt)
                 finally:
                     coordinator.stop()
                 joined_any = joined_any or bool(coordinator.joined)
@@ -384,13 +378,13 @@ class Launch:
         return resolved
 
     def _plan(self, cluster: ClusterSpec, argv: list[str], resolved: Mapping[str, list[int]],
-              prebuild: Mapping[str, PrebuildEntry], launcher_env: Mapping[str, str], *,
+              prebuilt: Mapping[str, PrebuiltBinary], launcher_env: Mapping[str, str], *,
               run_id: Optional[str] = None, attempt: int = 0) -> LaunchPlan:
         """The plan of one attempt: a fresh salt every time, so nothing of an earlier
         attempt can join this one's cohort; the run id stays (TORCHELASTIC_RUN_ID)."""
         try:
             return build_plan(cluster, argv=argv, run_id=run_id or new_run_id(),
-                              salt=new_salt(), resolved_devices=resolved, prebuild=prebuild,
+                              salt=new_salt(), resolved_devices=resolved, prebuilt=prebuilt,
                               launcher_env=launcher_env, attempt=attempt)
         except ValueError as exc:
             raise LaunchError(f"{cluster.file}: {exc}", EXIT_USAGE) from None
@@ -398,7 +392,7 @@ class Launch:
     def _open_tunnels(self, plan: LaunchPlan) -> None:
         port = plan.cluster.controller.port
         # The forward delivers to wherever the coordinator listens.
-        target = "127.0.0.1" if plan.bind_loopback else plan.cluster.controller.host
+        target = coordinator_bind_host(plan.cluster)
         for w in plan.cluster.workers:
             if not w.tunnel:
                 continue
@@ -430,9 +424,9 @@ class Launch:
                 self.monitor.watch(host, transport, settings[host])
 
     def _attempt(self, plan: LaunchPlan, coordinator: Coordinator, attempts: Attempts,
-                 argv: list[str], prebuild: Mapping[str, PrebuildEntry]) -> RunResult:
+                 argv: list[str], prebuilt: Mapping[str, PrebuiltBinary]) -> RunResult:
         """One attempt: every agent gets its spec, the supervisor runs to a verdict."""
-        checks = {w.host: launch_plan(plan.cluster, w, argv, prebuild.get(w.host))
+        checks = {w.host: launch_plan(plan.cluster, w, argv, prebuilt.get(w.host))
                   for w in plan.cluster.workers}
 
         def judge_host(host: str, values: Mapping[str, str]) -> tuple[list[str], list[str]]:

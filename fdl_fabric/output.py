@@ -18,10 +18,13 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Callable, Optional, TextIO
+from typing import IO, TYPE_CHECKING, Any, Callable, Optional, TextIO
 
 from .events import Event, Kind
 from .supervisor import Rank, RankState
+
+if TYPE_CHECKING:  # the preflight package renders through this module
+    from .preflight.report import Report
 
 #: Event kinds shown only with -v: routine progress that would drown the rank output.
 _VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.JOIN}
@@ -41,9 +44,11 @@ def redact_env(env: dict[str, str]) -> dict[str, str]:
             for k, v in env.items()}
 
 
-def use_color(stream: IO[str]) -> bool:
-    """Colors only on a terminal, and never with NO_COLOR set (no-color.org)."""
-    return "NO_COLOR" not in os.environ and hasattr(stream, "isatty") and stream.isatty()
+def use_color(stream: Any) -> bool:
+    """Colors only for a person at a terminal, and never when NO_COLOR is set to anything
+    (no-color.org: "present and not an empty string")."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and not os.environ.get("NO_COLOR")
 
 
 class Console:
@@ -97,9 +102,28 @@ class Console:
         self.message(event.message)
 
     def message(self, text: str) -> None:
+        """A line for the operator (status, warnings, verdicts): on stderr."""
         with self._lock:
             self.err.write(text + "\n")
             self.err.flush()
+
+    def result(self, text: str) -> None:
+        """What a command was asked for (a report, a path): on stdout, so it can be piped."""
+        with self._lock:
+            self.out.write(text if text.endswith("\n") else text + "\n")
+            self.out.flush()
+
+    def json(self, data: Any) -> None:
+        """The ``--json`` form of a command's result."""
+        self.result(json.dumps(data, indent=2, ensure_ascii=False))
+
+    def check_report(self, report: Report, *, as_json: bool = False) -> None:
+        """``inv prebuild-check``'s report: JSON, a colored table, or plain columns."""
+        if as_json:
+            self.json(report.to_json())
+            return
+        self.result(check_table(report, color=self.color))
+        self.result(report.summary())
 
     def start_status(self, rows: Callable[[], Sequence[Rank]]) -> None:
         """Plain consoles have no live view; the event lines tell the story."""
@@ -119,7 +143,7 @@ class LiveConsole(Console):
         super().__init__(verbosity=verbosity, show_rank_output=show_rank_output)
         from rich.console import Console as RichConsole
 
-        self._rich = RichConsole(file=self.out, no_color="NO_COLOR" in os.environ,
+        self._rich = RichConsole(file=self.out, no_color=not use_color(self.out),
                                  highlight=False, soft_wrap=True)
         self._live: Any = None
 
@@ -171,6 +195,51 @@ _STATE_STYLES = {
     RankState.SUCCEEDED: "dim", RankState.FAILED: "bold red", RankState.LOST: "red",
     RankState.STOPPED: "yellow", RankState.TOLERATED: "magenta", RankState.NOT_STARTED: "dim",
 }
+
+
+#: A check's status (its value) to its color.
+_CHECK_STYLES = {"ok": "green", "warn": "yellow", "FAIL": "bold red"}
+
+
+def check_table(report: Report, *, color: bool) -> str:
+    """A pre-flight report as text: a rich table with colors, or plain aligned columns.
+
+    Plain output (pipes, CI logs, NO_COLOR) keeps each check on one unwrapped line, so it
+    can be grepped; the colored table is for a person at a terminal.
+    """
+    if not color:
+        rows = [("host", "check", "status", "detail")]
+        rows += [(c.host, c.name, c.status.value, c.reason) for c in report.checks]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = []
+        for i, row in enumerate(rows):
+            cells = [row[j].ljust(widths[j]) for j in range(3)]
+            lines.append("  ".join([*cells, row[3]]).rstrip())
+            if i == 0:
+                lines.append("  ".join(["-" * w for w in widths] + ["-" * 6]))
+        return "\n".join(lines) + "\n"
+    import io
+    import shutil
+
+    from rich import box
+    from rich.console import Console as RichConsole
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("host", style="bold", no_wrap=True)
+    table.add_column("check", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for c in report.checks:
+        # Text(), not str: a reason such as "[127.0.0.1]:22" is not rich markup.
+        table.add_row(Text(c.host), Text(c.name),
+                      Text(c.status.value, style=_CHECK_STYLES[c.status.value]), Text(c.reason))
+    out = io.StringIO()
+    width = shutil.get_terminal_size((120, 24)).columns
+    RichConsole(file=out, force_terminal=True, color_system="standard", width=width,
+                highlight=False).print(table)
+    return out.getvalue()
 
 
 #: Below this terminal width the live table drops its device and uptime columns.

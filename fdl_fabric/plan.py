@@ -25,7 +25,7 @@ from .envelope import (
     ENV_NET_TIMEOUT_SCALE,
     ENV_RUN_ID,
     ENV_VERBOSITY,
-    PrebuildEntry,
+    PrebuiltBinary,
     SlimEnvelope,
 )
 
@@ -170,6 +170,12 @@ def bind_loopback(cluster: ClusterSpec) -> bool:
     return all(w.is_local or w.tunnel for w in cluster.workers)
 
 
+def coordinator_bind_host(cluster: ClusterSpec) -> str:
+    """Where the coordinator listens: loopback when no worker dials it over the network
+    (every remote worker tunneled), else ``controller.host``. The one copy of that rule."""
+    return "127.0.0.1" if bind_loopback(cluster) else cluster.controller.host
+
+
 def controller_dial_host(cluster: ClusterSpec, worker: WorkerSpec) -> str:
     if worker.tunnel or (worker.is_local and bind_loopback(cluster)):
         return "127.0.0.1"
@@ -183,7 +189,7 @@ def build_plan(
     run_id: str,
     salt: bytes,
     resolved_devices: Optional[Mapping[str, Sequence[int]]] = None,
-    prebuild: Optional[Mapping[str, PrebuildEntry]] = None,
+    prebuilt: Optional[Mapping[str, PrebuiltBinary]] = None,
     launcher_env: Optional[Mapping[str, str]] = None,
     attempt: int = 0,
 ) -> LaunchPlan:
@@ -195,9 +201,9 @@ def build_plan(
     below, the cluster ``env``, the host ``env``.
     """
     resolved = resolved_devices or {}
-    prebuild = prebuild or {}
+    prebuilt = prebuilt or {}
     environ = os.environ if launcher_env is None else launcher_env
-    for host in prebuild:
+    for host in prebuilt:
         if host not in {w.host for w in cluster.workers}:
             raise ValueError(f"prebuild envelope names host {host!r}, which is not in the cluster")
 
@@ -237,7 +243,7 @@ def build_plan(
             path=worker.path,
             salt=salt,
         )
-        entry = prebuild.get(worker.host)
+        entry = prebuilt.get(worker.host)
         cwd = entry.cwd(worker.path) if entry else worker.path
         rank_argv = (entry.program(worker.path), *argv[1:]) if entry else tuple(argv)
         for local_rank, (rank, device) in enumerate(zip(worker_ranks, devices)):

@@ -40,10 +40,21 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+# -- environment variable names: the one list (the launcher and the agent import it) -------
+#: The envelope (hex JSON, with the salt): the coordinator's address, run id, world.
 ENV_CLUSTER_JSON = "FLODL_INTERNAL_CLUSTER_JSON"
 ENV_LOCAL_RANK = "FLODL_INTERNAL_LOCAL_RANK"
 ENV_RANK = "RANK"
 ENV_NET_TIMEOUT_SCALE = "FLODL_NET_TIMEOUT_SCALE"
+#: The run's id: what makes a process part of the run for the agent and cleanup.
+ENV_RUN_ID = "FLODL_INTERNAL_RUN_ID"
+#: A stable id of the cluster file, so a launch finds its predecessors' leftovers.
+ENV_CLUSTER_KEY = "FLODL_INTERNAL_CLUSTER_KEY"
+#: The host's name in the cluster file (overridable, as flodl's).
+ENV_HOST_NAME = "FLODL_HOST_NAME"
+ENV_VERBOSITY = "FLODL_VERBOSITY"
+#: torchrun's per-rank error file, which torch's ``@record`` writes.
+ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 #: Seconds between heartbeats. Not scaled: the coordinator's timeout is what scales.
 HEARTBEAT_INTERVAL = 1.0

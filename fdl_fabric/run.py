@@ -131,14 +131,9 @@ def nproc(value: str) -> int:
 
 
 def _gpu_count() -> int:
-    import subprocess
+    from .agent.checks import gpu_indices
 
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return len([x for x in out.stdout.split() if x.isdigit()]) if out.returncode == 0 else 0
+    return len(gpu_indices().get("gpus") or [])
 
 
 def free_port() -> int:

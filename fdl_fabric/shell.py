@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
+from typing import Optional
 
 
 def quote(value: str) -> str:
@@ -100,3 +102,17 @@ def split_command(command: str) -> list[str]:
     if not words:
         raise ValueError("the command is empty")
     return words
+
+
+def command_words(words: Sequence[str], cmd: Optional[str],
+                  file_command: Optional[str]) -> list[str]:
+    """The rank program's argv: the words after ``--`` as typed, else ``--cmd``, else the
+    cluster file's ``command:``. The one rule for launch, prebuild-check and dry runs;
+    ValueError when there is none or it cannot be split."""
+    if words:
+        return list(words)
+    text = cmd if cmd is not None else file_command
+    if not text:
+        raise ValueError("no command to run: set `command:` in the file, or pass --cmd \"...\" "
+                         "or `-- prog args`")
+    return split_command(text)

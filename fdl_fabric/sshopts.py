@@ -16,18 +16,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .config import (
-    ClusterSpec,
-    ConfigError,
-    Problem,
-    WorkerSpec,
+from .config import ClusterSpec, ConfigError, Problem, WorkerSpec
+from .limits import PORT_MAX
+from .names import (
     host_name_problem,
     single_line_problem,
     ssh_option_value_problem,
     ssh_target_problem,
     user_name_problem,
 )
-from .limits import PORT_MAX
 
 #: OpenSSH options we understand, by lowercase name.
 SUPPORTED_OPTIONS = {

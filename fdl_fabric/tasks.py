@@ -176,19 +176,10 @@ def prebuild_check(
     data_path, clock skew and the controller port, all hosts in parallel.
     Exit 0 when nothing FAILs, 1 otherwise, 2 on a config error.
     """
-    from .preflight import main as preflight_main
+    from .preflight import check_cluster
 
-    args = ["--cluster", cluster or _settings(c)["cluster"]]
-    if json:
-        args.append("--json")
-    if cmd is not None:
-        args += ["--cmd", cmd]
-    if fast:
-        args.append("--fast")
-    rest = _remainder()
-    if rest:
-        args += ["--", *rest]
-    code = preflight_main(args)
+    code = check_cluster(cluster or _settings(c)["cluster"], cmd=cmd, words=_remainder(),
+                         as_json=json, fast=fast)
     if code:
         raise Exit(code=code)
 
@@ -197,9 +188,16 @@ def prebuild_check(
             "output": "SVG file to write (default: <run-dir>/timeline.svg)"})
 def plot_run(c: Context, run_dir: str, output: str = "") -> None:
     """Draw a run's timeline (ranks against time, deaths, cohort formation) as SVG."""
+    from .output import Console
     from .plot import plot_run as draw
 
-    print(draw(run_dir, output))
+    console = Console()
+    try:
+        drawn = draw(run_dir, output)
+    except (OSError, ValueError) as exc:  # no such run folder, no events in it
+        console.message(f"plot-run: cannot draw {run_dir}: {exc}")
+        raise Exit(code=2) from None
+    console.result(str(drawn))
 
 
 def _usage_errors_exit_2() -> None:

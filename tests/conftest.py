@@ -6,20 +6,18 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest_plugins = ["fdl_fabric.testing"]
-
-ROOT = Path(__file__).resolve().parent.parent
-PROBE = str(ROOT / "tests" / "progs" / "rankprobe.py")
+pytest_plugins = ["fdl_fabric.testing.fixtures"]
 
 
 @pytest.fixture
 def probe() -> str:
     """Path of the test rank program."""
+    from labutil import PROBE  # imported late: fdl_fabric.testing loads as a plugin first
+
     return PROBE
 
 

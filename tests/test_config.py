@@ -21,7 +21,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fdl_fabric import config as config_module
+from fdl_fabric import yamlread
 from fdl_fabric.config import (
     ENV_NAME_RE,
     RESERVED_ENV_KEYS,
@@ -32,12 +32,10 @@ from fdl_fabric.config import (
     Problem,
     SshSpec,
     WorkerSpec,
-    host_name_problem,
     is_reserved_env_key,
     load_cluster,
     parse_cluster,
     parse_max_failure,
-    shell_words,
     this_host_name,
 )
 from fdl_fabric.limits import (
@@ -54,6 +52,8 @@ from fdl_fabric.limits import (
     SSH_OPTIONS_MAX,
     WORKERS_MAX,
 )
+from fdl_fabric.names import host_name_problem
+from fdl_fabric.shell import shell_words
 
 FOLDER = "/srv/cluster"
 LOCAL = "launcher"  # the name of "this machine" in every test unless said otherwise
@@ -1393,7 +1393,7 @@ def test_a_lone_surrogate_is_refused_as_invalid_unicode() -> None:
 
 
 def test_the_pure_python_parser_is_bounded_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config_module, "_Loader", config_module._PyLoader)
+    monkeypatch.setattr(yamlread, "_Loader", yamlread._PyLoader)
     (problem,) = refused("[" * 5000 + "]" * 5000).problems
     assert problem.message == "nested more than 32 levels deep (lists and mappings)"
     assert parse("x-d: &d {nproc: 2}\nworkers: [{<<: *d, host: launcher}]").workers[0].nproc == 2

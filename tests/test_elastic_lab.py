@@ -76,7 +76,8 @@ def test_a_rank_sigkilled_after_formation_is_tolerated_and_the_run_completes_deg
     assert any("rank 3 of lab1 exited with signal 9 — tolerating (elastic membership): "
                "reporting rank(s) [3] dead" in line for line in err)
     assert err[-1].startswith("cluster launcher: run completed DEGRADED — 1 of 4 ranks lost")
-    later_steps = [line for t, line in run.out if t > killed_at + 0.3 and "step " in line]
+    later_steps = [line for t, stream, line in run.lines
+                   if stream == "out" and t > killed_at + 0.3 and "step " in line]
     assert any(line.startswith("[localhost:cpu:r0] step") for line in later_steps)
     assert any(line.startswith("[lab1:cpu:r2] step") for line in later_steps)
     assert "peer failure" not in "\n".join(err)

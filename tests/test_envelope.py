@@ -6,13 +6,13 @@ import pytest
 
 from fdl_fabric.envelope import (
     EnvelopeError,
-    PrebuildEntry,
+    PrebuiltBinary,
     SlimEnvelope,
     decode_hex,
     encode_hex,
     new_run_id,
     new_salt,
-    parse_prebuild,
+    parse_prebuilt,
 )
 
 
@@ -65,13 +65,13 @@ def test_salts_and_run_ids_are_fresh() -> None:
 
 
 def test_prebuild_unset_or_blank_means_none() -> None:
-    assert parse_prebuild(None) == {} and parse_prebuild("  ") == {}
+    assert parse_prebuilt(None) == {} and parse_prebuilt("  ") == {}
 
 
 def test_prebuild_entry_gives_binary_and_cwd() -> None:
-    entries = parse_prebuild('{"b": {"bin": "target/x", "ld_library_path": "/lt/lib", '
+    entries = parse_prebuilt('{"b": {"bin": "target/x", "ld_library_path": "/lt/lib", '
                              '"cwd_subpath": "sub"}}')
-    assert entries == {"b": PrebuildEntry("target/x", "/lt/lib", "sub")}
+    assert entries == {"b": PrebuiltBinary("target/x", "/lt/lib", "sub")}
     assert entries["b"].program("/srv/p/") == "/srv/p/target/x"
     assert entries["b"].cwd("/srv/p") == "/srv/p/sub"
 
@@ -84,4 +84,4 @@ def test_prebuild_entry_gives_binary_and_cwd() -> None:
 ])
 def test_bad_prebuild_json_is_a_loud_error(raw: str, match: str) -> None:
     with pytest.raises(EnvelopeError, match=match):
-        parse_prebuild(raw)
+        parse_prebuilt(raw)

@@ -22,11 +22,11 @@ import pytest
 import yaml
 
 from fdl_fabric import testing
-from fdl_fabric.testing import LabError, LabHost, SshdLab
+from fdl_fabric.testing import LabError, LabHost, SshdLab, fixtures
 
-# The plugin provides the ``sshd_lab`` fixture, exactly as users' conftests load it;
+# conftest.py loads the labs plugin (fdl_fabric.testing.fixtures) as users' conftests do;
 # pytester lets one test check how the fixture behaves on a machine without sshd.
-pytest_plugins = ["pytester", "fdl_fabric.testing"]
+pytest_plugins = ["pytester"]
 
 pytestmark = pytest.mark.lab
 
@@ -322,11 +322,12 @@ def test_failed_start_reports_the_sshd_log_and_cleans_up(tmp_path: Path) -> None
     assert all(h.sshd.poll() is not None for h in lab.hosts)
 
 
+@pytest.mark.parametrize("plugin", ["fdl_fabric.testing.fixtures", "fdl_fabric.testing"])
 def test_fixture_fails_loudly_without_sshd(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    plugin: str, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(testing, "sshd_available", lambda: False)
-    pytester.makeconftest('pytest_plugins = ["fdl_fabric.testing"]')
+    monkeypatch.setattr(fixtures, "sshd_available", lambda: False)
+    pytester.makeconftest(f'pytest_plugins = ["{plugin}"]')
     pytester.makepyfile("def test_uses_lab(sshd_lab):\n    sshd_lab()\n")
     result = pytester.runpytest_inprocess()
     result.assert_outcomes(errors=1)

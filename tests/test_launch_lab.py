@@ -17,7 +17,7 @@ import pytest
 
 from fdl_fabric.envelope import SlimEnvelope
 from fdl_fabric.testing import SshdLab
-from labutil import PROBE, ROOT, alive, dumps, run_launch, start_launch, wait_for
+from labutil import PROBE, ROOT, LiveLaunch, alive, dumps, run_launch, wait_for
 
 pytestmark = pytest.mark.lab
 
@@ -66,9 +66,9 @@ def test_a_failing_rank_stops_every_peer_on_every_host_within_the_grace(
         sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=2)
     cluster = _cluster(lab, tmp_path, kill_grace=2)
-    proc = start_launch(cluster, "--cmd",
-                        f"python3 {PROBE} --dump {tmp_path}/d --sleep 300 --ignore-term "
-                        "--exit-rank 3 --exit-code 3 --exit-after 2")
+    proc = LiveLaunch(cluster, "--cmd",
+                      f"python3 {PROBE} --dump {tmp_path}/d --sleep 300 --ignore-term "
+                      "--exit-rank 3 --exit-code 3 --exit-after 2")
     d = dumps(tmp_path / "d", 6)
     peers = {r: v["pid"] for r, v in d.items() if r != 3}
     wait_for(lambda: not alive(d[3]["pid"]), 20, "rank 3 to exit")
@@ -76,8 +76,8 @@ def test_a_failing_rank_stops_every_peer_on_every_host_within_the_grace(
     wait_for(lambda: not any(alive(p) for p in peers.values()), 2 + 1.0,
              "every peer to be gone within kill_grace + 1 s")
     gone_after = time.monotonic() - failed_at
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 1, err
+    assert proc.finish(timeout=30) == 1, proc.err
+    err = proc.err
     assert err.strip().splitlines()[-1] == "cluster launcher: rank 3 of lab1 exited with status 3"
     assert "peer failure — terminating all still-running ranks" in err
     assert gone_after <= 3.0
@@ -86,11 +86,11 @@ def test_a_failing_rank_stops_every_peer_on_every_host_within_the_grace(
 def test_a_remote_rank_killed_by_sigkill_is_reported_as_signal_9(sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=1)
     cluster = _cluster(lab, tmp_path, local=False, nproc=2)
-    proc = start_launch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d --sleep 300")
+    proc = LiveLaunch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d --sleep 300")
     d = dumps(tmp_path / "d", 2)
     os.kill(d[1]["pid"], signal.SIGKILL)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 1
+    assert proc.finish(timeout=30) == 1, proc.err
+    err = proc.err
     assert err.strip().splitlines()[-1] == "cluster launcher: rank 1 of lab1 exited with signal 9"
 
 
@@ -98,7 +98,7 @@ def test_no_process_on_any_host_has_the_salt_or_a_secret_in_its_command_line(
         sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=2)
     cluster = _cluster(lab, tmp_path)
-    proc = start_launch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d --sleep 300")
+    proc = LiveLaunch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d --sleep 300")
     try:
         d = dumps(tmp_path / "d", 6)
         envelope_hex = d[0]["env"]["FLODL_INTERNAL_CLUSTER_JSON"]
@@ -117,8 +117,8 @@ def test_no_process_on_any_host_has_the_salt_or_a_secret_in_its_command_line(
         assert offenders == []
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.communicate(timeout=30)
-    assert proc.returncode == 143
+        code = proc.finish(timeout=30)
+    assert code == 143, proc.err
 
 
 def test_a_config_error_exits_2_and_starts_nothing(sshd_lab, tmp_path: Path) -> None:

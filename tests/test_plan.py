@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from fdl_fabric.config import parse_cluster
-from fdl_fabric.envelope import PrebuildEntry, SlimEnvelope
+from fdl_fabric.envelope import PrebuiltBinary, SlimEnvelope
 from fdl_fabric.plan import build_plan
 
 SALT = bytes(range(16))
@@ -102,7 +102,7 @@ def test_each_worker_envelope_has_its_ranks_and_dial_address() -> None:
 
 
 def test_prebuilt_host_runs_its_binary_from_its_subpath_with_ld_path() -> None:
-    plan = _plan(prebuild={"gpu-a": PrebuildEntry("target/bin/train", "/lt/lib", "bench")})
+    plan = _plan(prebuilt={"gpu-a": PrebuiltBinary("target/bin/train", "/lt/lib", "bench")})
     r = plan.ranks[2]
     assert r.argv == ("/srv/a/target/bin/train", "train.py", "--lr", "0.1")
     assert r.cwd == "/srv/a/bench" and r.env["LD_LIBRARY_PATH"] == "/lt/lib"
@@ -111,13 +111,13 @@ def test_prebuilt_host_runs_its_binary_from_its_subpath_with_ld_path() -> None:
 
 def test_user_ld_library_path_beats_the_prebuild_one() -> None:
     text = CLUSTER.replace("env: {SHARED: host}", "env: {SHARED: host, LD_LIBRARY_PATH: /mine}")
-    plan = _plan(text, prebuild={"gpu-a": PrebuildEntry("x", "/lt/lib")})
+    plan = _plan(text, prebuilt={"gpu-a": PrebuiltBinary("x", "/lt/lib")})
     assert plan.ranks[2].env["LD_LIBRARY_PATH"] == "/mine"
 
 
 def test_prebuild_for_an_unknown_host_is_an_error() -> None:
     with pytest.raises(ValueError, match="not in the cluster"):
-        _plan(prebuild={"nope": PrebuildEntry("x", "/l")})
+        _plan(prebuilt={"nope": PrebuiltBinary("x", "/l")})
 
 
 def test_unresolved_all_devices_is_an_error() -> None:

@@ -19,7 +19,8 @@ from typing import Any, Optional
 import pytest
 
 from fdl_fabric.config import WorkerSpec, load_cluster, parse_cluster
-from fdl_fabric.envelope import PrebuildEntry
+from fdl_fabric.envelope import PrebuiltBinary
+from fdl_fabric.output import Console, check_table, use_color
 from fdl_fabric.preflight import (
     CONTROLLER,
     SENTINEL,
@@ -30,13 +31,12 @@ from fdl_fabric.preflight import (
     HostPlan,
     Report,
     Status,
+    check_cluster,
     evaluate,
-    main,
     parse_libc,
     parse_sentinels,
     probe_script,
     run_checks,
-    use_color,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,8 +165,8 @@ def test_program_verdicts() -> None:
 
 
 def test_prebuild_program_and_cwd_are_checked_under_the_worker_path() -> None:
-    entry = PrebuildEntry(bin="target/release/train", ld_library_path="", cwd_subpath="run")
-    plan = _plan(prebuild=entry)
+    entry = PrebuiltBinary(bin="target/release/train", ld_library_path="", cwd_subpath="run")
+    plan = _plan(prebuilt=entry)
     assert plan.program == "/srv/proj/target/release/train" and plan.cwd == "/srv/proj/run"
     rows = evaluate(plan, HostFacts(_values(prog="!missing", cwd="missing")), CTL)
     assert _row(rows, "program").status is Status.FAIL
@@ -186,8 +186,8 @@ def test_platform_mismatches() -> None:
     musl = platform(libc="musl libc (x86_64)")
     assert musl.status is Status.FAIL and "musl here, glibc on the controller" in musl.reason
     assert platform(libc="sh: ldd: not found").status is Status.WARN
-    old = PrebuildEntry(bin="train", ld_library_path="")
-    assert platform(_plan(prebuild=old), libc="ldd (GNU libc) 2.31").status is Status.WARN
+    old = PrebuiltBinary(bin="train", ld_library_path="")
+    assert platform(_plan(prebuilt=old), libc="ldd (GNU libc) 2.31").status is Status.WARN
     assert platform(libc="ldd (GNU libc) 2.31").status is Status.OK  # no native binary shipped
 
 
@@ -298,7 +298,7 @@ def test_json_shape() -> None:
 
 
 def test_plain_table_is_aligned_one_line_per_check() -> None:
-    lines = Report(ROWS).table(color=False).splitlines()
+    lines = check_table(Report(ROWS), color=False).splitlines()
     assert lines[0].split() == ["host", "check", "status", "detail"]
     assert len(lines) == 2 + len(ROWS) and "\x1b" not in "".join(lines)
     assert lines[3].startswith("gpu-a         paths  FAIL    path /srv does not exist")
@@ -307,7 +307,7 @@ def test_plain_table_is_aligned_one_line_per_check() -> None:
 
 
 def test_color_table_is_rich_and_does_not_interpret_markup_in_reasons() -> None:
-    text = Report(ROWS).table(color=True)
+    text = check_table(Report(ROWS), color=True)
     assert "\x1b[" in text and "[bold]not markup[/bold]" in text
 
 
@@ -362,7 +362,7 @@ def test_a_healthy_local_worker(tmp_path: Path) -> None:
             data_path: {tmp_path}
         """))
     report = run_checks(cluster, argv=["python3", "tests/progs/rankprobe.py"])
-    assert report.exit_code() == 0, report.table(color=False)
+    assert report.exit_code() == 0, check_table(report, color=False)
     names = [(c.host, c.name) for c in report.checks]
     assert names == [(CONTROLLER, "port"), *(("localhost", n) for n in (
         "shell", "paths", "program", "platform", "data_path", "port"))]
@@ -430,21 +430,26 @@ def test_no_command_is_one_controller_failure(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_main_exit_codes_and_json(tmp_path: Path) -> None:
-    out, err = io.StringIO(), io.StringIO()
-    assert main(["--cluster", str(tmp_path / "missing.yml")], out=out, err=err) == 2
+def test_check_cluster_exit_codes_and_json(tmp_path: Path) -> None:
+    def console() -> tuple[Console, io.StringIO, io.StringIO]:
+        out, err = io.StringIO(), io.StringIO()
+        return Console(out, err, color=False), out, err
+
+    c, out, err = console()
+    assert check_cluster(str(tmp_path / "missing.yml"), console=c) == 2
     assert "file not found" in err.getvalue()
     cluster = _local_cluster(tmp_path, f"""\
         controller: {{port: {_free_port()}}}
         workers: [{{host: localhost, nproc: 1, path: {tmp_path}}}]
         """)
-    assert main(["--cluster", str(cluster), "--cmd", "echo 'unbalanced"], out=out, err=err) == 2
-    out = io.StringIO()
-    assert main(["--cluster", str(cluster), "--json", "--cmd", "true"], out=out, err=err) == 0
+    c, out, err = console()
+    assert check_cluster(str(cluster), cmd="echo 'unbalanced", console=c) == 2
+    c, out, err = console()
+    assert check_cluster(str(cluster), cmd="true", as_json=True, console=c) == 0
     data = json.loads(out.getvalue())
     assert data["ok"] is True and {c["check"] for c in data["checks"]} >= {"paths", "port"}
-    out = io.StringIO()
-    assert main(["--cluster", str(cluster), "--fast", "--", "nosuchprog-xyz", "a b"],
-                out=out, err=err) == 1
+    c, out, err = console()
+    assert check_cluster(str(cluster), fast=True, words=["nosuchprog-xyz", "a b"],
+                         console=c) == 1
     assert "`nosuchprog-xyz` not found" in out.getvalue()
     assert "prebuild-check: FAILED: 1 FAIL" in out.getvalue()

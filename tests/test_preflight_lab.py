@@ -26,8 +26,10 @@ from typing import Any
 import pytest
 
 from fdl_fabric.config import load_cluster
+from fdl_fabric.output import check_table
 from fdl_fabric.preflight import CONTROLLER, Check, Report, Status, run_checks
-from fdl_fabric.testing import SshdLab, _find_sshd, _read_banner
+from fdl_fabric.testing import SshdLab
+from fdl_fabric.testing.sshd import _find_sshd, _read_banner
 from labutil import PROBE, ROOT
 
 pytestmark = pytest.mark.lab
@@ -37,7 +39,7 @@ ARGV = ["python3", PROBE]
 
 def _check(report: Report, host: str, name: str) -> Check:
     rows = [c for c in report.checks if c.host == host and c.name == name]
-    assert len(rows) == 1, report.table(color=False)
+    assert len(rows) == 1, check_table(report, color=False)
     return rows[0]
 
 
@@ -56,7 +58,7 @@ def test_a_healthy_cluster_passes_with_every_check_on_every_host(sshd_lab, tmp_p
     workers = [local] + [lab.worker(h, data_path=str(tmp_path)) for h in lab.hosts]
     cluster = lab.write_cluster(workers)
     report = _run(cluster)
-    table = report.table(color=False)
+    table = check_table(report, color=False)
     assert report.exit_code() == 0, table
     # The shell row may warn: this machine's own ~/.bashrc (pyenv init) is close to 200 ms.
     assert all(c.status is Status.OK for c in report.checks if c.name != "shell"), table
@@ -195,7 +197,7 @@ def test_a_slow_rc_file_warns_on_the_shell_row(sshd_lab) -> None:
     assert row.status is Status.WARN and "slow rc file?" in row.reason
     ms = int(re.search(r"shell start-up (\d+) ms", row.reason).group(1))  # type: ignore[union-attr]
     assert ms >= 300
-    assert report.exit_code() == 0, report.table(color=False)  # a warning does not block
+    assert report.exit_code() == 0, check_table(report, color=False)  # a warning does not block
 
 
 def test_an_unreachable_host_fails_only_its_own_row(sshd_lab) -> None:
@@ -288,7 +290,7 @@ def test_tunnels_reach_the_controller_and_loopback_dials_do_not(sshd_lab, tmp_pa
         report = _run(lab.write_cluster([worker("far", tunnel=True)]), argv=["true"], fast=True)
         row = _check(report, "far", "port")
         assert row.status is Status.OK and "through the SSH tunnel" in row.reason, \
-            report.table(color=False)
+            check_table(report, color=False)
         # 2. Without a tunnel, controller.host 127.0.0.1 is the worker's own loopback:
         # prebuild-check fails; before a launch it only warns (a plain script never dials).
         cluster = lab.write_cluster([worker("far")])

@@ -9,7 +9,7 @@ therefore have lab hosts only; the local worker's registry is the real one, and 
 run- or cluster-scoped cleanups (unique to each test) run against it.
 
 All lab hosts are this machine, so "no process of run R remains on any host" is a scan
-of /proc for FLODL_INTERNAL_RUN_ID=R (``labutil.processes_of_run``).
+of /proc for FLODL_INTERNAL_RUN_ID=R (``fdl_fabric.testing.processes_of_run``).
 """
 
 from __future__ import annotations
@@ -38,11 +38,18 @@ from fdl_fabric.hosts import close_all, connect_all
 from fdl_fabric.plan import cluster_key
 from fdl_fabric.sshopts import resolve_all_settings
 from fdl_fabric.testing import REGISTRY_MOUNTPOINT, LabHost, SshdLab
-from labutil import PROBE, ROOT, alive, launch_argv, processes_of_run, wait_for
+from labutil import (
+    PROBE,
+    ROOT,
+    SIGPROBE,
+    LiveLaunch,
+    alive,
+    processes_of_run,
+    wait_for,
+)
 
 pytestmark = pytest.mark.lab
 
-SIGPROBE = str(ROOT / "tests" / "progs" / "sigprobe.py")
 KILL_GRACE = 1.0
 #: The issue's bound for "gone": the kill grace plus 2 s.
 GONE_BOUND = KILL_GRACE + 2.0
@@ -53,80 +60,13 @@ GONE_BOUND = KILL_GRACE + 2.0
 # --------------------------------------------------------------------------------------
 
 
-class Launch:
-    """`inv launch` as a process, its output read line by line with arrival times."""
-
-    def __init__(self, cluster: Path, *args: str, env: Optional[dict[str, str]] = None) -> None:
-        self.proc = subprocess.Popen(
-            launch_argv(cluster, *args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
-            cwd=str(ROOT), start_new_session=True)
-        self.lines: list[tuple[float, str, str]] = []
-        self._lock = threading.Lock()
-        self._readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
-                         for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))]
-        for t in self._readers:
-            t.start()
-
-    def _read(self, name: str, stream: Any) -> None:
-        for line in stream:
-            with self._lock:
-                self.lines.append((time.monotonic(), name, line.rstrip("\n")))
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def signal(self, sig: int) -> float:
-        """Signal the launcher's pid only (not its group: local wrappers are in it)."""
-        os.kill(self.proc.pid, sig)
-        return time.monotonic()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the launch did not end within {timeout}s:\n{self.err}") \
-                from None
-        for t in self._readers:
-            t.join(5)
-        return rc
-
-    def err_lines(self) -> list[str]:
-        with self._lock:
-            return [line for _, name, line in self.lines if name == "err"]
-
-    @property
-    def err(self) -> str:
-        return "\n".join(self.err_lines())
-
-    def line_time(self, needle: str) -> Optional[float]:
-        with self._lock:
-            return next((t for t, _, line in self.lines if needle in line), None)
-
-    def wait_line(self, needle: str, timeout: float) -> float:
-        found: float = wait_for(lambda: self.line_time(needle), timeout, repr(needle))
-        return found
-
-    @property
-    def run_id(self) -> str:
-        found = None
-        for line in self.err_lines():
-            m = re.match(r"cluster launcher: run (\S+): ", line)
-            if m:
-                found = m.group(1)
-                break
-        assert found, f"no run id printed yet:\n{self.err}"
-        return found
-
-
 @pytest.fixture
-def launches() -> Iterator[Callable[..., Launch]]:
+def launches() -> Iterator[Callable[..., LiveLaunch]]:
     """Start launches; at teardown, SIGKILL any still running and reap their runs."""
-    started: list[Launch] = []
+    started: list[LiveLaunch] = []
 
-    def start(cluster: Path, *args: str, **kw: Any) -> Launch:
-        launch = Launch(cluster, *args, **kw)
+    def start(cluster: Path, *args: str, **kw: Any) -> LiveLaunch:
+        launch = LiveLaunch(cluster, *args, **kw)
         started.append(launch)
         return launch
 
@@ -432,7 +372,7 @@ def test_inv_cleanup_sweeps_a_stale_record_and_never_signals_a_recycled_pid(
 # --------------------------------------------------------------------------------------
 
 
-def _orphan_the_ranks(launch: Launch, rank_pids: Sequence[int]) -> None:
+def _orphan_the_ranks(launch: LiveLaunch, rank_pids: Sequence[int]) -> None:
     """Make ranks outlive their launcher, agents and watchdogs, like a machine crash.
 
     The launcher is frozen first, so it cannot react to its agents dying; then every
@@ -791,7 +731,7 @@ def test_a_second_sigint_kills_every_rank_at_once(sshd_lab, launches, tmp_path: 
     run_launch = launches(cluster, "--cmd", f"python3 {SIGPROBE} {d} --ignore-term --sleep 300")
     pids = [wait_start(d, r)["pid"] for r in range(2)]
     run_launch.signal(signal.SIGINT)
-    run_launch.wait_line("SIGINT received", 5)
+    run_launch.wait_line("SIGINT received", timeout=5)
     wait_for(lambda: all(signals(d, r) for r in range(2)), 5, "TERM to reach both ranks")
     t1 = run_launch.signal(signal.SIGINT)
     gone = _watch_gone(pids, lambda: time.monotonic() - t1 > 2.5)

@@ -1,4 +1,4 @@
-"""Tests for the Slurm lab (fdl_fabric.slurmlab) against real Slurm daemons.
+"""Tests for the Slurm lab (fdl_fabric.testing.slurm) against real Slurm daemons.
 
 They skip, with the reason, where Slurm's daemons or munge are not installed; CI installs
 them.  One lab serves the whole module (starting one takes about a second, but the
@@ -19,16 +19,7 @@ from typing import Callable
 import psutil
 import pytest
 
-# ``slurm_lab`` is the factory fixture, imported as a user's test module may do.  (Loading
-# the module with ``pytest_plugins`` here instead makes pytest warn that it was imported
-# before it could rewrite its asserts.)
-from fdl_fabric.slurmlab import (
-    MARKER_ENV,
-    SlurmLab,
-    SlurmLabError,
-    slurm_lab,  # noqa: F401
-    slurm_missing,
-)
+from fdl_fabric.testing.slurm import MARKER_ENV, SlurmLab, SlurmLabError, slurm_missing
 
 pytestmark = [
     pytest.mark.slurm,

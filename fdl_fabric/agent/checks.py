@@ -78,6 +78,27 @@ def dial(host: str, port: int, salt: bytes, run_id: str, me: str) -> str:
     return DIAL_OK if reply.get("type") == "probe_ok" else f"?{reply.get('type')}"
 
 
+def gpu_indices() -> Dict[str, Any]:
+    """``{"gpus": [0, 1, ...]}`` from nvidia-smi, or ``{"gpus": None, "gpu_error": why}``.
+
+    The one GPU query of the package: agents answer `local_devices: all` with it, and the
+    launcher uses it for its own machine (dry runs, ``fdl-fabric run --nproc-per-node gpu``).
+    """
+    import subprocess
+
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=10,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"gpus": None, "gpu_error": str(exc)}
+    text = proc.stdout.decode("utf-8", "replace")
+    found = [int(x) for x in text.split() if x.strip().isdigit()]
+    if proc.returncode != 0 or not found:
+        return {"gpus": None, "gpu_error": text.strip()[:200] or f"status {proc.returncode}"}
+    return {"gpus": found}
+
+
 def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str) -> Dict[str, str]:
     """Every fact the spec asks for, as ``name -> value`` strings."""
     values: Dict[str, str] = {}

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from fdl_fabric.agent import checks, children, lines, procs, watchdog, wire
+from fdl_fabric.rank import ENV_CLUSTER_JSON, ENV_ERROR_FILE
 
 #: Frames waiting for the launcher beyond this many bytes pause reading rank output,
 #: so a launcher that reads slowly slows the ranks down instead of growing the agent.
@@ -46,8 +47,6 @@ EXIT_PROTOCOL = 3
 EXIT_INTERNAL = 4
 
 _INTERNAL_PREFIX = "FLODL_INTERNAL_"
-ENV_CLUSTER_JSON = "FLODL_INTERNAL_CLUSTER_JSON"
-ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 
 @dataclass
@@ -290,7 +289,7 @@ class Agent:
     def _on_probe(self, request: Dict[str, Any]) -> None:
         facts: Dict[str, Any] = {}
         if request.get("gpus"):
-            facts.update(_gpus())
+            facts.update(checks.gpu_indices())
         self.send(wire.FACTS, facts)
 
     def _on_sweep(self, request: Dict[str, Any]) -> None:
@@ -554,22 +553,6 @@ def _decode_envelope(text: str) -> Dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as exc:
         raise wire.ProtocolError(f"the envelope is not hex JSON: {exc}") from None
     return obj if isinstance(obj, dict) else {}
-
-
-def _gpus() -> Dict[str, Any]:
-    import subprocess
-
-    try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=10,
-                              check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"gpus": None, "gpu_error": str(exc)}
-    text = proc.stdout.decode("utf-8", "replace")
-    found = [int(x) for x in text.split() if x.strip().isdigit()]
-    if proc.returncode != 0 or not found:
-        return {"gpus": None, "gpu_error": text.strip()[:200] or f"status {proc.returncode}"}
-    return {"gpus": found}
 
 
 def main() -> int:

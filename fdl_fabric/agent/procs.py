@@ -31,8 +31,8 @@ import signal
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
 
-ENV_RUN_ID = "FLODL_INTERNAL_RUN_ID"
-ENV_HOST_NAME = "FLODL_HOST_NAME"
+from fdl_fabric.rank import ENV_HOST_NAME, ENV_RUN_ID
+
 #: Seconds between TERM and KILL when a sweep stops leftovers (the seed's `sleep 1`).
 SWEEP_GRACE = 1.0
 #: Seconds a sweep keeps sending KILL before it calls what survives a leftover.

@@ -13,8 +13,7 @@ Public API::
     with SlurmLab(tmp_path, n_nodes=3) as lab:
         out = lab.run(lab.salloc_argv(3, "scontrol show hostnames"))
 
-or, in pytest, with ``pytest_plugins = ["fdl_fabric.slurmlab"]`` in a conftest (or
-``from fdl_fabric.slurmlab import slurm_lab`` in a test module)::
+or, in pytest, with ``pytest_plugins = ["fdl_fabric.testing.fixtures"]`` in a conftest::
 
     def test_something(slurm_lab):
         lab = slurm_lab(n_nodes=3)
@@ -46,30 +45,23 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import psutil
 
-from fdl_fabric.testing import (
+from .processes import (
     LabError,
-    _free_port,
-    _gone,
-    _log_tail,
-    _own_lineage,
-    _terminate,
-    _tree_levels,
-    _wait_gone,
+    free_port,
+    gone,
+    log_tail,
+    own_lineage,
+    terminate,
+    tree_levels,
+    wait_gone,
 )
-
-try:  # pytest is only needed for the fixture.
-    import pytest
-
-    _HAVE_PYTEST = True
-except ImportError:  # pragma: no cover - exercised only where pytest is absent
-    _HAVE_PYTEST = False
 
 __all__ = [
     "MARKER_ENV",
@@ -276,9 +268,9 @@ class _Daemon:
         return self.proc is not None and self.proc.poll() is None
 
     def tail(self) -> str:
-        parts = [f"--- {self.name} output {self.out_path}:\n{_log_tail(self.out_path, 2000)}"]
+        parts = [f"--- {self.name} output {self.out_path}:\n{log_tail(self.out_path, 2000)}"]
         if self.log_path is not None and os.path.exists(self.log_path):
-            parts.append(f"--- {self.name} log {self.log_path}:\n{_log_tail(self.log_path)}")
+            parts.append(f"--- {self.name} log {self.log_path}:\n{log_tail(self.log_path)}")
         return "\n".join(parts)
 
     def stop(self, grace: float) -> None:
@@ -322,7 +314,7 @@ def _marked(lab_id: str, cluster: str, exclude: set[int]) -> list[psutil.Process
     for proc in psutil.process_iter():
         if proc.pid in exclude:
             continue
-        if tokens & _environ_entries(proc.pid) and not _gone(proc):
+        if tokens & _environ_entries(proc.pid) and not gone(proc):
             found.append(proc)
     return found
 
@@ -338,7 +330,7 @@ def _stepds(lab_id: str, folders: Sequence[Path], exclude: set[int]) -> list[psu
     prefixes = tuple(str(folder) + os.sep for folder in folders)
     found = []
     for proc in psutil.process_iter(["name"]):
-        if proc.pid in exclude or proc.info["name"] != "slurmstepd" or _gone(proc):
+        if proc.pid in exclude or proc.info["name"] != "slurmstepd" or gone(proc):
             continue
         try:
             paths = [f.path for f in proc.open_files()]
@@ -541,8 +533,8 @@ class SlurmLab:
 
         for attempt in range(3):
             self.ports = _Ports(
-                slurmctld=_free_port("127.0.0.1"),
-                nodes=tuple(_free_port("127.0.0.1") for _ in self.nodes),
+                slurmctld=free_port("127.0.0.1"),
+                nodes=tuple(free_port("127.0.0.1") for _ in self.nodes),
             )
             self.conf_path.write_text(_render_slurm_conf(self, self.ports))
             gres_path = self.root / "gres.conf"
@@ -566,7 +558,7 @@ class SlurmLab:
                 lost_port = "Address already in use" in str(exc)
                 if not lost_port or attempt == 2:
                     raise
-                # Lost the race for a port probed by _free_port: again, on other ports.
+                # Lost the race for a port probed by free_port: again, on other ports.
                 for daemon in reversed(slurm):
                     daemon.stop(self.kill_grace)
                     self._daemons.remove(daemon)
@@ -657,14 +649,14 @@ class SlurmLab:
             self._stopped = True
         grace = self.kill_grace
         # Daemons and their helpers (slurmctld's slurmscriptd) stop with their daemon.
-        skip = _own_lineage() | self._daemon_tree()
+        skip = own_lineage() | self._daemon_tree()
         marked = _marked(self.lab_id, self.cluster_name, skip) if self._daemons else []
         stepds = self._stepds(skip) if self._daemons else []
         marked = [p for p in marked if p.pid not in {s.pid for s in stepds}]
         levels: list[list[psutil.Process]] = []
         in_tree: set[int] = set()
         for stepd in stepds:
-            for depth, level in enumerate(_tree_levels(stepd.pid)):
+            for depth, level in enumerate(tree_levels(stepd.pid)):
                 while len(levels) <= depth:
                     levels.append([])
                 fresh = [p for p in level if p.pid not in skip]
@@ -674,19 +666,19 @@ class SlurmLab:
         others = [p for p in marked if p.pid not in in_tree and p.pid not in stepd_pids]
 
         for level in reversed(levels):
-            _terminate(level, grace)
-        _terminate(others, grace)
-        lingering = _wait_gone(stepds, grace)
-        _terminate(lingering, grace)
+            terminate(level, grace)
+        terminate(others, grace)
+        lingering = wait_gone(stepds, grace)
+        terminate(lingering, grace)
 
         for daemon in reversed(self._daemons):
             daemon.stop(grace)
 
         if self._daemons:
-            late = _marked(self.lab_id, self.cluster_name, _own_lineage())
-            late += self._stepds(_own_lineage() | {p.pid for p in late})
+            late = _marked(self.lab_id, self.cluster_name, own_lineage())
+            late += self._stepds(own_lineage() | {p.pid for p in late})
             if late:
-                _terminate(late, grace)
+                terminate(late, grace)
         if self._short_dir is not None:
             shutil.rmtree(self._short_dir, ignore_errors=True)
         with _LIVE_LOCK:
@@ -708,7 +700,7 @@ class SlurmLab:
         """Every live process of the lab: daemons and their helpers, slurmstepds, tasks
         and marked clients."""
         procs = [psutil.Process(pid) for pid in self._daemon_tree()]
-        skip = _own_lineage() | {p.pid for p in procs}
+        skip = own_lineage() | {p.pid for p in procs}
         procs += self._stepds(skip)
         skip |= {p.pid for p in procs}
         return procs + _marked(self.lab_id, self.cluster_name, skip)
@@ -800,52 +792,14 @@ class SlurmLab:
 
 
 # --------------------------------------------------------------------------------------
-# pytest plugin
-# --------------------------------------------------------------------------------------
-
-if _HAVE_PYTEST:
-
-    def pytest_configure(config: pytest.Config) -> None:
-        """Register the ``slurm`` marker for projects that load this module as a plugin."""
-        config.addinivalue_line("markers", "slurm: needs a real local Slurm cluster")
-
-    def require_slurm() -> None:
-        """Skip the calling test (with the reason) when Slurm or munge is not installed."""
-        reason = slurm_missing()
-        if reason is not None:
-            pytest.skip(reason)
-
-    @pytest.fixture
-    def slurm_lab(tmp_path: Path) -> Iterator[Callable[..., SlurmLab]]:
-        """Factory fixture: ``slurm_lab(n_nodes=3, **kwargs)`` returns a started SlurmLab.
-
-        Skips with the reason when Slurm's daemons or munge are missing (CI installs them,
-        so there it runs).  Every lab made by the factory is stopped at teardown.
-        """
-        require_slurm()
-        labs: list[SlurmLab] = []
-
-        def factory(n_nodes: int = 3, **kwargs: Any) -> SlurmLab:
-            lab = SlurmLab(tmp_path / f"slurm{len(labs)}", n_nodes, **kwargs)
-            labs.append(lab)
-            return lab.start()
-
-        try:
-            yield factory
-        finally:
-            for lab in reversed(labs):
-                lab.stop()
-
-
-# --------------------------------------------------------------------------------------
-# Interactive use: python -m fdl_fabric.slurmlab DIR [N_NODES]
+# Interactive use: python -m fdl_fabric.testing.slurm DIR [N_NODES]
 # --------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str]) -> int:
     """Start a lab, print how to use it, keep it up until SIGINT/SIGTERM, then stop it."""
     if not argv or len(argv) > 2:
-        print("usage: python -m fdl_fabric.slurmlab DIR [N_NODES]", file=sys.stderr)
+        print("usage: python -m fdl_fabric.testing.slurm DIR [N_NODES]", file=sys.stderr)
         return 2
     n_nodes = int(argv[1]) if len(argv) > 1 else 3
     stop = threading.Event()

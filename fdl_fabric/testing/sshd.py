@@ -43,65 +43,43 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import psutil
 import yaml
 
-try:  # pytest is only needed for the fixture; benchmarks use SshdLab without it.
-    import pytest
-
-    _HAVE_PYTEST = True
-except ImportError:  # pragma: no cover - exercised only where pytest is absent
-    _HAVE_PYTEST = False
-
-__all__ = [
-    "MARKER_ENV",
-    "REGISTRY_MOUNTPOINT",
-    "LabError",
-    "LabHost",
-    "NetnsLab",
-    "SshdLab",
-    "netns_available",
-    "sshd_available",
-]
+from ..agent.procs import registry_dir
+from .processes import POLL, LabError, free_port, log_tail, own_lineage, terminate, tree_levels
 
 #: Environment variable that every lab session carries (sshd ``SetEnv``).  Its value names
 #: the lab and host, so ``stop()`` can find session processes that escaped the sshd process
 #: tree (``setsid cmd &`` re-parents them to init, out of reach of ``children()``).
 MARKER_ENV = "FDL_FABRIC_LAB_HOST"
 
+
 #: The run registry that fdl-fabric's rank wrappers write on every host (see
 #: ``fdl_fabric.commands.REGISTRY_DIR``).  With ``private_registry=True`` each lab host's
 #: sshd runs in its own mount namespace where this folder is a bind mount of a folder of
 #: the lab, so every host has a registry of its own, as on a real cluster, and cleanup
 #: tests never touch the records of ranks that other test runs keep in the real one.
-REGISTRY_MOUNTPOINT = f"/tmp/fdl-fabric-{os.getuid()}"
+REGISTRY_MOUNTPOINT = registry_dir()
+
 
 #: Where Debian/Ubuntu put sshd; preferred because root's PATH may not include sbin dirs.
 _SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
-_SBIN_PATH = "/usr/local/sbin:/usr/sbin:/sbin"
+
+
+SBIN_PATH = "/usr/local/sbin:/usr/sbin:/sbin"
+
 
 #: Process titles of per-connection sshd processes that have not authenticated anyone
 #: yet (our own readiness probes, port scanners); these do not "serve a session".
 _UNAUTHENTICATED_TITLES = ("[accepted]", "[preauth]", "[net]", "[listener]", " -R")
-
-_POLL = 0.01
-
-
-class LabError(RuntimeError):
-    """An sshd of the lab failed to start or restart; the message carries its log."""
-
-
-# --------------------------------------------------------------------------------------
-# Discovery
-# --------------------------------------------------------------------------------------
 
 
 def _find_sshd() -> Optional[str]:
@@ -113,12 +91,12 @@ def _find_sshd() -> Optional[str]:
     for candidate in _SSHD_CANDIDATES:
         if os.access(candidate, os.X_OK):
             return candidate
-    found = shutil.which("sshd") or shutil.which("sshd", path=_SBIN_PATH)
+    found = shutil.which("sshd") or shutil.which("sshd", path=SBIN_PATH)
     return os.path.abspath(found) if found else None
 
 
 def _find_keygen() -> Optional[str]:
-    return shutil.which("ssh-keygen") or shutil.which("ssh-keygen", path=_SBIN_PATH)
+    return shutil.which("ssh-keygen") or shutil.which("ssh-keygen", path=SBIN_PATH)
 
 
 def sshd_available() -> bool:
@@ -155,24 +133,6 @@ def _ensure_privsep_dir() -> None:
         return
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
     os.chmod("/run/sshd", 0o755)
-
-
-# --------------------------------------------------------------------------------------
-# Small helpers
-# --------------------------------------------------------------------------------------
-
-
-def _free_port(addr: str) -> int:
-    """A TCP port nobody listens on at ``addr``, found by letting the kernel pick one.
-
-    There is a window between closing this socket and sshd binding the port; start()
-    retries on "Address already in use", and the random per-lab addresses make even that
-    practically impossible.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((addr, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _pick_addresses(n_hosts: int, base_addr: Optional[str]) -> list[str]:
@@ -255,65 +215,6 @@ def _read_banner(addr: str, port: int, timeout: float = 1.0) -> bool:
     return data.startswith(b"SSH-")
 
 
-def _log_tail(path: str, limit: int = 4000) -> str:
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError as exc:
-        return f"<cannot read {path}: {exc}>"
-    return text if len(text) <= limit else "...\n" + text[-limit:]
-
-
-def _gone(proc: psutil.Process) -> bool:
-    """Dead or a zombie.
-
-    Zombies count as gone: orphans are re-parented to pid 1, and some container inits
-    (including the one on our CI machines) reap them late or never.
-    """
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
-
-
-def _wait_gone(procs: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Poll until every process is gone; return the survivors.
-
-    psutil.wait_procs is not usable here: for non-children it polls pid existence, and a
-    zombie that init does not reap "exists" forever.
-    """
-    alive = [p for p in procs if not _gone(p)]
-    deadline = time.monotonic() + timeout
-    while alive and time.monotonic() < deadline:
-        time.sleep(_POLL)
-        alive = [p for p in alive if not _gone(p)]
-    return alive
-
-
-def _terminate(procs: Sequence[psutil.Process], grace: float) -> None:
-    """SIGTERM, wait up to ``grace`` seconds, then SIGKILL the survivors.
-
-    psutil checks for pid reuse before signalling, so a process that exited while we
-    waited cannot make us signal an unrelated newcomer with the same pid.
-    """
-    alive = [p for p in procs if not _gone(p)]
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    survivors = _wait_gone(alive, grace)
-    for proc in survivors:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    _wait_gone(survivors, 1.0)
-
-
-def _own_lineage() -> set[int]:
-    """Our pid and our ancestors': never candidates for cleanup, whatever their env says."""
-    pids = {0, 1, os.getpid()}
-    with contextlib.suppress(psutil.Error):
-        pids.update(p.pid for p in psutil.Process().parents())
-    return pids
-
-
 def _marked_processes(hosts: Sequence[LabHost]) -> list[psutil.Process]:
     """Processes whose environment says they run in a session on one of ``hosts``.
 
@@ -323,7 +224,7 @@ def _marked_processes(hosts: Sequence[LabHost]) -> list[psutil.Process]:
     """
     markers = {h.marker for h in hosts}
     endpoints = {(h.addr, str(h.port)) for h in hosts}
-    skip = _own_lineage()
+    skip = own_lineage()
     found = []
     for proc in psutil.process_iter():
         if proc.pid in skip:
@@ -336,31 +237,6 @@ def _marked_processes(hosts: Sequence[LabHost]) -> list[psutil.Process]:
         if env.get(MARKER_ENV) in markers or (len(conn) == 4 and (conn[2], conn[3]) in endpoints):
             found.append(proc)
     return found
-
-
-def _tree_levels(root_pid: int) -> list[list[psutil.Process]]:
-    """Descendants of ``root_pid`` grouped by depth (children first), zombies excluded."""
-    try:
-        frontier = [psutil.Process(root_pid)]
-    except psutil.Error:
-        return []
-    levels: list[list[psutil.Process]] = []
-    seen = {root_pid}
-    while frontier:
-        level = []
-        for proc in frontier:
-            try:
-                kids = proc.children()
-            except psutil.Error:
-                continue
-            for kid in kids:
-                if kid.pid not in seen and not _gone(kid):
-                    seen.add(kid.pid)
-                    level.append(kid)
-        if level:
-            levels.append(level)
-        frontier = level
-    return levels
 
 
 def _stop_hosts(hosts: Sequence[LabHost], grace: float = 2.0) -> None:
@@ -380,16 +256,16 @@ def _stop_hosts(hosts: Sequence[LabHost], grace: float = 2.0) -> None:
     for host in hosts:
         if host.sshd.poll() is not None:
             continue
-        for depth, level in enumerate(_tree_levels(host.sshd.pid)):
+        for depth, level in enumerate(tree_levels(host.sshd.pid)):
             while len(depth_levels) <= depth:
                 depth_levels.append([])
             depth_levels[depth].extend(level)
             in_tree.update(p.pid for p in level)
     escaped = [p for p in _marked_processes(hosts) if p.pid not in in_tree]
 
-    _terminate(escaped, grace)
+    terminate(escaped, grace)
     for level in reversed(depth_levels):
-        _terminate(level, grace)
+        terminate(level, grace)
 
     running = [h for h in hosts if h.sshd.poll() is None]
     for host in running:
@@ -405,12 +281,12 @@ def _stop_hosts(hosts: Sequence[LabHost], grace: float = 2.0) -> None:
 
     late = _marked_processes(hosts)
     if late:
-        _terminate(late, grace)
+        terminate(late, grace)
 
 
-def _require_tool(name: str) -> str:
+def require_tool(name: str) -> str:
     """Absolute path of a system tool (``ip``, ``unshare``), or LabError."""
-    found = shutil.which(name) or shutil.which(name, path=_SBIN_PATH)
+    found = shutil.which(name) or shutil.which(name, path=SBIN_PATH)
     if found is None:
         raise LabError(f"{name} not found (needed for this lab; install iproute2/util-linux)")
     return found
@@ -428,11 +304,6 @@ def _ensure_registry_mountpoint() -> None:
         os.mkdir(path, 0o700)
     if os.path.islink(path) or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
         raise LabError(f"{path} is not a folder owned by this user; refusing to mount over it")
-
-
-# --------------------------------------------------------------------------------------
-# sshd configuration
-# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -535,11 +406,6 @@ def _write_login_rc(root: Path, rc_text: str, real_home: str) -> tuple[str, ...]
     )
     (home / "bash_env.sh").write_text(prologue + f". {rc_file}\n")
     return (f"HOME={home}", f"BASH_ENV={home / 'bash_env.sh'}")
-
-
-# --------------------------------------------------------------------------------------
-# Lab host
-# --------------------------------------------------------------------------------------
 
 
 @dataclass(eq=False)
@@ -708,11 +574,11 @@ def _spawn_sshd(
     """
     argv = [sshd, "-D", "-e", "-f", config]
     if registry_dir is not None:
-        unshare = _require_tool("unshare")
+        unshare = require_tool("unshare")
         argv = [unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
                 _BIND_REGISTRY, "fdl-lab-registry", registry_dir, REGISTRY_MOUNTPOINT, *argv]
     if netns is not None:
-        argv = [_require_tool("ip"), "netns", "exec", netns, *argv]
+        argv = [require_tool("ip"), "netns", "exec", netns, *argv]
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             argv,
@@ -747,7 +613,7 @@ def _wait_ready(
         for host in list(pending):
             rc = host.sshd.poll()
             if rc is not None:
-                log = _log_tail(host.log_path)
+                log = log_tail(host.log_path)
                 if bind_failures is not None and (
                     "Address already in use" in log or "Cannot bind any address" in log
                 ):
@@ -770,17 +636,17 @@ def _wait_ready(
             break
         if time.monotonic() > deadline:
             details = "\n".join(
-                f"--- {h.name} ({h.addr}:{h.port}) log {h.log_path}:\n{_log_tail(h.log_path)}"
+                f"--- {h.name} ({h.addr}:{h.port}) log {h.log_path}:\n{log_tail(h.log_path)}"
                 for h in pending
             )
             raise LabError(f"sshd not answering after {timeout:.0f} s:\n{details}")
-        time.sleep(_POLL)
+        time.sleep(POLL)
     # Our banner probes each forked a per-connection sshd; let them exit so callers see
     # a quiet host (session_pids() == [] before the first real connection).
     settle = time.monotonic() + 1.0
     for host in hosts:
         while time.monotonic() < settle and _probe_children(host):
-            time.sleep(_POLL)
+            time.sleep(POLL)
 
 
 def _probe_children(host: LabHost) -> bool:
@@ -794,11 +660,9 @@ def _probe_children(host: LabHost) -> bool:
     return len(kids) > len(host.session_pids())
 
 
-# --------------------------------------------------------------------------------------
-# The lab
-# --------------------------------------------------------------------------------------
-
 _LIVE_LABS: set[SshdLab] = set()
+
+
 _LIVE_LOCK = threading.Lock()
 
 
@@ -985,9 +849,9 @@ class SshdLab:
             if attempt == 2:
                 raise LabError(
                     "sshd could not bind a port: "
-                    + "; ".join(f"{h.name} log:\n{_log_tail(h.log_path)}" for h in retry)
+                    + "; ".join(f"{h.name} log:\n{log_tail(h.log_path)}" for h in retry)
                 )
-            for host in retry:  # lost the race for the port probed by _free_port
+            for host in retry:  # lost the race for the port probed by free_port
                 host.port = self._host_port(host.addr)
                 host._write_config()
                 host._spawn()
@@ -1000,7 +864,7 @@ class SshdLab:
         return _pick_addresses(len(names), self.base_addr)
 
     def _host_port(self, addr: str) -> int:
-        return _free_port(addr)
+        return free_port(addr)
 
     def _host_netns(self, name: str) -> Optional[str]:
         return None
@@ -1071,7 +935,7 @@ class SshdLab:
         tests do not fight over a fixed one.  ``top`` adds or overrides top-level keys.
         """
         doc: dict[str, Any] = {
-            "controller": {"host": "127.0.0.1", "port": _free_port("127.0.0.1")},
+            "controller": {"host": "127.0.0.1", "port": free_port("127.0.0.1")},
             "kill_grace": 2,
             **top,
             "workers": workers,
@@ -1096,263 +960,4 @@ class SshdLab:
         return [*argv, host.addr, command]
 
 
-# --------------------------------------------------------------------------------------
-# Network-namespace lab: hosts that can be partitioned
-# --------------------------------------------------------------------------------------
 
-#: Every namespace and interface a NetnsLab creates starts with this, then the lab's token.
-NETNS_PREFIX = "fdlt"
-#: The private /16 NetnsLab picks its /24 from; it is only ever routed to our veths and, by
-#: a blackhole route, nowhere else (never out of this machine's real interfaces).
-NETNS_SUPERNET = ipaddress.IPv4Network("10.231.0.0/16")
-
-
-def netns_available() -> Optional[str]:
-    """None if a NetnsLab can run here, else the reason it cannot (for ``pytest.skip``)."""
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux-only"
-    if os.geteuid() != 0:
-        return "NetnsLab needs root (ip netns, veth pairs, mount namespaces)"
-    for tool in ("ip", "unshare"):
-        if shutil.which(tool) is None and shutil.which(tool, path=_SBIN_PATH) is None:
-            return f"{tool} not found (install iproute2 / util-linux)"
-    if not sshd_available():
-        return "sshd not found (install openssh-server)"
-    return None
-
-
-def _ip(*args: str, netns: Optional[str] = None, check: bool = True) -> str:
-    argv = [_require_tool("ip")]
-    if netns is not None:
-        argv += ["-n", netns]
-    argv += list(args)
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    if check and out.returncode != 0:
-        raise LabError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
-    return out.stdout
-
-
-def _netns_pids(netns: str) -> list[int]:
-    out = _ip("netns", "pids", netns, check=False)
-    return sorted(int(p) for p in out.split() if p.isdigit())
-
-
-@dataclass
-class _Netns:
-    """One host's plumbing: its namespace, the veth pair and the two ends' addresses."""
-
-    name: str
-    veth_root: str
-    veth_host: str
-    root_addr: str
-    host_addr: str
-
-
-class NetnsLab(SshdLab):
-    """Lab hosts that each live in a network namespace of their own, behind a veth pair.
-
-    Host ``i`` is ``sshd`` inside namespace ``fdlt-<token>-<i>``; the namespace reaches
-    the root namespace through a veth pair whose ends hold the two usable addresses of a
-    private /30 (``10.231.<lab octet>.<4i+1>`` on the root side, ``<4i+2>`` on the host
-    side).  Nothing else is routed: the namespace has no default route, and the lab's
-    whole /24 gets a blackhole route in the root namespace, so while a link is down
-    packets to the host are dropped here instead of following the default route out of
-    the machine.  ``link_down(host)``/``link_up(host)`` cut and restore the wire the way
-    a switch port or cable failure would: no FIN, no RST, silence.
-
-    sshd's ClientAlive defaults to 1 s x 3 here, so the server side drops a silent
-    client within a few seconds (pass other values to test other policies).  ``stop()``
-    stops the lab's processes, kills whatever is still inside its namespaces (processes
-    in a namespace we created are ours by construction) and deletes every namespace,
-    interface and route the lab added.  Root only; see ``netns_available()``.
-    """
-
-    def __init__(
-        self,
-        root: Union[str, os.PathLike[str]],
-        n_hosts: int = 1,
-        *,
-        client_alive_interval: int = 1,
-        client_alive_count_max: int = 3,
-        **kwargs: Any,
-    ) -> None:
-        kwargs.setdefault("name_prefix", "ns")
-        super().__init__(
-            root,
-            n_hosts,
-            client_alive_interval=client_alive_interval,
-            client_alive_count_max=client_alive_count_max,
-            **kwargs,
-        )
-        if n_hosts > 63:
-            raise ValueError("a NetnsLab has at most 63 hosts (one /30 each in a /24)")
-        self.token = secrets.token_hex(3)
-        self.subnet: Optional[ipaddress.IPv4Network] = None
-        self._nets: dict[str, _Netns] = {}
-        self._blackhole = False
-
-    # -- hooks -------------------------------------------------------------------------
-
-    def _host_addresses(self, names: Sequence[str]) -> list[str]:
-        reason = netns_available()
-        if reason is not None:
-            raise LabError(reason)
-        self.subnet = self._pick_subnet()
-        _ip("route", "add", "blackhole", str(self.subnet))
-        self._blackhole = True
-        base = self.subnet.network_address
-        addrs = []
-        for i, name in enumerate(names):
-            net = _Netns(
-                name=f"{NETNS_PREFIX}-{self.token}-{i}",
-                veth_root=f"{NETNS_PREFIX}{self.token}{i}r",
-                veth_host=f"{NETNS_PREFIX}{self.token}{i}n",
-                root_addr=str(base + 4 * i + 1),
-                host_addr=str(base + 4 * i + 2),
-            )
-            self._nets[name] = net
-            _ip("netns", "add", net.name)
-            _ip("link", "add", net.veth_root, "type", "veth", "peer", "name", net.veth_host,
-                "netns", net.name)
-            _ip("addr", "add", f"{net.root_addr}/30", "dev", net.veth_root)
-            _ip("link", "set", net.veth_root, "up")
-            _ip("addr", "add", f"{net.host_addr}/30", "dev", net.veth_host, netns=net.name)
-            _ip("link", "set", net.veth_host, "up", netns=net.name)
-            _ip("link", "set", "lo", "up", netns=net.name)
-            addrs.append(net.host_addr)
-        return addrs
-
-    def _host_port(self, addr: str) -> int:
-        return 22  # the namespace is ours alone: the standard port is free
-
-    def _host_netns(self, name: str) -> Optional[str]:
-        net = self._nets.get(name)
-        return net.name if net else None
-
-    def _pick_subnet(self) -> ipaddress.IPv4Network:
-        """A /24 of NETNS_SUPERNET that no address or route of this machine touches."""
-        used = []
-        for line in (_ip("-4", "-o", "addr", "show") + _ip("-4", "route", "show", "table",
-                                                            "all")).splitlines():
-            for word in line.split():
-                with contextlib.suppress(ValueError):
-                    if "/" in word or word.count(".") == 3:
-                        used.append(ipaddress.IPv4Network(word, strict=False))
-        candidates = list(NETNS_SUPERNET.subnets(new_prefix=24))
-        random.shuffle(candidates)
-        for net in candidates:
-            if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
-                return net
-        raise LabError(f"no free /24 left in {NETNS_SUPERNET}")
-
-    # -- faults ------------------------------------------------------------------------
-
-    def netns_of(self, host: LabHost) -> str:
-        return self._nets[host.name].name
-
-    def veth_root(self, host: LabHost) -> str:
-        """The root-namespace end of ``host``'s veth pair (what ``link_down`` sets down)."""
-        return self._nets[host.name].veth_root
-
-    def set_link(self, host: LabHost, up: bool) -> None:
-        """``ip link set <root-side veth> up|down``: cut or restore the host's only wire."""
-        _ip("link", "set", self.veth_root(host), "up" if up else "down")
-
-    def link_down(self, host: LabHost) -> None:
-        self.set_link(host, False)
-
-    def link_up(self, host: LabHost) -> None:
-        self.set_link(host, True)
-
-    def namespace_pids(self, host: LabHost) -> list[int]:
-        """Pids of every process inside ``host``'s network namespace."""
-        net = self._nets.get(host.name)
-        return _netns_pids(net.name) if net else []
-
-    # -- lifecycle ---------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Stop the lab's processes, then remove its namespaces, veths and route."""
-        try:
-            super().stop()
-        finally:
-            self._teardown_network()
-
-    def _teardown_network(self) -> None:
-        skip = _own_lineage()
-        for host_name, net in list(self._nets.items()):
-            procs = []
-            for pid in _netns_pids(net.name):
-                if pid in skip:
-                    continue
-                with contextlib.suppress(psutil.Error):
-                    procs.append(psutil.Process(pid))
-            _terminate(procs, 1.0)
-            _ip("link", "del", net.veth_root, check=False)
-            _ip("netns", "del", net.name, check=False)
-            del self._nets[host_name]
-        if self._blackhole and self.subnet is not None:
-            _ip("route", "del", "blackhole", str(self.subnet), check=False)
-            self._blackhole = False
-
-
-# --------------------------------------------------------------------------------------
-# pytest plugin
-# --------------------------------------------------------------------------------------
-
-if _HAVE_PYTEST:
-
-    def pytest_configure(config: pytest.Config) -> None:
-        """Register the ``lab`` marker for projects that load this module as a plugin."""
-        config.addinivalue_line("markers", "lab: needs real OpenSSH sshd hosts (the sshd lab)")
-
-    @pytest.fixture
-    def sshd_lab(tmp_path: Path) -> Iterator[Callable[..., SshdLab]]:
-        """Factory fixture: ``sshd_lab(n_hosts=2, **kwargs)`` returns a started SshdLab.
-
-        Every lab made by the factory is stopped at teardown.  A machine without sshd
-        makes the test fail, not skip: a silently skipped lab suite looks green in CI
-        while testing nothing (CI installs openssh-server).
-        """
-        if not sshd_available():
-            pytest.fail(
-                "the sshd lab needs OpenSSH's sshd and ssh-keygen, which were not found: "
-                "install openssh-server (e.g. `apt-get install openssh-server`)",
-                pytrace=False,
-            )
-        labs: list[SshdLab] = []
-
-        def factory(n_hosts: int = 2, **kwargs: Any) -> SshdLab:
-            lab = SshdLab(tmp_path / f"lab{len(labs)}", n_hosts, **kwargs)
-            labs.append(lab)
-            return lab.start()
-
-        try:
-            yield factory
-        finally:
-            for lab in reversed(labs):
-                lab.stop()
-
-    @pytest.fixture
-    def netns_lab(tmp_path: Path) -> Iterator[Callable[..., NetnsLab]]:
-        """Factory fixture: ``netns_lab(n_hosts=1, **kwargs)`` returns a started NetnsLab.
-
-        Skips (with the reason) where network namespaces cannot be made, i.e. when not
-        root; CI runs as root, so there it always runs.  Every namespace the factory made
-        is deleted at teardown, whether the test passed or not.
-        """
-        reason = netns_available()
-        if reason is not None:
-            pytest.skip(reason)
-        labs: list[NetnsLab] = []
-
-        def factory(n_hosts: int = 1, **kwargs: Any) -> NetnsLab:
-            lab = NetnsLab(tmp_path / f"netns{len(labs)}", n_hosts, **kwargs)
-            labs.append(lab)
-            return lab.start()  # type: ignore[return-value]
-
-        try:
-            yield factory
-        finally:
-            for lab in reversed(labs):
-                lab.stop()

@@ -1,0 +1,68 @@
+"""The prebuild-check command: load the cluster file, check every host, render the report.
+
+The invoke task calls `check_cluster` with typed arguments; ``python -m
+fdl_fabric.preflight`` parses its own argv once and calls the same function. Either way the
+report goes through the one console (`fdl_fabric.output`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+from ..config import ConfigError, load_cluster
+from ..output import Console
+from ..shell import command_words
+from ..sshopts import resolve_all_settings
+from .run import run_checks
+
+EXIT_USAGE = 2
+
+
+def check_cluster(cluster_file: str, *, cmd: Optional[str] = None, words: Sequence[str] = (),
+                  as_json: bool = False, fast: bool = False,
+                  console: Optional[Console] = None) -> int:
+    """Check every host of ``cluster_file``: 0 nothing FAILs, 1 something does, 2 usage.
+
+    ``words`` (the words after ``--``), else ``cmd``, else the file's ``command:`` is the
+    program whose presence is checked on every host, as a launch would resolve it.
+    """
+    console = console or Console()
+    try:
+        cluster = load_cluster(cluster_file)
+        settings = resolve_all_settings(cluster, console.message)
+    except ConfigError as exc:
+        console.message(str(exc))
+        return EXIT_USAGE
+    try:
+        argv = command_words(words, cmd, cluster.command)
+    except ValueError as exc:
+        console.message(f"{cluster.file}: command: {exc}")
+        return EXIT_USAGE
+    report = run_checks(cluster, argv=argv, fast=fast, settings=settings)
+    console.check_report(report, as_json=as_json)
+    return report.exit_code()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python3 -m fdl_fabric.preflight --cluster F [--json] [--cmd C] [--fast] [-- prog ...]``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    words: list[str] = []
+    if "--" in args:
+        words = args[args.index("--") + 1:]
+        args = args[:args.index("--")]
+    parser = argparse.ArgumentParser(
+        prog="prebuild-check",
+        description="Check every host of a cluster file before launching anything.")
+    parser.add_argument("--cluster", default="cluster.yml", help="cluster file")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--cmd", default=None, help="command to check (default: `command:`)")
+    parser.add_argument("--fast", action="store_true",
+                        help="only what `inv launch` checks: paths, program, port")
+    try:
+        ns = parser.parse_args(args)
+    except SystemExit as exc:  # argparse printed the usage error
+        return EXIT_USAGE if exc.code else 0
+    return check_cluster(ns.cluster, cmd=ns.cmd, words=words, as_json=ns.json, fast=ns.fast)

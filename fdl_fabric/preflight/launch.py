@@ -1,0 +1,50 @@
+"""The fast pre-flight of a launch: what each host's agent checks before any rank starts.
+
+The agent gathers the facts on the launch's own session (`fdl_fabric.agent.checks`); this
+says what to look at and judges the answers with the same `verdicts` as prebuild-check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from ..config import ClusterSpec, WorkerSpec
+from ..envelope import PrebuiltBinary
+from ..plan import controller_dial_host, coordinator_bind_host
+from .probe import Dial, HostPlan
+from .report import Check
+from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate
+
+
+def launch_plan(cluster: ClusterSpec, worker: WorkerSpec, argv: Sequence[str],
+                prebuilt: Optional[PrebuiltBinary]) -> HostPlan:
+    """What a launch checks on one host before any rank starts (``fast``)."""
+    dial_host = controller_dial_host(cluster, worker)
+    bind_host = coordinator_bind_host(cluster)
+    port = cluster.controller.port
+    dial = Dial(host=dial_host, port=port, token="", tunnel=worker.tunnel,
+                listen_host=bind_host, listen_port=port, configured_port=port)
+    return HostPlan(worker=worker, fast=True, argv=tuple(argv), prebuilt=prebuilt, dial=dial,
+                    path_env=worker.env.get("PATH", cluster.env.get("PATH")))
+
+
+def agent_checks(plan: HostPlan) -> dict[str, Any]:
+    """The ``checks`` part of an agent's spec: what to look at (the agent only reports)."""
+    assert plan.dial is not None
+    return {
+        "path": plan.worker.path,
+        "cwd": plan.cwd if plan.prebuilt and plan.prebuilt.cwd_subpath else None,
+        "program": plan.program,
+        "pyscript": plan.python_script,
+        "path_env": plan.path_env,
+        "dial": {"host": plan.dial.host, "port": plan.dial.port}
+        if plan.dial.host not in BIND_ALL else None,
+    }
+
+
+def judge(plan: HostPlan, values: Mapping[str, str]) -> list[Check]:
+    """The verdict rows of an agent's facts (the same rules as `inv prebuild-check`)."""
+    assert plan.dial is not None
+    ctl = ControllerFacts(bind_host=plan.dial.listen_host, port=plan.dial.configured_port)
+    return evaluate(plan, HostFacts(values=dict(values)), ctl)

@@ -1,0 +1,80 @@
+"""The pre-flight report: one row per host and check, ok / warn / FAIL and a one-line why.
+
+Rendering it (a table, or JSON) is `fdl_fabric.output`'s job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+#: The host column of checks that concern the controller itself (not a worker name:
+#: a worker may well be called "controller").
+CONTROLLER = "(controller)"
+
+
+
+class Status(str, Enum):
+    """A check's verdict. FAIL is upper case so it stands out in a column of ``ok``."""
+
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "FAIL"
+
+
+_SEVERITY = {Status.OK: 0, Status.WARN: 1, Status.FAIL: 2}
+
+
+def worst(statuses: Sequence[Status]) -> Status:
+    return max(statuses, key=lambda s: _SEVERITY[s], default=Status.OK)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the report: a verdict about one thing on one host, with a one-line why."""
+
+    host: str
+    name: str
+    status: Status
+    reason: str
+
+
+@dataclass
+class Report:
+    """Every check of one pre-flight, in display order (controller first, then roster order)."""
+
+    checks: list[Check]
+    #: Wall-clock seconds the whole pre-flight took (all hosts in parallel).
+    elapsed: float = 0.0
+
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.status is Status.FAIL]
+
+    def warnings(self) -> list[Check]:
+        return [c for c in self.checks if c.status is Status.WARN]
+
+    def exit_code(self) -> int:
+        """0 when nothing FAILs (warnings do not block a launch), 1 otherwise."""
+        return 1 if self.failed() else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checks": [
+                {"host": c.host, "check": c.name, "status": c.status.value, "reason": c.reason}
+                for c in self.checks
+            ],
+            "ok": not self.failed(),
+        }
+
+    def summary(self) -> str:
+        hosts = len({c.host for c in self.checks if c.host != CONTROLLER})
+        counts = ", ".join(
+            f"{n} {s.value}"
+            for s in (Status.FAIL, Status.WARN, Status.OK)
+            if (n := sum(1 for c in self.checks if c.status is s))
+        )
+        verdict = "FAILED" if self.failed() else "passed"
+        return (f"prebuild-check: {verdict}: {counts or 'no checks'} "
+                f"({hosts} host(s) in {self.elapsed:.2f} s)")

@@ -1,0 +1,424 @@
+"""Running the full pre-flight (``inv prebuild-check``): every host in parallel, one report.
+
+Each remote host gets one SSH connection and one script run (plus a ``true`` and a
+keepalive round trip that time the shell and the clock); local hosts run the script with
+bash. The controller answers the port check itself, on the coordinator's port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import select
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+from ..config import ClusterSpec
+from ..coordinator import bind_listener
+from ..envelope import ENV_PREBUILD, EnvelopeError, PrebuiltBinary, parse_prebuilt
+from ..plan import controller_dial_host, coordinator_bind_host
+from ..shell import quote
+from ..sshopts import SshSettings, resolve_all_settings
+from .probe import SENTINEL, Dial, HostPlan, parse_sentinels, probe_script
+from .report import CONTROLLER, Check, Report, Status
+from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate
+
+#: Seconds the whole host script may take (nvidia-smi can hang on a broken driver).
+PROBE_TIMEOUT = 60.0
+
+_ROW_ORDER = ("command", "prebuild", "ssh", "probe", "shell", "paths", "program", "platform",
+              "gpus", "data_path", "clock", "port")
+
+
+
+
+class _TokenListener:
+    """The controller end of the port check: answer every connection with the token."""
+
+    def __init__(self, sock: socket.socket, token: str) -> None:
+        self.sock = sock
+        self.token = token
+        self.port = int(sock.getsockname()[1])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fdl-preflight-port",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        line = f"fdl-preflight {self.token}\n".encode()
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self.sock], [], [], 0.1)
+            if not ready:
+                continue
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with contextlib.suppress(OSError), conn:
+                conn.settimeout(1.0)
+                conn.sendall(line)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+        self.sock.close()
+
+
+def _port_owner(port: int) -> str:
+    """``pid 123 (python3)`` for the local listener on ``port``, best effort."""
+    try:
+        import psutil
+
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                if conn.pid is None:
+                    return "another user's process"
+                try:
+                    name = psutil.Process(conn.pid).name()
+                except psutil.Error:
+                    name = "?"
+                return f"pid {conn.pid} ({name})"
+    except Exception:
+        pass
+    return "another process"
+
+
+def _open_listener(cluster: ClusterSpec, token: str) -> tuple[Check, Optional[_TokenListener]]:
+    """Check that the coordinator port is free and keep it open for the workers to dial."""
+    host = coordinator_bind_host(cluster)
+    port = cluster.controller.port
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        return (Check(CONTROLLER, "port", Status.OK, f"{address} is free (the coordinator "
+                      "binds it)"), _TokenListener(bind_listener(host, port), token))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            row = Check(CONTROLLER, "port", Status.FAIL,
+                        f"{address} is in use by {_port_owner(port)}: the coordinator cannot "
+                        "bind it (pick another controller.port, or stop that process)")
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            return (Check(CONTROLLER, "port", Status.FAIL,
+                          f"controller.host {host} is not an address of this machine, so the "
+                          "coordinator cannot listen on it"), None)
+        else:
+            row = Check(CONTROLLER, "port", Status.FAIL, f"cannot bind {address}: {exc}")
+    try:  # a stand-in port still tests routes and firewalls from every worker
+        return row, _TokenListener(bind_listener(host, 0), token)
+    except OSError:
+        return row, None
+
+
+def _known_host_state(settings: SshSettings, config: Any) -> tuple[str, str]:
+    """(``known``/``unknown``/``unchecked``, key name) before connecting.
+
+    Read from the known_hosts files the connection will use, under the name paramiko
+    will look up (``[addr]:port`` unless the port is 22), after ~/.ssh/config aliases.
+    """
+    if settings.strict_host_key_checking == "no":
+        return "unchecked", ""
+    import paramiko
+
+    from ..ssh import make_connection
+
+    scratch = make_connection(settings, config)  # resolves aliases; opens no socket
+    name = scratch.host if int(scratch.port) == 22 else f"[{scratch.host}]:{scratch.port}"
+    for path in (settings.known_hosts_file, "/etc/ssh/ssh_known_hosts"):
+        if not os.path.exists(path):
+            continue
+        try:
+            if paramiko.HostKeys(path).lookup(name):
+                return "known", name
+        except (OSError, paramiko.SSHException):
+            continue
+    return "unknown", name
+
+
+class _TimedSink:
+    """An invoke out_stream that records when the clock sentinel line arrived."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.clock_at: Optional[float] = None
+        self._marker = f"{SENTINEL} clock="
+
+    def write(self, text: str) -> int:
+        now = time.time()
+        self.parts.append(text)
+        if self.clock_at is None:
+            joined = "".join(self.parts)
+            at = joined.find(self._marker)
+            if at >= 0 and "\n" in joined[at:]:
+                self.clock_at = now
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _ms(start: float) -> float:
+    return (time.monotonic() - start) * 1000.0
+
+
+def _check_remote(plan: HostPlan, settings: SshSettings, config: Any,
+                  ctl: ControllerFacts) -> list[Check]:
+    from ..ssh import SshConnectError, open_connection
+
+    host = plan.host
+    state, key_name = _known_host_state(settings, config)
+    start = time.monotonic()
+    try:
+        conn = open_connection(settings, config)
+    except SshConnectError as exc:
+        reason = exc.reason
+        if "CHANGED" in reason:
+            reason += f" (known_hosts: {settings.known_hosts_file}, entry {key_name})"
+        elif reason.startswith("authentication refused") and settings.identity_files:
+            reason += f" (identity: {', '.join(settings.identity_files)})"
+        return [Check(host, "ssh", Status.FAIL, reason)]
+    connect_ms = _ms(start)
+    try:
+        facts = HostFacts(values={})
+        if not plan.fast:
+            t = time.monotonic()
+            conn.run("true", hide=True, warn=True, pty=False, in_stream=False,
+                     timeout=PROBE_TIMEOUT)
+            facts.shell_ms = _ms(t)
+        with contextlib.ExitStack() as stack:
+            dial = plan.dial
+            if dial is not None and dial.tunnel:
+                try:
+                    stack.enter_context(conn.forward_remote(
+                        dial.configured_port, local_port=dial.listen_port,
+                        local_host="127.0.0.1"))
+                except Exception as exc:
+                    facts.tunnel_error = str(exc) or type(exc).__name__
+                    plan = _without_dial_run(plan)
+            rtt = 0.0
+            if not plan.fast:
+                # A pure network round trip (no shell): bounds the clock estimate.
+                t = time.monotonic()
+                conn.transport.global_request("keepalive@openssh.com", wait=True)
+                rtt = time.monotonic() - t
+            out, err = _TimedSink(), _TimedSink()
+            t = time.monotonic()
+            try:
+                result = conn.run(f"exec sh -c {quote(probe_script(plan))}", hide=False, warn=True,
+                                  pty=False, in_stream=False, echo=False, out_stream=out,
+                                  err_stream=err, timeout=PROBE_TIMEOUT)
+                facts.exit_status = result.exited
+            except Exception as exc:  # CommandTimedOut, a dropped connection
+                facts.exit_status = None
+                err.write(f"\n{type(exc).__name__}: {exc}")
+            facts.probe_ms = _ms(t)
+        facts.values = parse_sentinels(out.text)
+        facts.stderr = err.text
+        if out.clock_at is not None:
+            facts.clock_ref = out.clock_at - rtt / 2
+            facts.clock_error = rtt / 2
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+    if state == "known":
+        key = "host key known"
+        key_status = Status.OK
+    elif state == "unknown":
+        key = "new host key recorded in known_hosts (accept-new)"
+        key_status = Status.OK
+    else:
+        key = "host key NOT verified (StrictHostKeyChecking=no)"
+        key_status = Status.WARN
+    who = f"{settings.user + '@' if settings.user else ''}{key_name or settings.target}"
+    ssh_row = Check(host, "ssh", key_status, f"connected to {who} in {connect_ms:.0f} ms; {key};"
+                    f" checks took {facts.probe_ms:.0f} ms")
+    return [ssh_row, *evaluate(plan, facts, ctl)]
+
+
+def _without_dial_run(plan: HostPlan) -> HostPlan:
+    """After a failed tunnel there is nothing to dial; keep asking for the netns identity."""
+    import dataclasses
+
+    assert plan.dial is not None
+    return dataclasses.replace(plan, dial=dataclasses.replace(plan.dial, host="", port=0))
+
+
+def _local_shell() -> str:
+    return shutil.which("bash") or shutil.which("sh") or "/bin/sh"
+
+
+def _check_local(plan: HostPlan, ctl: ControllerFacts) -> list[Check]:
+    """A local worker runs the same script with bash, in the launcher's environment."""
+    shell = _local_shell()
+    facts = HostFacts(values={})
+    if not plan.fast:
+        t = time.monotonic()
+        subprocess.run([shell, "-c", "true"], stdin=subprocess.DEVNULL, check=False)
+        facts.shell_ms = _ms(t)
+    t = time.monotonic()
+    try:
+        proc = subprocess.run([shell, "-c", probe_script(plan)], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, errors="replace",
+                              timeout=PROBE_TIMEOUT, check=False)
+        facts.values = parse_sentinels(proc.stdout)
+        facts.exit_status, facts.stderr = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired:
+        facts.exit_status, facts.stderr = None, f"timed out after {PROBE_TIMEOUT:.0f} s"
+    facts.probe_ms = _ms(t)
+    return evaluate(plan, facts, ctl)
+
+
+def _guarded(host: str, fn: Callable[..., list[Check]], *args: Any) -> list[Check]:
+    """Run one host's checks; a crash becomes that host's FAIL row, never the whole report's."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return [Check(host, "probe", Status.FAIL, f"check crashed: {type(exc).__name__}: {exc}")]
+
+
+def _controller_facts(cluster: ClusterSpec, fast: bool) -> ControllerFacts:
+    """The controller's own platform and loopback identity (what hosts are compared with)."""
+    arch = libc = ""
+    if not fast:
+        out = subprocess.run(
+            ["sh", "-c", "uname -m; ldd --version 2>&1 | head -n 1"], capture_output=True,
+            text=True, errors="replace", stdin=subprocess.DEVNULL, check=False).stdout
+        lines = out.splitlines() + ["", ""]
+        arch, libc = lines[0].strip(), lines[1].strip()
+    identity = ""
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            boot = fh.read().strip()
+        identity = f"{os.readlink('/proc/self/ns/net')} {boot}"
+    host = coordinator_bind_host(cluster)
+    return ControllerFacts(arch=arch, libc=libc, identity=identity, bind_host=host,
+                           port=cluster.controller.port)
+
+
+def _prebuilt_rows(cluster: ClusterSpec,
+                   environ: Mapping[str, str]) -> tuple[list[Check], dict[str, PrebuiltBinary]]:
+    raw = environ.get(ENV_PREBUILD)
+    if raw is None or not raw.strip():
+        return [], {}
+    try:
+        entries = parse_prebuilt(raw)
+    except EnvelopeError as exc:
+        return [Check(CONTROLLER, "prebuild", Status.FAIL, str(exc))], {}
+    hosts = {w.host for w in cluster.workers}
+    unknown = sorted(set(entries) - hosts)
+    if unknown:
+        row = Check(CONTROLLER, "prebuild", Status.FAIL,
+                    f"{ENV_PREBUILD} names host(s) not in {cluster.file}: {', '.join(unknown)}")
+    else:
+        row = Check(CONTROLLER, "prebuild", Status.OK,
+                    f"{ENV_PREBUILD}: {len(entries)} prebuilt binary(ies) for "
+                    f"{', '.join(sorted(entries)) or 'no host'}")
+    return [row], {h: e for h, e in entries.items() if h in hosts}
+
+
+def run_checks(
+    cluster: ClusterSpec,
+    *,
+    argv: Sequence[str],
+    fast: bool = False,
+    settings: Optional[dict[str, SshSettings]] = None,
+    config: Any = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Report:
+    """Check every host of ``cluster`` in parallel and return the report.
+
+    ``argv`` is the rank command (its first word is resolved on every host);
+    ``fast`` keeps only what ``inv launch`` checks before spawning (ssh, paths,
+    program, port); ``settings`` and ``config`` default to what a launch would use;
+    ``environ`` (default os.environ) supplies FLODL_INTERNAL_PREBUILD_PER_HOST.
+    An unreachable host FAILs its own ssh row; every other host is still checked.
+    """
+    started = time.monotonic()
+    env = os.environ if environ is None else environ
+    if settings is None:
+        settings = resolve_all_settings(cluster)
+    rows: list[Check] = []
+    if not argv:
+        rows.append(Check(CONTROLLER, "command", Status.FAIL,
+                          "no command to check: set `command:` in the cluster file or pass --cmd"))
+    prebuild_rows, prebuilt = _prebuilt_rows(cluster, env)
+    rows += prebuild_rows
+    token = secrets.token_hex(8)
+    port_row, listener = _open_listener(cluster, token)
+    rows.append(port_row)
+    try:
+        ctl = _controller_facts(cluster, fast)
+        jobs: list[tuple[str, Callable[..., list[Check]], tuple[Any, ...]]] = []
+        for w in cluster.workers:
+            dial = None
+            if listener is not None:
+                dial = Dial(
+                    host="127.0.0.1" if w.tunnel else controller_dial_host(cluster, w),
+                    port=cluster.controller.port if w.tunnel else listener.port,
+                    token=token, tunnel=w.tunnel, listen_host=ctl.bind_host,
+                    listen_port=listener.port, configured_port=cluster.controller.port)
+            path_env = w.env.get("PATH", cluster.env.get("PATH"))
+            plan = HostPlan(worker=w, fast=fast, argv=tuple(argv), prebuilt=prebuilt.get(w.host),
+                            dial=dial, path_env=path_env)
+            if w.tunnel and dial is not None and ctl.bind_host not in ("127.0.0.1", *BIND_ALL):
+                jobs.append((w.host, _tunnel_mismatch, (plan, ctl, settings[w.host], config)))
+            elif w.is_local:
+                jobs.append((w.host, _check_local, (plan, ctl)))
+            else:
+                jobs.append((w.host, _check_remote, (plan, settings[w.host], config, ctl)))
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(jobs)))) as pool:
+            futures = [pool.submit(_guarded, h, fn, *args) for h, fn, args in jobs]
+            for fut in futures:
+                rows += fut.result()
+    finally:
+        if listener is not None:
+            listener.close()
+    return Report(_ordered(rows), elapsed=time.monotonic() - started)
+
+
+def _tunnel_mismatch(plan: HostPlan, ctl: ControllerFacts, settings: SshSettings,
+                     config: Any) -> list[Check]:
+    """A tunneled worker in a cluster whose coordinator binds a non-loopback address.
+
+    The launcher's remote forward delivers to 127.0.0.1:<port> on the controller, where
+    nothing listens when the coordinator binds ``controller.host`` (some workers dial it
+    directly). Reported without opening the forward: Fabric's forward handler raises in
+    paramiko's transport thread when the local connect is refused.
+    """
+    assert plan.dial is not None
+    plan_no_dial = HostPlan(plan.worker, plan.fast, plan.argv, plan.prebuilt, None,
+                            plan.path_env)
+    rows = _check_remote(plan_no_dial, settings, config, ctl)
+    if any(r.name == "ssh" and r.status is Status.FAIL for r in rows):
+        return rows
+    status, only_join = (Status.WARN, " (only ranks that join the cohort dial it)") \
+        if plan.fast else (Status.FAIL, "")
+    rows.append(Check(plan.host, "port", status,
+                      f"tunnel: true, but the coordinator binds {ctl.bind_host}:{ctl.port} "
+                      "(other workers dial it directly) while the tunnel delivers to "
+                      f"127.0.0.1:{ctl.port} there: tunnel every remote worker, or "
+                      f"none{only_join}"))
+    return rows
+
+
+def _ordered(rows: list[Check]) -> list[Check]:
+    """Controller rows first, then hosts in roster order, checks in a fixed order."""
+    hosts: list[str] = [CONTROLLER]
+    for r in rows:
+        if r.host not in hosts:
+            hosts.append(r.host)
+    rank = {name: i for i, name in enumerate(_ROW_ORDER)}
+    return sorted(rows, key=lambda r: (hosts.index(r.host), rank.get(r.name, len(rank))))

@@ -1,0 +1,351 @@
+"""The verdicts: what a host's values mean, as rows; pure, so every rule is unit tested.
+
+The same functions judge `inv prebuild-check`'s script and a launch agent's facts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Optional
+
+from ..envelope import ENV_PREBUILD
+from .probe import HostPlan, parse_libc, version_tuple
+from .report import Check, Status, worst
+
+#: The oldest Python the worker agent runs on.
+AGENT_PYTHON = (3, 8)
+#: What an agent reports for ``dial`` when this run's coordinator answered with its key
+#: (`fdl_fabric.agent.checks.DIAL_OK`).
+AGENT_DIAL_OK = "ok"
+#: A shell start-up above this is paid by every rank start (and every helper command).
+SHELL_WARN_MS = 200.0
+#: Checkpoints and logs fill a disk fast; below this, warn.
+DISK_WARN_BYTES = 1 << 30
+#: Above this, log timestamps across hosts stop lining up and timeouts misfire.
+SKEW_WARN_S = 2.0
+
+
+
+@dataclass
+class HostFacts:
+    """What was measured on one host: the script's values plus the timings around it."""
+
+    values: dict[str, str]
+    exit_status: Optional[int] = 0
+    stderr: str = ""
+    probe_ms: float = 0.0
+    shell_ms: Optional[float] = None
+    #: Controller wall time matching the moment the host printed its clock, and its
+    #: uncertainty (half the network round trip); None when not measured (local host).
+    clock_ref: Optional[float] = None
+    clock_error: float = 0.0
+    tunnel_error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ControllerFacts:
+    """What the verdicts compare hosts against."""
+
+    arch: str = ""
+    libc: str = ""
+    #: Network namespace and boot id of the controller: equal on a host means the host's
+    #: 127.0.0.1 is the controller's own (same machine, same namespace).
+    identity: str = ""
+    bind_host: str = "127.0.0.1"
+    port: int = 1337
+
+
+def evaluate(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> list[Check]:
+    """Turn one host's measurements into rows; pure, so every verdict is unit tested."""
+    v = facts.values
+    if v.get("end") != "1":
+        detail = (facts.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        status = "killed" if facts.exit_status is None else f"exit {facts.exit_status}"
+        return [Check(plan.host, "probe", Status.FAIL,
+                      f"the check script did not finish ({status}): {detail}")]
+    rows: list[Check] = []
+    if not plan.fast:
+        rows.append(_shell_row(plan, facts))
+    rows.append(_paths_row(plan, v))
+    program = _program_row(plan, v)
+    if program is not None:
+        rows.append(program)
+    if not plan.fast:
+        rows.append(_platform_row(plan, v, ctl))
+        if plan.worker.local_devices is not None:
+            rows.append(_gpus_row(plan, v))
+        if plan.worker.data_path is not None:
+            rows.append(_data_row(plan, v))
+        if facts.clock_ref is not None:
+            rows.append(_clock_row(plan, v, facts))
+    if plan.dial is not None:
+        rows.append(_port_row(plan, facts, ctl))
+    return rows
+
+
+def _shell_row(plan: HostPlan, facts: HostFacts) -> Check:
+    v = facts.values
+    statuses: list[Status] = []
+    parts: list[str] = []
+    python = v.get("python", "")
+    python_ok = bool(python) and version_tuple(python) >= AGENT_PYTHON
+    if not python_ok:
+        statuses.append(Status.FAIL)
+        found = f"found {python}" if python else "found none"
+        parts.append(f"the worker agent needs python3 {'.'.join(map(str, AGENT_PYTHON))} or "
+                     f"newer at /usr/bin/python3 or on PATH ({found})")
+    if facts.shell_ms is not None:
+        if facts.shell_ms > SHELL_WARN_MS:
+            statuses.append(Status.WARN)
+            parts.append(f"shell start-up {facts.shell_ms:.0f} ms (> {SHELL_WARN_MS:.0f} ms: a "
+                         "slow rc file? every rank start and helper command pays it)")
+        else:
+            parts.append(f"shell start-up {facts.shell_ms:.0f} ms")
+    if python_ok:
+        parts.append(f"python3 {python} for the agent")
+    return Check(plan.host, "shell", worst(statuses), "; ".join(parts))
+
+
+def _dir_problem(label: str, path: str, state: str) -> str:
+    what = {
+        "missing": "does not exist",
+        "notdir": "is not a directory",
+        "unreadable": "is not readable/enterable by this user",
+    }.get(state, f"cannot be checked ({state or 'no answer'})")
+    return f"{label} {path} {what}"
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KiB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover - the loop always returns
+
+
+def _paths_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
+    path = plan.worker.path
+    if v.get("path") != "ok":
+        return Check(plan.host, "paths", Status.FAIL, _dir_problem("path", path, v.get("path", "")))
+    statuses: list[Status] = []
+    parts = [f"{path} exists"]
+    if plan.prebuilt and plan.prebuilt.cwd_subpath:
+        if v.get("cwd") != "ok":
+            statuses.append(Status.FAIL)
+            parts.append(_dir_problem("prebuild cwd", plan.cwd, v.get("cwd", "")))
+        else:
+            parts.append(f"prebuild cwd {plan.cwd} exists")
+    kb = v.get("disk_kb", "")
+    if kb.isdigit():
+        free = int(kb) * 1024
+        if free < DISK_WARN_BYTES:
+            statuses.append(Status.WARN)
+            parts.append(f"only {_human_bytes(free)} free (< 1 GiB: checkpoints and logs will "
+                         "fill it)")
+        else:
+            parts.append(f"{_human_bytes(free)} free")
+    else:
+        statuses.append(Status.WARN)
+        parts.append("free space unknown (df gave no answer)")
+    return Check(plan.host, "paths", worst(statuses), "; ".join(parts))
+
+
+def _program_row(plan: HostPlan, v: Mapping[str, str]) -> Optional[Check]:
+    program = plan.program
+    if program is None:
+        return None  # no command at all: one controller row says so
+    got = v.get("prog", "")
+    where = f"from {plan.cwd}"
+    if plan.prebuilt:
+        label = f"prebuilt binary {program} ({ENV_PREBUILD})"
+        if got.startswith("/"):
+            return Check(plan.host, "program", Status.OK, f"{program} is executable")
+        if got == "!noexec":
+            return Check(plan.host, "program", Status.FAIL, f"{label} is not executable")
+        if got == "!nocwd":
+            return Check(plan.host, "program", Status.WARN,
+                         f"{label} not checked: the working directory is missing")
+        return Check(plan.host, "program", Status.FAIL, f"{label} does not exist")
+    if got == "!nocwd":
+        return Check(plan.host, "program", Status.WARN,
+                     f"`{program}` not checked: the working directory {plan.cwd} is missing")
+    if got == "!noexec":
+        return Check(plan.host, "program", Status.FAIL,
+                     f"`{program}` exists {where} but is not executable")
+    if not got or got.startswith("!"):
+        if "/" in program:
+            why = f"`{program}` does not exist {where}"
+        else:
+            why = f"`{program}` not found on this host's PATH"
+            if plan.path_env is not None:
+                why += " (as set by the cluster/host env)"
+        return Check(plan.host, "program", Status.FAIL, why)
+    script = plan.python_script
+    if script is not None and v.get("pyscript") == "nocwd":
+        return Check(plan.host, "program", Status.WARN,
+                     f"{program} resolves to {got}; {script} not checked: the working directory "
+                     f"{plan.cwd} is missing")
+    if script is not None and v.get("pyscript") != "ok":
+        return Check(plan.host, "program", Status.FAIL,
+                     f"{program} resolves to {got}, but {script} does not exist {where}")
+    extra = f", {script} exists" if script is not None else ""
+    resolved = got if got == program else f"{program} -> {got}"
+    return Check(plan.host, "program", Status.OK, f"{resolved}{extra}")
+
+
+def _platform_row(plan: HostPlan, v: Mapping[str, str], ctl: ControllerFacts) -> Check:
+    arch, libc_line = v.get("arch", ""), v.get("libc", "")
+    kind, version = parse_libc(libc_line)
+    ctl_kind, ctl_version = parse_libc(ctl.libc)
+    here = f"{arch or '?'}, {kind}{(' ' + version) if version else ''}"
+    if ctl.arch and arch and arch != ctl.arch:
+        return Check(plan.host, "platform", Status.FAIL,
+                     f"{arch} here, {ctl.arch} on the controller: binaries and wheels built "
+                     "there will not run here")
+    if {kind, ctl_kind} == {"glibc", "musl"}:
+        return Check(plan.host, "platform", Status.FAIL,
+                     f"{kind} here, {ctl_kind} on the controller: native builds are not "
+                     "interchangeable")
+    if kind == "unknown" or not arch:
+        return Check(plan.host, "platform", Status.WARN,
+                     f"{here}: cannot tell the C library (ldd --version: "
+                     f"{libc_line[:60] or 'no output'!r})")
+    if (kind == ctl_kind == "glibc" and version and ctl_version
+            and version_tuple(version) < version_tuple(ctl_version) and plan.prebuilt):
+        return Check(plan.host, "platform", Status.WARN,
+                     f"{here}, older than the controller's glibc {ctl_version}: the prebuilt "
+                     "binary may need symbols this host lacks")
+    return Check(plan.host, "platform", Status.OK, f"{here} (same as the controller)"
+                 if (arch, kind, version) == (ctl.arch, ctl_kind, ctl_version) else here)
+
+
+def _parse_csv_lines(text: str) -> list[list[str]]:
+    return [[f.strip() for f in line.split(",")] for line in text.split(";") if line.strip()]
+
+
+def _gpus_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
+    wanted = plan.worker.local_devices
+    rc = v.get("gpu_rc", "")
+    if rc == "missing":
+        return Check(plan.host, "gpus", Status.FAIL,
+                     "local_devices is set but nvidia-smi is not on this host's PATH")
+    listing = v.get("gpus", "")
+    if rc != "0":
+        first = (listing.split(";")[0] or "no output")[:120]
+        return Check(plan.host, "gpus", Status.FAIL, f"nvidia-smi failed (status {rc}): {first}")
+    uuid_to_index: dict[str, int] = {}
+    found: list[int] = []
+    for fields in _parse_csv_lines(listing):
+        if fields and fields[0].isdigit():
+            found.append(int(fields[0]))
+            if len(fields) > 1:
+                uuid_to_index[fields[1]] = int(fields[0])
+    listed = ", ".join(str(i) for i in found) or "none"
+    if wanted == "all":
+        if not found:
+            return Check(plan.host, "gpus", Status.FAIL,
+                         "local_devices: all, but nvidia-smi lists no GPU")
+        used = found
+    else:
+        assert isinstance(wanted, tuple)
+        missing = [d for d in wanted if d not in found]
+        if missing:
+            names = ", ".join(str(d) for d in missing)
+            return Check(plan.host, "gpus", Status.FAIL,
+                         f"GPU {names} not found (nvidia-smi lists {listed})")
+        used = list(wanted)
+    busy: dict[int, list[str]] = {}
+    for fields in _parse_csv_lines(v.get("gpu_apps", "")):
+        index = uuid_to_index.get(fields[0]) if fields else None
+        if index is not None and index in used:
+            busy.setdefault(index, []).append(fields[1] if len(fields) > 1 else "?")
+    gpus = ", ".join(str(i) for i in used)
+    if busy:
+        detail = "; ".join(f"GPU {i}: pid {', '.join(p)}" for i, p in sorted(busy.items()))
+        return Check(plan.host, "gpus", Status.WARN,
+                     f"GPU {gpus} present, but busy with compute processes ({detail})")
+    return Check(plan.host, "gpus", Status.OK, f"GPU {gpus} present, no compute process")
+
+
+def _data_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
+    path = plan.worker.data_path or ""
+    state = v.get("data", "")
+    if state == "ok":
+        return Check(plan.host, "data_path", Status.OK, f"{path} exists and is readable")
+    what = {"missing": "does not exist", "unreadable": "is not readable by this user"}.get(
+        state, "cannot be checked")
+    return Check(plan.host, "data_path", Status.FAIL, f"data_path {path} {what}")
+
+
+def _clock_row(plan: HostPlan, v: Mapping[str, str], facts: HostFacts) -> Check:
+    raw = v.get("clock", "")
+    try:
+        remote = float(raw)
+    except ValueError:
+        return Check(plan.host, "clock", Status.WARN,
+                     f"cannot read the clock (`date +%s.%N` printed {raw[:40]!r})")
+    assert facts.clock_ref is not None
+    skew = remote - facts.clock_ref
+    text = f"{skew:+.3f} s vs the controller (±{facts.clock_error:.3f} s)"
+    if abs(skew) > SKEW_WARN_S:
+        return Check(plan.host, "clock", Status.WARN,
+                     f"{text}: > {SKEW_WARN_S:g} s skew scrambles cross-host logs and "
+                     "deadlines; run NTP/chrony")
+    return Check(plan.host, "clock", Status.OK, text)
+
+
+BIND_ALL = ("0.0.0.0", "::", "")
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _port_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
+    dial = plan.dial
+    assert dial is not None
+    target = f"{dial.host}:{dial.port}"
+    note = (f" (tested on stand-in port {dial.listen_port}: {dial.configured_port} is busy on "
+            "the controller)") if dial.stand_in else ""
+    if facts.tunnel_error is not None:
+        reason = (f"tunnel: sshd could not listen on 127.0.0.1:{dial.configured_port} here "
+                  f"({facts.tunnel_error})")
+        here = facts.values.get("netns", "")
+        if ctl.identity and here == ctl.identity:
+            reason += ("; this host shares the controller's machine and network namespace, so "
+                       "its 127.0.0.1 port is the coordinator's own: use tunnel: false")
+        else:
+            reason += "; is something listening there already?"
+        return Check(plan.host, "port", Status.FAIL, reason)
+    # Only ranks that join the cohort (fdl_fabric.rank.join()) dial the coordinator; a plain
+    # script never does. So before a launch, where blocking would stop runs that work, an
+    # unreachable coordinator warns; prebuild-check, which is asked to be strict, fails.
+    unreachable, only_join = (Status.WARN, " (only ranks that join the cohort dial it)") \
+        if plan.fast else (Status.FAIL, "")
+    remote_direct = not dial.tunnel and not plan.worker.is_local
+    if remote_direct and dial.host in BIND_ALL:
+        return Check(plan.host, "port", unreachable,
+                     f"controller.host {dial.host} means \"every address\" to the coordinator, "
+                     "but workers dial it too: set an address of the controller this host "
+                     f"reaches, or tunnel: true{only_join}")
+    got = facts.values.get("dial", "")
+    if got == f"fdl-preflight {dial.token}" or got == AGENT_DIAL_OK:
+        via = f" through the SSH tunnel to controller 127.0.0.1:{dial.listen_port}" \
+            if dial.tunnel else ""
+        return Check(plan.host, "port", Status.OK, f"reached the controller at {target}{via}{note}")
+    if got == "?nodial":
+        return Check(plan.host, "port", Status.WARN,
+                     f"cannot test {target}: neither bash+timeout nor python3 on this host")
+    if got.startswith("!") or not got:
+        why = got[1:] or "no answer"
+        hint = ""
+        if remote_direct and _is_loopback(dial.host):
+            hint = ("; controller.host is a loopback address, which other machines cannot "
+                    "dial: set controller.host to an address of the controller they reach, or "
+                    "tunnel: true")
+        return Check(plan.host, "port", unreachable,
+                     f"cannot reach the controller at {target}: {why}{note}{hint}{only_join}")
+    return Check(plan.host, "port", unreachable,
+                 f"{target} answers, but it is not this controller (got {got[:60]!r}): "
+                 f"controller.host {dial.host} points elsewhere from this host{note}{only_join}")
