@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from . import reports
-from .hosts import EXIT_USAGE, LaunchError, close_all, connect_each
+from .errors import EXIT_USAGE, LaunchError
+from .hosts import close_all, connect_each
 from .sessions import AgentSession
 
 #: Seconds a sweep may take on a host (TERM, the sweep grace, KILL, plus start-up).
@@ -103,15 +104,14 @@ def sweep_with_agents(hosts: Sequence[str], connections: Mapping[str, Any],
 def run_cleanup(cluster_file: str, *, run_id: Optional[str] = None, all_runs: bool = False,
                 pattern: Optional[str] = None, console: Any = None) -> int:
     """``inv cleanup``: sweep every host of a cluster; 0 clean, 1 leftovers, 2 config."""
-    from .config import ConfigError, load_cluster
+    from .config import ConfigError
     from .output import Console
     from .plan import cluster_key
-    from .sshopts import resolve_all_settings
+    from .sshopts import load_with_settings
 
     console = console or Console()
     try:
-        cluster = load_cluster(cluster_file)
-        settings = resolve_all_settings(cluster, console.message)
+        cluster, settings = load_with_settings(cluster_file, console.message)
     except ConfigError as exc:
         console.message(str(exc))
         return EXIT_USAGE

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
-from .hosts import EXIT_USAGE, LaunchError
+from .errors import EXIT_USAGE, LaunchError
 from .limits import COMMAND_MAX_BYTES, RESTARTS_MAX, SECONDS_MAX
 
 

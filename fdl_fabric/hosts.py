@@ -4,7 +4,7 @@ Both `launcher` and `cleanup` need the same three things, so they live here and 
 two never import each other: every remote host connected in parallel (one Fabric
 Connection each, our host-key policy and timeouts, a Config of its own), one agent
 session per host (`sessions.AgentSession`: through Fabric for remote hosts, through
-invoke for local ones), and one error type whose exit code the tasks return.
+invoke for local ones).
 """
 
 from __future__ import annotations
@@ -16,28 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Optional
 
 from .config import ClusterSpec, WorkerSpec
+from .errors import LaunchError
 from .sessions import AgentSession, Post
 from .sshopts import SshSettings
 
 if TYPE_CHECKING:  # Fabric's SSH stack loads only when a host is remote
     from .ssh import FdlConnection
 
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
 #: Hosts connected at once; each connect is mostly waiting on the network.
 CONNECT_WORKERS = 32
-
-
-class LaunchError(Exception):
-    """A launch, cleanup or check cannot go on; the message names the host, key or flag.
-
-    ``exit_code`` is what the task exits with: 2 for a usage or config error (nothing
-    was started), 1 for a host that cannot be reached or used.
-    """
-
-    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def connect_each(settings: Mapping[str, SshSettings],

@@ -43,8 +43,9 @@ from .envelope import (
     new_salt,
     prebuilt_from_environ,
 )
+from .errors import EXIT_FAILURE, EXIT_USAGE, LaunchError
 from .events import EventBus, Kind
-from .hosts import EXIT_FAILURE, EXIT_USAGE, LaunchError, close_all, connect_all, start_agents
+from .hosts import close_all, connect_all, start_agents
 from .limits import RANKS_MAX, RANKS_PER_WORKER_MAX
 from .output import Console, LiveConsole, RunLog, summary_table
 from .plan import OMP_NOTICE, LaunchPlan, build_plan, coordinator_bind_host

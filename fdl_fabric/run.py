@@ -23,7 +23,7 @@ from typing import NoReturn, Optional
 
 from . import flags
 from .config import ClusterSpec, ControllerSpec, ElasticSpec, SshSpec, WorkerSpec
-from .hosts import EXIT_USAGE, LaunchError
+from .errors import EXIT_USAGE, LaunchError
 
 #: torchrun flags that do not apply to one host, and what to use instead.
 REFUSED = {

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .config import ClusterSpec, ConfigError, Problem, WorkerSpec
+from .config import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster
 from .limits import PORT_MAX
 from .names import (
     host_name_problem,
@@ -223,3 +223,12 @@ def resolve_all_settings(
     if problems:
         raise ConfigError(problems)
     return settings
+
+
+def load_with_settings(
+    cluster_file: str, warn: Optional[Callable[[str], None]] = None
+) -> tuple[ClusterSpec, dict[str, SshSettings]]:
+    """A cluster file and its remote workers' SSH settings: the two things that must hold
+    before any host is contacted. Either failing is one ConfigError (exit 2)."""
+    cluster = load_cluster(cluster_file)
+    return cluster, resolve_all_settings(cluster, warn)

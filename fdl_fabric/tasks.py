@@ -17,7 +17,7 @@ from invoke.tasks import task
 
 from . import flags
 from .config import parse_max_failure
-from .hosts import LaunchError
+from .errors import LaunchError
 from .launcher import LaunchOptions
 from .launcher import launch as run_launch
 

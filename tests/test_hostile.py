@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fdl_fabric.hosts import LaunchError
+from fdl_fabric.errors import LaunchError
 from fdl_fabric.launcher import LaunchOptions
 from fdl_fabric.tasks import launch_options
 from labutil import ROOT, LiveLaunch

@@ -210,14 +210,9 @@ class Agent:
     # -- input from the launcher ------------------------------------------------------------
     def _read_input(self) -> None:
         while True:
-            try:
-                data = os.read(self.rfd, 65536)
-            except BlockingIOError:
+            data = _read_ready(self.rfd)
+            if data is None:
                 return
-            except InterruptedError:
-                continue
-            except OSError:
-                data = b""
             if not data:
                 self.input_open = False
                 self.sel.unregister(self.rfd)
@@ -367,14 +362,9 @@ class Agent:
         if stream is None:
             return
         for _ in range(16):  # bounded, so one chatty rank cannot starve the loop
-            try:
-                data = os.read(fd, READ_SIZE)
-            except BlockingIOError:
+            data = _read_ready(fd)
+            if data is None:
                 return
-            except InterruptedError:
-                continue
-            except OSError:
-                data = b""
             if not data:
                 self._close_stream(fd, stream)
                 return
@@ -519,6 +509,20 @@ class Agent:
         if self.watchdog is not None:
             self.watchdog.done()
         self.send(wire.DONE)
+
+
+def _read_ready(fd: int) -> Optional[bytes]:
+    """One read of a non-blocking fd: None when nothing is there yet, b"" at its end (a
+    read error ends the stream too: the agent cannot tell a broken pipe from EOF)."""
+    while True:
+        try:
+            return os.read(fd, READ_SIZE)
+        except BlockingIOError:
+            return None
+        except InterruptedError:
+            continue
+        except OSError:
+            return b""
 
 
 def _noop(signum: int, frame: Any) -> None:

@@ -12,13 +12,12 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from ..config import ConfigError, load_cluster
+from ..config import ConfigError
+from ..errors import EXIT_USAGE
 from ..output import Console
 from ..shell import command_words
-from ..sshopts import resolve_all_settings
+from ..sshopts import load_with_settings
 from .run import run_checks
-
-EXIT_USAGE = 2
 
 
 def check_cluster(cluster_file: str, *, cmd: Optional[str] = None, words: Sequence[str] = (),
@@ -31,8 +30,7 @@ def check_cluster(cluster_file: str, *, cmd: Optional[str] = None, words: Sequen
     """
     console = console or Console()
     try:
-        cluster = load_cluster(cluster_file)
-        settings = resolve_all_settings(cluster, console.message)
+        cluster, settings = load_with_settings(cluster_file, console.message)
     except ConfigError as exc:
         console.message(str(exc))
         return EXIT_USAGE

@@ -1,15 +1,7 @@
 """Labs for testing against the real parts: sshd hosts, network namespaces, Slurm.
 
-The sshd lab runs real OpenSSH servers on loopback addresses, one per simulated host.
-
-Why real sshd rather than a paramiko stub server: the launcher's hard problems (host keys,
-``accept-new``, session limits, remote forwards, what dies when a connection drops) are
-properties of OpenSSH itself, and a stub would happily agree with whatever bug we write.
-Every lab host is therefore a genuine ``sshd -D`` listening on its own 127.x.y.z address
-(Linux routes all of 127.0.0.0/8 to ``lo``), so "host" identity in logs,
-``SSH_CONNECTION`` and known_hosts entries is distinct per host, exactly as on a cluster.
-
-Public API (also meant for users' own tests, like ``fabric.testing``)::
+Why real parts rather than stubs, and what each lab needs, is in its module's docstring.
+In short (also meant for users' own tests, like ``fabric.testing``)::
 
     with SshdLab(tmp_path, n_hosts=2) as lab:
         path = lab.write_cluster([lab.worker(h) for h in lab.hosts])
@@ -18,14 +10,6 @@ or, in pytest, with ``pytest_plugins = ["fdl_fabric.testing.fixtures"]`` in a co
 
     def test_something(sshd_lab):
         lab = sshd_lab(n_hosts=3)
-
-The lab is Linux-only (other systems only answer on 127.0.0.1) and needs ``sshd`` and
-``ssh-keygen`` (Debian/Ubuntu package ``openssh-server``).  Sessions log in as the user
-running the lab; our CI runs as root (``PermitRootLogin prohibit-password``).  A non-root
-user makes sshd run unprivileged, which OpenSSH supports for logging in that same user,
-but that mode is not exercised by our CI.  Because the lab uses ``UsePAM no``, sshd
-itself refuses accounts whose shadow password field is locked (``!``, which ``useradd``
-leaves by default) even for key logins: give such users ``*`` instead.
 
 The package: `sshd` (`SshdLab`, `LabHost`), `netns` (`NetnsLab`), `slurm` (`SlurmLab`),
 `processes` (stopping what a lab started), `launches` (running ``inv launch`` as a

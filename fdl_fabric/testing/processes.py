@@ -7,12 +7,15 @@ by pid, never by name.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
@@ -121,3 +124,33 @@ def tree_levels(root_pid: int) -> list[list[psutil.Process]]:
     return levels
 
 
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+_LIVE_LABS: set[Stoppable] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def stop_at_exit(lab: Stoppable) -> None:
+    """Stop ``lab`` when the interpreter exits, if nobody stopped it before (a script
+    crashed, forgot ``with``): a lab's daemons must never outlive the test run."""
+    with _LIVE_LOCK:
+        _LIVE_LABS.add(lab)
+
+
+def stopped(lab: Stoppable) -> None:
+    """``lab`` stopped itself: nothing left to do for it at exit."""
+    with _LIVE_LOCK:
+        _LIVE_LABS.discard(lab)
+
+
+@atexit.register
+def _stop_live_labs() -> None:
+    with _LIVE_LOCK:
+        labs = list(_LIVE_LABS)
+    for lab in labs:
+        with contextlib.suppress(Exception):
+            lab.stop()

@@ -32,7 +32,6 @@ user (our CI runs as root).  ``sacct`` does not work: there is no slurmdbd.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import re
@@ -58,6 +57,8 @@ from .processes import (
     gone,
     log_tail,
     own_lineage,
+    stop_at_exit,
+    stopped,
     terminate,
     tree_levels,
     wait_gone,
@@ -348,20 +349,6 @@ def _stepds(lab_id: str, folders: Sequence[Path], exclude: set[int]) -> list[psu
 # The lab
 # --------------------------------------------------------------------------------------
 
-_LIVE_LABS: set[SlurmLab] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-@atexit.register
-def _stop_live_labs() -> None:
-    """Last-resort cleanup for labs nobody stopped (script crashed, forgot ``with``)."""
-    with _LIVE_LOCK:
-        labs = list(_LIVE_LABS)
-    for lab in labs:
-        with contextlib.suppress(Exception):
-            lab.stop()
-
-
 class SlurmLab:
     """One slurmctld and ``n_nodes`` slurmd (nodes ``n1..nN``) with a private munged.
 
@@ -475,8 +462,7 @@ class SlurmLab:
         if self._started:
             return self
         self._started = True
-        with _LIVE_LOCK:
-            _LIVE_LABS.add(self)
+        stop_at_exit(self)
         try:
             self._start()
         except BaseException:
@@ -681,8 +667,7 @@ class SlurmLab:
                 terminate(late, grace)
         if self._short_dir is not None:
             shutil.rmtree(self._short_dir, ignore_errors=True)
-        with _LIVE_LOCK:
-            _LIVE_LABS.discard(self)
+        stopped(self)
 
     def __enter__(self) -> SlurmLab:
         return self.start()

@@ -7,16 +7,6 @@ Every lab host is therefore a genuine ``sshd -D`` listening on its own 127.x.y.z
 (Linux routes all of 127.0.0.0/8 to ``lo``), so "host" identity in logs,
 ``SSH_CONNECTION`` and known_hosts entries is distinct per host, exactly as on a cluster.
 
-Public API (also meant for users' own tests, like ``fabric.testing``)::
-
-    with SshdLab(tmp_path, n_hosts=2) as lab:
-        path = lab.write_cluster([lab.worker(h) for h in lab.hosts])
-
-or, in pytest, with ``pytest_plugins = ["fdl_fabric.testing"]`` in a conftest::
-
-    def test_something(sshd_lab):
-        lab = sshd_lab(n_hosts=3)
-
 The lab is Linux-only (other systems only answer on 127.0.0.1) and needs ``sshd`` and
 ``ssh-keygen`` (Debian/Ubuntu package ``openssh-server``).  Sessions log in as the user
 running the lab; our CI runs as root (``PermitRootLogin prohibit-password``).  A non-root
@@ -28,7 +18,6 @@ leaves by default) even for key logins: give such users ``*`` instead.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import getpass
@@ -43,7 +32,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +42,17 @@ import psutil
 import yaml
 
 from ..agent.procs import registry_dir
-from .processes import POLL, LabError, free_port, log_tail, own_lineage, terminate, tree_levels
+from .processes import (
+    POLL,
+    LabError,
+    free_port,
+    log_tail,
+    own_lineage,
+    stop_at_exit,
+    stopped,
+    terminate,
+    tree_levels,
+)
 
 #: Environment variable that every lab session carries (sshd ``SetEnv``).  Its value names
 #: the lab and host, so ``stop()`` can find session processes that escaped the sshd process
@@ -660,22 +658,6 @@ def _probe_children(host: LabHost) -> bool:
     return len(kids) > len(host.session_pids())
 
 
-_LIVE_LABS: set[SshdLab] = set()
-
-
-_LIVE_LOCK = threading.Lock()
-
-
-@atexit.register
-def _stop_live_labs() -> None:
-    """Last-resort cleanup for labs nobody stopped (script crashed, forgot ``with``)."""
-    with _LIVE_LOCK:
-        labs = list(_LIVE_LABS)
-    for lab in labs:
-        with contextlib.suppress(Exception):
-            lab.stop()
-
-
 class SshdLab:
     """N lab hosts sharing one user key, one authorized_keys and one known_hosts.
 
@@ -764,8 +746,7 @@ class SshdLab:
             raise LabError(
                 "the sshd lab needs OpenSSH's sshd and ssh-keygen: install openssh-server"
             )
-        with _LIVE_LOCK:
-            _LIVE_LABS.add(self)
+        stop_at_exit(self)
         try:
             self._start(sshd, keygen)
         except BaseException:
@@ -876,8 +857,7 @@ class SshdLab:
         processes whose environment carries this lab's session marker.  Idempotent.
         """
         _stop_hosts(self.hosts, self.kill_grace)
-        with _LIVE_LOCK:
-            _LIVE_LABS.discard(self)
+        stopped(self)
 
     def __enter__(self) -> SshdLab:
         return self.start()
