@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from . import reports
 from .errors import EXIT_USAGE, LaunchError
-from .hosts import close_all, connect_each
-from .sessions import AgentSession
+from .hosts import agent_session, close_all, connect_each
+from .sessions import AgentSession, Post
+from .slurm import CLEANUP_STEP
 
 #: Seconds a sweep may take on a host (TERM, the sweep grace, KILL, plus start-up).
 SWEEP_TIMEOUT = 60.0
@@ -56,19 +57,23 @@ class HostReport:
 
 
 def sweep_request(*, runs: Sequence[str] = (), cluster: Optional[str] = None,
-                  all_runs: bool = False, pattern: Optional[str] = None) -> dict[str, Any]:
-    return {"runs": list(runs), "cluster": cluster, "all": all_runs, "pattern": pattern}
+                  all_runs: bool = False, pattern: Optional[str] = None,
+                  scope: Optional[str] = None) -> dict[str, Any]:
+    return {"runs": list(runs), "cluster": cluster, "all": all_runs, "pattern": pattern,
+            "scope": scope}
 
 
-def sweep_with_agents(hosts: Sequence[str], connections: Mapping[str, Any],
-                      request: Mapping[str, Any], *, local: Sequence[str] = ()) -> list[HostReport]:
-    """Start one agent per host (local ones through invoke) and sweep them all at once."""
+OpenSession = Callable[[str, Post], AgentSession]
+
+
+def sweep_with_agents(hosts: Sequence[str], open_session: OpenSession,
+                      request: Mapping[str, Any]) -> list[HostReport]:
+    """Start one agent per host (``open_session``) and sweep them all at once."""
     inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
     found: dict[str, HostReport] = {}
     sessions: dict[str, AgentSession] = {}
     for host in hosts:
-        session = AgentSession(host, inbox.put,
-                               connection=None if host in local else connections[host])
+        session = open_session(host, inbox.put)
         try:
             session.start()
         except Exception as exc:
@@ -101,9 +106,11 @@ def sweep_with_agents(hosts: Sequence[str], connections: Mapping[str, Any],
     return [found[h] for h in hosts if h in found]
 
 
-def run_cleanup(cluster_file: str, *, run_id: Optional[str] = None, all_runs: bool = False,
-                pattern: Optional[str] = None, console: Any = None) -> int:
-    """``inv cleanup``: sweep every host of a cluster; 0 clean, 1 leftovers, 2 config."""
+def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
+                all_runs: bool = False, pattern: Optional[str] = None, slurm: bool = False,
+                console: Any = None) -> int:
+    """``inv cleanup``: sweep every host of a cluster (with ``slurm``: every node of this
+    allocation, for this job's runs only); 0 clean, 1 leftovers, 2 config or usage."""
     from .config import ConfigError
     from .output import Console
     from .plan import cluster_key
@@ -111,23 +118,59 @@ def run_cleanup(cluster_file: str, *, run_id: Optional[str] = None, all_runs: bo
 
     console = console or Console()
     try:
-        cluster, settings = load_with_settings(cluster_file, console.message)
+        if slurm:
+            from . import slurm as slurm_
+
+            for flag, given in (("--all", all_runs), ("--pattern", pattern)):
+                if given:
+                    raise LaunchError(f"{flag}: not with --slurm, which sweeps this job's runs "
+                                      "only (another job may share the nodes)", EXIT_USAGE)
+            cluster = slurm_.load(cluster_file, nproc_per_node=1)
+            settings: dict[str, Any] = {}
+        else:
+            cluster, settings = load_with_settings(cluster_file or "cluster.yml",
+                                                   console.message)
     except ConfigError as exc:
         console.message(str(exc))
         return EXIT_USAGE
+    except LaunchError as exc:
+        console.message(str(exc))
+        return exc.exit_code
+    key = cluster_key(cluster)
     connections, errors = connect_each(settings)
+    workers = {w.host: w for w in cluster.workers}
     try:
         request = sweep_request(runs=[run_id] if run_id else [],
-                                cluster=None if (run_id or all_runs) else cluster_key(cluster),
-                                all_runs=all_runs, pattern=pattern)
+                                cluster=None if (run_id or all_runs) else key,
+                                all_runs=all_runs, pattern=pattern,
+                                scope=key if slurm else None)
         hosts = [w.host for w in cluster.workers if w.host not in errors]
-        local = [w.host for w in cluster.workers if w.is_local]
-        found = {r.host: r for r in sweep_with_agents(hosts, connections, request, local=local)}
+        found = {r.host: r for r in sweep_with_agents(
+            hosts, lambda host, post: agent_session(workers[host], connections, post,
+                                                    step_name=CLEANUP_STEP),
+            request)}
     finally:
         close_all(connections.values())
     for host, reason in errors.items():
         found[host] = HostReport(host, error=reason)
+    if slurm and cluster.slurm is not None and cluster.slurm.job_id is not None:
+        _cancel_agent_steps(cluster.slurm.job_id, console)
     return report_and_verdict([found[w.host] for w in cluster.workers], console)
+
+
+def _cancel_agent_steps(job: str, console: Any) -> None:
+    """Agent steps of this job that outlived their launcher (the sweep stopped their
+    ranks): cancelled by step id, so nothing of another job is touched."""
+    from . import slurm
+
+    try:
+        steps = slurm.agent_steps(job)
+        if steps:
+            slurm.cancel_steps(steps)
+            console.message(f"cleanup: cancelled agent steps {', '.join(steps)} of job {job}")
+    except LaunchError as exc:
+        console.message(f"cleanup: could not list or cancel the agent steps of job {job}: "
+                        f"{exc}")
 
 
 def report_and_verdict(reports_: Sequence[HostReport], console: Any) -> int:
@@ -174,8 +217,9 @@ def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
     request = sweep_request(runs=[run_id] if run_id else [], all_runs=not run_id,
                             pattern=pattern)
     hosts = [c.original_host for c in conns]
-    found = {r.host: r for r in sweep_with_agents([h for h in hosts if h in by_host], by_host,
-                                                  request)}
+    found = {r.host: r for r in sweep_with_agents(
+        [h for h in hosts if h in by_host],
+        lambda host, post: AgentSession(host, post, connection=by_host[host]), request)}
     for host, reason in errors.items():
         found[host] = HostReport(host, error=reason)
     return report_and_verdict([found[h] for h in hosts], console)

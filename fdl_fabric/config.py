@@ -42,6 +42,7 @@ __all__ = [
     "ControllerSpec",
     "ElasticSpec",
     "Problem",
+    "SlurmSpec",
     "SshSpec",
     "WorkerSpec",
     "is_reserved_env_key",
@@ -124,11 +125,28 @@ class WorkerSpec:
     line: int
     #: Names or globs of launcher variables carried to this worker's ranks.
     env_forward: tuple[str, ...] = ()
+    #: The Slurm job whose allocation holds this node: its agent starts as an srun step
+    #: of that job, never over SSH (`fdl_fabric.slurm`).
+    slurm_job: Optional[str] = None
 
     @property
     def ssh_target(self) -> str:
         """``host`` doubles as the ssh destination unless the file says otherwise."""
         return self.ssh.target or self.host
+
+
+@dataclass(frozen=True)
+class SlurmSpec:
+    """``scheduler: slurm``: the workers are the nodes of the Slurm allocation the launch
+    runs in, each with the same ranks; known only at launch (`fdl_fabric.slurm`)."""
+
+    nproc_per_node: Optional[int] = None
+    local_devices: Union[tuple[int, ...], str, None] = None
+    #: The ranks' working directory on every node (nodes usually share a file system).
+    path: Optional[str] = None
+    #: The allocation's job id once the launch resolved it (SLURM_JOB_ID).
+    job_id: Optional[str] = None
+    line: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,6 +184,8 @@ class ClusterSpec:
     workers: tuple[WorkerSpec, ...]
     #: Names or globs of launcher variables carried to every rank (``env_forward``).
     env_forward: tuple[str, ...] = ()
+    #: Set for ``scheduler: slurm``; ``workers`` is then empty until the launch fills it in.
+    slurm: Optional[SlurmSpec] = None
 
 
 # --------------------------------------------------------------------------------------------

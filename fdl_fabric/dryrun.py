@@ -55,7 +55,8 @@ def plan_as_json(plan: LaunchPlan) -> dict[str, Any]:
         "env": redact_env(dict(c.env)),
         "workers": [
             {"host": w.host, "local": w.is_local, "path": w.path, "addr": w.addr,
-             "ssh_target": None if w.is_local else w.ssh_target, "tunnel": w.tunnel,
+             "ssh_target": None if w.is_local or w.slurm_job else w.ssh_target,
+             "slurm_job": w.slurm_job, "tunnel": w.tunnel,
              "env": redact_env(dict(w.env))}
             for w in c.workers
         ],
@@ -105,7 +106,15 @@ def describe_dry_run(plan: LaunchPlan, settings: Mapping[str, SshSettings]) -> s
         ranks = plan.host_ranks(host)
         gpus = [str(r.device) for r in ranks if r.device is not None]
         devices = f"gpu {', '.join(gpus)}" if gpus else "cpu"
-        if worker.is_local:
+        if worker.slurm_job is not None:
+            from .slurm import step_argv
+
+            argv = step_argv(worker.slurm_job, host)
+            how = ("Slurm node; its agent is an srun step of job "
+                   f"{worker.slurm_job}:\n  " + " ".join(shell.quote(w) for w in argv[:-1])
+                   + f" <the agent's bootstrap, {len(argv[-1])} bytes: the host's python3 "
+                   "-I -S reads the agent from stdin>")
+        elif worker.is_local:
             how = f"local, its agent started by invoke ({sys.executable} -I -S)"
         else:
             how = f"{_ssh_line(settings[host])}; one session runs the agent"

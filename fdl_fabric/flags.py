@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .errors import EXIT_USAGE, LaunchError
-from .limits import COMMAND_MAX_BYTES, RESTARTS_MAX, SECONDS_MAX
+from .limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
 
 
 def usage(flag: str, message: str) -> LaunchError:
@@ -68,6 +68,17 @@ def restarts(flag: str, text: Union[None, str, int]) -> Optional[int]:
     if not raw.isdigit() or int(raw) > RESTARTS_MAX:
         raise usage(flag, f"expected a whole number from 0 to {RESTARTS_MAX}, got {text!r}")
     return int(raw)
+
+
+def nproc_per_node(flag: str, value: Optional[str]) -> Optional[int]:
+    """Ranks on each node of a Slurm launch: a whole number; None when not given."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if not text.isdigit() or not 1 <= int(text) <= RANKS_PER_WORKER_MAX:
+        raise usage(flag, f"expected a number of ranks per node, 1-{RANKS_PER_WORKER_MAX}, "
+                    f"got {value!r}")
+    return int(text)
 
 
 def cluster_file(value: Optional[str], default: str) -> str:

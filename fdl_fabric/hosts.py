@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Optional
 
-from .config import ClusterSpec, WorkerSpec
+from .config import WorkerSpec
 from .errors import LaunchError
-from .sessions import AgentSession, Post
+from .sessions import AgentSession, Post, local_environment
 from .sshopts import SshSettings
 
 if TYPE_CHECKING:  # Fabric's SSH stack loads only when a host is remote
@@ -78,8 +78,8 @@ def _close(conn: FdlConnection) -> None:
 def start_agents(workers: Iterable[WorkerSpec], connections: Mapping[str, FdlConnection],
                  post: Post) -> dict[str, AgentSession]:
     """One agent per worker host, started in parallel; a host that cannot start fails all."""
-    sessions = {w.host: AgentSession(w.host, post, connection=None if w.is_local
-                                     else connections[w.host]) for w in workers}
+    sessions = {w.host: agent_session(w, connections, post) for w in workers}
+    ensure_fd_limit(len(sessions))
     errors: list[str] = []
 
     def start(session: AgentSession) -> None:
@@ -98,5 +98,38 @@ def start_agents(workers: Iterable[WorkerSpec], connections: Mapping[str, FdlCon
     return sessions
 
 
-def remote_workers(cluster: ClusterSpec) -> list[WorkerSpec]:
-    return [w for w in cluster.workers if not w.is_local]
+#: Descriptors one agent session holds in the launcher (three pipes for a local or srun
+#: agent; a socket and channel for an SSH one), and a margin for everything else.
+FDS_PER_HOST = 4
+FDS_MARGIN = 256
+
+
+def ensure_fd_limit(hosts: int) -> None:
+    """Raise the soft RLIMIT_NOFILE (often 1,024) toward the hard limit when a launch of
+    this many hosts needs more: 512 Slurm nodes hold 1,536 pipes."""
+    import resource
+
+    need = FDS_PER_HOST * hosts + FDS_MARGIN
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def agent_session(worker: WorkerSpec, connections: Mapping[str, FdlConnection],
+                  post: Post, *, step_name: Optional[str] = None) -> AgentSession:
+    """How this worker's agent is reached: an srun step of its Slurm job, a process here,
+    or an SSH session on its connection."""
+    if worker.slurm_job is not None:
+        from . import slurm
+
+        command = slurm.step_command(worker.slurm_job, worker.host,
+                                     name=step_name or slurm.AGENT_STEP)
+        return AgentSession(worker.host, post, command=command,
+                            env=slurm.step_env(local_environment()))
+    if worker.is_local:
+        return AgentSession(worker.host, post)
+    return AgentSession(worker.host, post, connection=connections[worker.host])

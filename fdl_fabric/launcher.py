@@ -62,7 +62,7 @@ MaxFailure = Union[int, float, None]
 
 @dataclass
 class LaunchOptions:
-    cluster_file: str = "cluster.yml"
+    cluster_file: Optional[str] = "cluster.yml"
     command: Optional[str] = None
     argv: Sequence[str] = ()
     kill_grace: Optional[float] = None
@@ -76,6 +76,31 @@ class LaunchOptions:
     max_restarts: Optional[int] = None
     #: A cluster built in code (``fdl-fabric run``) instead of ``cluster_file``.
     cluster: Optional[ClusterSpec] = None
+    #: ``--slurm``: the workers are the nodes of the allocation this runs in. Without a
+    #: ``cluster_file`` no file is read: the flags say everything.
+    slurm: bool = False
+    #: ``--nproc-per-node``: ranks on each Slurm node (wins over the file's).
+    nproc_per_node: Optional[int] = None
+
+
+def load_for(opts: LaunchOptions) -> ClusterSpec:
+    """The cluster a launch runs: ``opts.cluster``, the cluster file, or (``--slurm``)
+    the nodes of the allocation this runs in (`fdl_fabric.slurm`)."""
+    if opts.slurm:
+        from . import slurm
+
+        return slurm.load(opts.cluster_file, nproc_per_node=opts.nproc_per_node)
+    cluster = opts.cluster or load_cluster(opts.cluster_file or "cluster.yml")
+    if cluster.slurm is not None:
+        from . import slurm
+
+        return slurm.resolve(cluster, flag=f"{cluster.file}: scheduler: slurm",
+                             nproc_per_node=opts.nproc_per_node)
+    if opts.nproc_per_node is not None:
+        raise LaunchError("--nproc-per-node: only for a Slurm launch (--slurm, or "
+                          "`scheduler: slurm` in the cluster file); SSH workers set nproc "
+                          "in the cluster file", EXIT_USAGE)
+    return cluster
 
 
 def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
@@ -213,6 +238,8 @@ class Launch:
         self.stack = contextlib.ExitStack()
         self.monitor: Optional[Any] = None
         self.log: Optional[RunLog] = None
+        #: Seconds of silence from the launcher after which agents stop their ranks.
+        self.lease: Optional[float] = None
 
     def run(self) -> int:
         try:
@@ -236,7 +263,7 @@ class Launch:
 
     def _run(self) -> int:
         opts = self.opts
-        cluster = opts.cluster or load_cluster(opts.cluster_file)
+        cluster = load_for(opts)
         if opts.kill_grace is not None:
             cluster = dataclasses.replace(cluster, kill_grace=opts.kill_grace)
         if opts.max_restarts is not None:
@@ -253,6 +280,8 @@ class Launch:
         launcher_env = dict(os.environ)
         launcher_env.update(opts.env_overrides)
         scale = net_timeout_scale(launcher_env)
+        # The agents give the launcher what the coordinator gives a rank.
+        self.lease = cluster.elastic.heartbeat_timeout * scale
 
         if opts.dry_run:
             plan = self._plan(cluster, argv, dry_run_devices(cluster), prebuilt, launcher_env)
@@ -448,7 +477,7 @@ class Launch:
             for host in plan.hosts():
                 spec = plan.agent_spec(
                     host, checks=agent_checks(checks[host]) if self.opts.preflight else None,
-                    start_now=not self.opts.preflight)
+                    start_now=not self.opts.preflight, lease=self.lease)
                 self.sessions[host].spec(spec)
             return supervisor.run()
         finally:

@@ -112,7 +112,7 @@ class LaunchPlan:
                 if k not in ranks[0].env and not (local and k in self.launcher_sets)}
 
     def agent_spec(self, host: str, *, checks: Optional[dict[str, Any]] = None,
-                   start_now: bool = False) -> dict[str, Any]:
+                   start_now: bool = False, lease: Optional[float] = None) -> dict[str, Any]:
         """What one host's agent is told (docs/protocol.md, ``spec``); carries the salt.
 
         Variables every rank of the host shares are sent once (``env``); each rank's
@@ -142,6 +142,7 @@ class LaunchPlan:
             "envelope": self.envelope_hex(host),
             "checks": checks,
             "start_now": start_now,
+            "lease": lease,
         }
 
 
@@ -160,7 +161,10 @@ def worker_devices(
 
 
 def cluster_key(cluster: ClusterSpec) -> str:
-    """A stable id of the cluster file, so a launch finds its predecessors' leftovers."""
+    """A stable id of the cluster file, so a launch finds its predecessors' leftovers; for
+    a Slurm launch, its job (a later job on the same nodes must never sweep this one's)."""
+    if cluster.slurm is not None and cluster.slurm.job_id is not None:
+        return f"slurm-{cluster.slurm.job_id}"
     path = os.path.join(cluster.folder, os.path.basename(cluster.file))
     return hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
 

@@ -113,6 +113,18 @@ class AgentGone:
 
 
 @dataclass(frozen=True)
+class Signaled:
+    """A signal from outside reached the host's agent. ``stopping``: a TERM, INT or HUP
+    (scancel, a time limit, an operator) on which it stops its ranks; else a USR1/USR2,
+    ``forwarded`` to the ranks by the agent, or delivered to them by Slurm itself."""
+
+    host: str
+    signal: str
+    stopping: bool
+    forwarded: bool = False
+
+
+@dataclass(frozen=True)
 class Joined:
     """The coordinator accepted this rank's hello."""
 
@@ -128,4 +140,4 @@ class Request:
 
 
 Report = Union[AgentReady, Facts, Preflight, Swept, Spawned, SpawnFailed, Output, Exited,
-               Verified, AgentError, AgentDone, AgentGone, Joined, Request]
+               Verified, AgentError, AgentDone, AgentGone, Signaled, Joined, Request]

@@ -21,6 +21,7 @@ from .config import (
     ClusterSpec,
     ControllerSpec,
     ElasticSpec,
+    SlurmSpec,
     SshSpec,
     WorkerSpec,
     is_reserved_env_key,
@@ -50,13 +51,15 @@ from .names import (
     unicode_problem,
     user_name_problem,
 )
-from .yamlread import TAG, Field, NodeReader, describe, line_of
+from .yamlread import TAG, Block, Field, NodeReader, describe, line_of
 
 _DEFAULT_KILL_GRACE = 10.0  # seconds a rank gets to exit cleanly before it is killed
 _DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary port
 
 _TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "master_port",
-             "elastic", "workers")
+             "elastic", "workers", "scheduler", "nproc_per_node", "local_devices", "path")
+#: Top-level keys that only a Slurm launch reads: every node gets the same ranks.
+_SLURM_KEYS = ("nproc_per_node", "local_devices", "path")
 _CONTROLLER_KEYS = ("host", "port")
 _ELASTIC_KEYS = ("max_failure", "formation_timeout", "heartbeat_timeout", "max_restarts")
 _WORKER_KEYS = (
@@ -103,11 +106,17 @@ def read_cluster(
     kill_grace = r.number(top.field("kill_grace"), minimum=0.0, maximum=SECONDS_MAX)
     master_port = r.integer(top.field("master_port"), minimum=1, maximum=PORT_MAX)
     elastic = _read_elastic(r, top.field("elastic"))
+    slurm = _read_slurm(r, top, folder)
 
     workers: list[WorkerSpec] = []
     workers_field = top.field("workers")
     items = r.sequence(workers_field)
-    if workers_field.node is None:
+    if slurm is not None:
+        if workers_field.node is not None:
+            r.problem(workers_field, "a Slurm launch takes its workers from the allocation "
+                      "(SLURM_JOB_NODELIST): remove workers, or remove scheduler: slurm")
+        items = None
+    elif workers_field.node is None:
         r.problem(workers_field, "workers is required (a list with one entry per host)", root)
     elif items == []:
         r.problem(workers_field, "must list at least one worker")
@@ -145,7 +154,34 @@ def read_cluster(
         elastic=elastic,
         workers=tuple(workers),
         env_forward=env_forward,
+        slurm=slurm,
     )
+
+
+def _read_slurm(r: NodeReader, top: Block, folder: str) -> Optional[SlurmSpec]:
+    """``scheduler: slurm`` and the keys that go with it; None for an SSH cluster."""
+    field = top.field("scheduler")
+    scheduler = r.string(field)
+    if scheduler is not None and scheduler != "slurm":
+        r.problem(field, f'expected "slurm" (the one scheduler there is; leave scheduler out '
+                  f"for workers reached over SSH), got {shown(scheduler)}")
+    if scheduler != "slurm":
+        for key in _SLURM_KEYS:
+            if top.has(key):
+                r.problem(top.field(key), f"{key} at the top level is for scheduler: slurm; "
+                          "SSH workers set nproc, local_devices and path each")
+        return None
+    nproc = r.integer(top.field("nproc_per_node"), minimum=1, maximum=RANKS_PER_WORKER_MAX)
+    local_devices = _read_local_devices(r, top.field("local_devices"))
+    if top.has("nproc_per_node") and top.has("local_devices"):
+        r.problem(field, "set either nproc_per_node (CPU ranks) or local_devices (GPU ranks), "
+                  "not both")
+    raw_path = r.path(top.field("path"))
+    # Nodes share the file system the launch runs from, as Slurm assumes; `~` is left to
+    # each node's agent, like a remote worker's.
+    path = None if raw_path is None else _resolve_path(raw_path, folder, is_local=False)
+    return SlurmSpec(nproc_per_node=nproc, local_devices=local_devices, path=path,
+                     line=line_of(field.node) if field.node is not None else 0)
 
 
 def _ranks_of(worker: WorkerSpec) -> int:

@@ -2,7 +2,8 @@
 
 One `AgentSession` per host. A remote agent is one SSH session on the host's Fabric
 Connection (`RawRemote`); a local agent is one process started through invoke
-(`RawLocal`). Either way the agent's stdin and stdout carry `fdl_fabric.agent.wire`
+(`RawLocal`), and so is a Slurm node's, through the srun step that runs it there
+(`fdl_fabric.slurm`). Either way the agent's stdin and stdout carry `fdl_fabric.agent.wire`
 frames; the runner's reader thread feeds stdout into a `wire.Reader` and every frame
 becomes a `reports` record, posted to the supervisor's inbox. Nothing here prints:
 transport never imports presentation.
@@ -84,8 +85,12 @@ class AgentSession:
     """One host's agent, local or remote; see the module docstring."""
 
     def __init__(self, host: str, post: Post, *, connection: Any = None,
-                 python: str = sys.executable, env: Optional[Mapping[str, str]] = None) -> None:
+                 python: str = sys.executable, env: Optional[Mapping[str, str]] = None,
+                 command: Optional[str] = None) -> None:
         self.host = host
+        #: A local command line that reaches the host's agent (an srun step); default: the
+        #: agent itself, here.
+        self.command = command
         self.post = post
         self.connection = connection
         self.python = python
@@ -112,10 +117,10 @@ class AgentSession:
             "in_stream": False, "out_stream": self._stdout, "err_stream": self._stderr,
         }
         if self.local:
-            env = self.env if self.env is not None else _local_environment()
+            env = self.env if self.env is not None else local_environment()
             runner = RawLocal(Context(config=InvokeConfig()))
-            self.promise = runner.run(bundle.local_command(self.python), env=env,
-                                      replace_env=True, shell="/bin/sh", **options)
+            self.promise = runner.run(self.command or bundle.local_command(self.python),
+                                      env=env, replace_env=True, shell="/bin/sh", **options)
         else:
             from .ssh import RawRemote  # Fabric's SSH stack, only when a host is remote
 
@@ -154,6 +159,9 @@ class AgentSession:
         if name not in wire.SIGNALS:
             raise ValueError(f"cannot forward signal {name}")
         self.send(wire.SIGNAL, {"signal": name, "rank": rank})
+
+    def ping(self) -> None:
+        self.send(wire.PING)
 
     def sweep(self, request: dict[str, Any]) -> None:
         self.send(wire.SWEEP, request)
@@ -218,6 +226,9 @@ class AgentSession:
         elif kind == wire.DONE:
             self.done = True
             post(reports.AgentDone(host))
+        elif kind == wire.SIGNALED:
+            post(reports.Signaled(host, str(obj["signal"]), bool(obj.get("stopping")),
+                                  bool(obj.get("forwarded"))))
 
     def protocol_error(self, reason: str) -> None:
         """A malformed stream: stop reading it, end the agent, say why (naming the host)."""
@@ -282,8 +293,9 @@ class AgentSession:
         return "; ".join(parts)
 
 
-def _local_environment() -> dict[str, str]:
-    """The launcher's environment minus launcher-internal variables.
+def local_environment() -> dict[str, str]:
+    """The launcher's environment minus launcher-internal variables: what a local agent
+    (or the srun that starts a Slurm node's agent) is given.
 
     A launcher started from inside another run must not leak that run's envelope or
     identity into its own ranks.

@@ -20,6 +20,7 @@ forms, a death is a membership event and the run carries on until the elastic po
 from __future__ import annotations
 
 import queue
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from enum import Enum
 from typing import Optional, Protocol
 
 from . import errorfile, reports
+from .agent import wire
 from .errorfile import RankError
 from .events import EventBus, Kind
 from .plan import RankPlan
@@ -189,6 +191,7 @@ class HostHandle(Protocol):
     def kill(self) -> None: ...
     def signal(self, name: str, rank: Optional[int] = None) -> None: ...
     def abandon(self) -> None: ...
+    def ping(self) -> None: ...
 
 
 class ElasticPolicy(Protocol):
@@ -253,6 +256,9 @@ class Supervisor:
         self._stop_started: Optional[float] = None
         self._forced = False
         self._interrupt: Optional[int] = None
+        #: The host whose agent was signaled, when the interruption came from outside.
+        self._interrupted_on: Optional[str] = None
+        self._pinged = time.monotonic()
         self._shutdown_seen: Optional[float] = None
         self._preflight_failures: list[str] = []
         self.root_cause: Optional[Rank] = None
@@ -301,6 +307,7 @@ class Supervisor:
                     report = None
             self._check_elastic()
             self._escalate()
+            self._ping()
         self.phase = RunPhase.DONE
         for r in self.ranks:
             if not r.state.terminal:  # cannot happen once every host is gone; be safe
@@ -337,6 +344,8 @@ class Supervisor:
                 host.done_at = time.monotonic()
         elif isinstance(report, reports.AgentGone):
             self._gone(report)
+        elif isinstance(report, reports.Signaled):
+            self._signaled(report)
 
     # -- pre-flight ---------------------------------------------------------------------------
     def _preflight(self, report: reports.Preflight) -> None:
@@ -499,6 +508,32 @@ class Supervisor:
                        "started", announce=True)
         self._maybe_start()
 
+    def _signaled(self, report: reports.Signaled) -> None:
+        """A signal from outside reached an agent: under Slurm, ``scancel`` or the time
+        limit (TERM) or ``--signal`` (USR1). A stop is the run's interruption, as if the
+        launcher had received it, unless a failure already decided the run."""
+        if not report.stopping:
+            how = "forwarded to its ranks" if report.forwarded else \
+                "which Slurm delivered to its ranks too"
+            self.events(Kind.INFO, f"cluster launcher: host {report.host!r}: SIG{report.signal} "
+                        f"from outside, {how}", host=report.host)
+            return
+        signum = int(getattr(signal, "SIG" + report.signal, signal.SIGTERM))
+        if self._interrupt is not None:
+            return
+        if self.failure is not None:
+            # The same signal may have reached a rank (Slurm signals every process of the
+            # step) and been reported before its agent's own: then it is no failure.
+            cause = self.root_cause
+            if cause is None or cause.exit is None or cause.exit.signal != signum:
+                return
+        self._interrupt = signum
+        self._interrupted_on = report.host
+        self.events(Kind.STOPPING, f"cluster launcher: host {report.host!r}: its agent received "
+                    f"SIG{report.signal} from outside (scancel, a time limit, kill) — stopping "
+                    "every rank", host=report.host)
+        self._stop_all()
+
     # -- requests ------------------------------------------------------------------------------
     def _request(self, req: reports.Request) -> None:
         if req.kind == "interrupt" and self._interrupt is None:
@@ -564,6 +599,17 @@ class Supervisor:
                         f"exit within {SHUTDOWN_GRACE:g}s of save-and-shutdown; stopping them")
             self._stop_all()
 
+    def _ping(self) -> None:
+        """Renew every agent's lease (`wire.PING_INTERVAL`): an agent that stops hearing
+        from the launcher stops its ranks."""
+        now = time.monotonic()
+        if now - self._pinged < wire.PING_INTERVAL:
+            return
+        self._pinged = now
+        for host in self.hosts.values():
+            if not host.gone:
+                host.handle.ping()
+
     def _escalate(self) -> None:
         """Make sure a stop finishes, and a finished agent goes, even if one stops answering."""
         now = time.monotonic()
@@ -594,10 +640,11 @@ class Supervisor:
         world = len(ranks)
         if self._interrupt is not None:
             code = 128 + self._interrupt
-            name = "SIGINT" if code == 130 else "SIGTERM" if code == 143 else f"signal {code - 128}"
+            name = signal.Signals(self._interrupt).name
+            where = f" on {self._interrupted_on}" if self._interrupted_on else ""
             return RunResult(Verdict.INTERRUPTED, code,
-                             f"cluster launcher: interrupted by {name} — every rank was stopped",
-                             ranks)
+                             f"cluster launcher: interrupted by {name}{where} — every rank "
+                             "was stopped", ranks)
         if self.failure is not None:
             return RunResult(Verdict.FAILED, 1, self.failure, ranks, self.root_cause)
         if self.elastic is not None:

@@ -48,7 +48,8 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
                    quiet: bool = False, verbose: Optional[str] = None,
                    max_failure: Optional[str] = None, max_restarts: Optional[str] = None,
                    log_dir: Optional[str] = None, dry_run: bool = False,
-                   preflight: bool = True) -> LaunchOptions:
+                   preflight: bool = True, slurm: bool = False,
+                   nproc_per_node: Optional[str] = None) -> LaunchOptions:
     """The launch's options from the flags as invoke gives them, every one checked: a bad
     value is a LaunchError (exit 2) naming its flag, before anything is read or started."""
     if max_failure is not None:
@@ -57,7 +58,9 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         except ValueError as exc:
             raise flags.usage("--max-failure", str(exc)) from None
     return LaunchOptions(
-        cluster_file=flags.cluster_file(cluster, settings["cluster"]),
+        # --slurm reads a cluster file only when one is named: the flags can say it all.
+        cluster_file=None if slurm and cluster is None
+        else flags.cluster_file(cluster, settings["cluster"]),
         command=flags.command(cmd),
         argv=_remainder(),
         kill_grace=flags.seconds("--kill-grace", kill_grace),
@@ -68,6 +71,8 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         log_dir=flags.log_dir(log_dir or settings["log_dir"] or None),
         dry_run=dry_run,
         preflight=preflight,
+        slurm=slurm,
+        nproc_per_node=flags.nproc_per_node("--nproc-per-node", nproc_per_node),
     )
 
 
@@ -89,6 +94,10 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         "(a count, or a percentage such as 25%); default: elastic.max_failure",
         "max-restarts": "start the whole group again up to N times after a failure, as "
         "torchrun does (default: elastic.max_restarts, 0)",
+        "slurm": "run on the nodes of the Slurm allocation this runs in (salloc, sbatch), "
+        "one agent per node started by srun; reads a cluster file only with --cluster",
+        "nproc-per-node": "ranks on each Slurm node (default: nproc_per_node of the "
+        "cluster file)",
     },
     optional=["verbose"],
 )
@@ -104,6 +113,8 @@ def launch(
     log_dir: Optional[str] = None,
     dry_run: bool = False,
     preflight: bool = True,
+    slurm: bool = False,
+    nproc_per_node: Optional[str] = None,
 ) -> None:
     """Launch the job described by the cluster file and supervise it to a verdict.
 
@@ -114,7 +125,7 @@ def launch(
         opts = launch_options(_settings(c), cluster=cluster, cmd=cmd, kill_grace=kill_grace,
                               quiet=quiet, verbose=verbose, max_failure=max_failure,
                               max_restarts=max_restarts, log_dir=log_dir, dry_run=dry_run,
-                              preflight=preflight)
+                              preflight=preflight, slurm=slurm, nproc_per_node=nproc_per_node)
     except LaunchError as exc:
         raise Exit(str(exc), code=exc.exit_code) from None
     code = run_launch(opts)
@@ -129,6 +140,8 @@ def launch(
         "all": "stop every recorded run of this user, not only this cluster's",
         "pattern": "ALSO stop processes whose command line matches this regex, like "
         "`pkill -f` (TERM, 1 s, KILL); may hit processes fdl-fabric did not start",
+        "slurm": "sweep every node of the Slurm allocation this runs in, for this job's "
+        "runs only, and cancel this job's leftover agent steps",
     },
     name="cleanup",
 )
@@ -138,6 +151,7 @@ def cleanup(
     run_id: Optional[str] = None,
     all: bool = False,
     pattern: Optional[str] = None,
+    slurm: bool = False,
 ) -> None:
     """Stop leftover ranks on every host of the cluster, then verify none remains.
 
@@ -147,8 +161,8 @@ def cleanup(
     """
     from .cleanup import run_cleanup
 
-    code = run_cleanup(cluster or _settings(c)["cluster"], run_id=run_id, all_runs=all,
-                       pattern=pattern)
+    file = cluster if slurm else flags.cluster_file(cluster, _settings(c)["cluster"])
+    code = run_cleanup(file, run_id=run_id, all_runs=all, pattern=pattern, slurm=slurm)
     if code:
         raise Exit(code=code)
 

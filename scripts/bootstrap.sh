@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what fdl-fabric needs: Python packages, and with --test also the test
-# tools and an OpenSSH server for the sshd lab. Idempotent and quiet when done.
+# tools, an OpenSSH server (the sshd lab), Slurm and munge (the Slurm lab).
+# Idempotent and quiet when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,13 +11,22 @@ want_test=0
 if [ "$want_test" = 1 ]; then
   "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r requirements-torch.txt -e . 2>&1 \
     | grep -v -e "Running pip as the 'root' user" -e "is ignored: it is neither" || true
-  if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+  # Debian packages the labs need: sshd (the sshd lab), Slurm's daemons and clients and
+  # munge (the Slurm lab). Installed only when missing, and only as root.
+  missing=()
+  { command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ]; } || missing+=(openssh-server)
+  { command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ]; } \
+    && command -v srun >/dev/null 2>&1 || missing+=(slurm-wlm)
+  { command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ]; } || missing+=(munge)
+  if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
-      echo "bootstrap: installing openssh-server (sshd is missing)"
+      echo "bootstrap: installing ${missing[*]} (apt-get)"
       apt-get update -qq
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${missing[@]}" >/dev/null
     else
-      echo "bootstrap: sshd is missing; install openssh-server (the tests start real sshd hosts)" >&2
+      echo "bootstrap: missing ${missing[*]}; install them (the tests start real sshd" \
+        "hosts and a real Slurm cluster)" >&2
       exit 1
     fi
   fi

@@ -177,14 +177,57 @@ def test_eof_on_its_input_stops_every_rank_term_then_kill_after_the_grace(
     assert carriers(s["run_id"]) == []
 
 
-def test_sigterm_to_the_agent_stops_its_ranks_like_eof(agent: AgentPipe) -> None:
+def test_sigterm_to_the_agent_stops_its_ranks_like_eof_and_says_it_came_from_outside(
+        agent: AgentPipe) -> None:
     s = spec(["sleep", "30"], 2)
     agent.send(wire.SPEC, s)
     agent.until(wire.SPAWNED)
     agent.until(wire.SPAWNED)
     os.kill(agent.proc.pid, signal.SIGTERM)
-    exits = agent.exits(agent.until(wire.DONE))
+    frames = agent.until(wire.DONE)
+    exits = agent.exits(frames)
     assert {e["signal"] for e in exits.values()} == {signal.SIGTERM}
+    kinds = [k for k, _ in frames]
+    said = kinds.index(wire.SIGNALED)
+    assert said < kinds.index(wire.EXITED), "the cause is told before its effects"
+    assert wire.parse_json(frames[said][1]) == {"signal": "TERM", "stopping": True}
+
+
+def test_a_usr1_sent_to_the_agent_is_passed_on_to_its_ranks_and_reported(
+        agent: AgentPipe, tmp_path: Path) -> None:
+    mark = tmp_path / "usr1"
+    agent.send(wire.SPEC, spec(["bash", "-c", f"trap 'echo got >> {mark}' USR1; echo up; "
+                                "while :; do sleep 0.05; done"]))
+    agent.until(wire.OUTPUT)
+    os.kill(agent.proc.pid, signal.SIGUSR1)
+    said = agent.until(wire.SIGNALED)[-1]
+    assert wire.parse_json(said[1]) == {"signal": "USR1", "stopping": False, "forwarded": True}
+    deadline = time.monotonic() + 5
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mark.read_text() == "got\n"
+    agent.close_input()
+    agent.until(wire.DONE)
+
+
+def test_an_agent_that_stops_hearing_from_the_launcher_stops_its_ranks_after_its_lease(
+        agent: AgentPipe) -> None:
+    s = spec(["sleep", "60"], 1, lease=wire.LEASE_MIN)
+    agent.send(wire.SPEC, s)
+    agent.until(wire.SPAWNED)
+    pinged_until = time.monotonic() + wire.LEASE_MIN + 1
+    while time.monotonic() < pinged_until:  # pings renew the lease: the rank runs on
+        agent.send(wire.PING)
+        time.sleep(0.5)
+    assert len(carriers(s["run_id"])) == 1
+    silent = time.monotonic()  # then silence, without an EOF (a stalled srun or link)
+    frames = agent.until(wire.DONE, timeout=wire.LEASE_MIN + 10)
+    took = time.monotonic() - silent
+    errors = [wire.parse_json(b)["message"] for k, b in frames if k == wire.ERROR]
+    assert any(f"no word from the launcher for {wire.LEASE_MIN:g}s" in e for e in errors)
+    assert agent.exits(frames)[0]["signal"] == signal.SIGTERM
+    assert wire.LEASE_MIN - 0.5 < took < wire.LEASE_MIN + 3
+    assert carriers(s["run_id"]) == []
 
 
 def test_a_forwarded_signal_reaches_the_rank_and_its_children(agent: AgentPipe,
@@ -246,7 +289,7 @@ def test_the_registry_record_is_json_0600_in_a_0700_folder_and_goes_with_the_run
     agent.send(wire.SPEC, s)
     agent.until(wire.OUTPUT)
     agent.until(wire.OUTPUT)
-    path = Path(procs.record_path(s["run_id"]))
+    path = Path(procs.record_path(s["run_id"], s["host"]))
     record = json.loads(path.read_text())
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
@@ -342,7 +385,10 @@ def test_sigkill_of_the_agent_leaves_its_watchdog_to_stop_every_rank(agent: Agen
         time.sleep(0.05)
     assert carriers(s["run_id"]) == []
     assert time.monotonic() - killed < 1.0 + 2.0
-    assert not Path(procs.record_path(s["run_id"])).exists()
+    record = Path(procs.record_path(s["run_id"], s["host"]))
+    while record.exists() and time.monotonic() < deadline + 2:  # removed once all are gone
+        time.sleep(0.02)
+    assert not record.exists()
 
 
 def test_without_start_now_the_agent_waits_for_start_after_its_preflight(

@@ -36,6 +36,7 @@ from fdl_fabric.cleanup import sweep_request, sweep_with_agents
 from fdl_fabric.config import load_cluster
 from fdl_fabric.hosts import close_all, connect_all
 from fdl_fabric.plan import cluster_key
+from fdl_fabric.sessions import AgentSession
 from fdl_fabric.sshopts import resolve_all_settings
 from fdl_fabric.testing import REGISTRY_MOUNTPOINT, LabHost, SshdLab
 from labutil import (
@@ -117,8 +118,8 @@ def start_time(pid: int) -> int:
     return int(data[data.rindex(")") + 2:].split()[19])
 
 
-def read_record(folder: str, run: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((Path(folder) / f"{run}.json").read_text())
+def read_record(folder: str, run: str, host: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(Path(procs.record_path(run, host, folder)).read_text())
     return data
 
 
@@ -221,7 +222,7 @@ def fab_cleanup(lab: SshdLab, hosts: Sequence[LabHost], home: Path, *args: str,
 
 
 def records_of(run: str, registries: Sequence[str]) -> list[Path]:
-    return [p for r in registries for p in Path(r).glob(f"{run}.json")]
+    return [p for r in registries for p in Path(r).glob(f"{run}@*.json")]
 
 
 def private_lab(sshd_lab: Callable[..., SshdLab], n_hosts: int) -> SshdLab:
@@ -253,9 +254,9 @@ def test_a_running_run_is_recorded_per_host_as_json_with_each_ranks_pid_and_star
     assert run == run_launch.run_id and ranks[1]["run"] == run
     where = {0: (REGISTRY_MOUNTPOINT, "localhost"), 1: (h.registry, h.name)}
     for rank, (folder, host) in where.items():
-        path = Path(folder) / f"{run}.json"
+        path = Path(procs.record_path(run, host, folder))
         wait_for(path.exists, 10, f"the registry record {path}")
-        rec = read_record(folder, run)
+        rec = read_record(folder, run, host)
         pid = ranks[rank]["pid"]
         assert (rec["run"], rec["cluster"], rec["host"]) == (run, key_of(cluster), host)
         assert rec["ranks"] == [{"rank": rank, "pid": pid, "start": start_time(pid)}]
@@ -317,7 +318,7 @@ def test_the_agent_creates_a_missing_registry_0700_and_its_record_0600_whatever_
     uid = os.getuid()
     assert out.decode().splitlines() == [
         f"700 {uid} /tmp/fdl-fabric-{uid}",
-        f"600 {uid} /tmp/fdl-fabric-{uid}/{run}.json",
+        f"600 {uid} /tmp/fdl-fabric-{uid}/{run}@nowhere.json",
     ], stderr
 
 
@@ -448,8 +449,10 @@ def test_sweeping_four_hosts_takes_about_as_long_as_sweeping_one(
                                         ignore_term=True)
                          for i, h in enumerate(hosts)]
             t0 = time.monotonic()
-            reports = sweep_with_agents([h.name for h in hosts], connections,
-                                        sweep_request(cluster=key))
+            reports = sweep_with_agents(
+                [h.name for h in hosts],
+                lambda host, post: AgentSession(host, post, connection=connections[host]),
+                sweep_request(cluster=key))
             timings[n] = time.monotonic() - t0
             assert [r.host for r in reports] == [h.name for h in hosts]
             assert all(r.clean and len(r.stopped) == 1 for r in reports), reports
@@ -548,7 +551,8 @@ def test_inv_cleanup_exits_non_zero_when_a_leftover_survives_the_sweep(
     assert "cleanup: lab1: stopped run stuck-run ranks [0]" in out.stderr
     assert "LEFTOVER" in out.stderr and str(stuck.pid) in out.stderr
     assert out.stderr.splitlines()[-1] == "cleanup: FAILED — leftovers or errors on lab1"
-    assert (Path(h.registry) / "stuck-run.json").exists(), "a survivor keeps its record"
+    assert Path(procs.record_path("stuck-run", h.name, h.registry)).exists(), \
+        "a survivor keeps its record"
 
 
 def test_fab_cleanup_works_from_the_repo_root_without_a_cluster_file(

@@ -43,6 +43,9 @@ class FakeHost:
         assert self.sup is not None
         self.sup.post(report)
 
+    def ping(self) -> None:
+        pass
+
     def start_ranks(self) -> None:
         self.started = True
         for rank, outcome in self.script.items():
@@ -155,6 +158,46 @@ def test_interrupt_stops_all_and_exits_128_plus_signal() -> None:
     result = sup.run()
     assert all(h.stopped for h in hosts) and result.exit_code == 143
     assert result.verdict is Verdict.INTERRUPTED
+
+
+def test_a_term_from_outside_at_an_agent_interrupts_the_run_naming_its_host() -> None:
+    sup, hosts, log = supervise({0: None}, {1: None})
+    sup.post(reports.Signaled("h1", "TERM", True))
+    result = sup.run()
+    assert all(h.stopped for h in hosts) and result.exit_code == 143
+    assert result.message == "cluster launcher: interrupted by SIGTERM on h1 — every rank " \
+        "was stopped"
+
+
+def test_a_rank_that_got_the_same_term_first_does_not_turn_the_interruption_into_a_failure(
+        ) -> None:
+    # Slurm signals every process of the step: a rank's death by TERM can reach the
+    # launcher before its agent's own report of that TERM.
+    sup, (h0,), _ = supervise({0: (None, signal.SIGTERM), 1: None})
+    start = h0.start_ranks
+    h0.start_ranks = lambda: (start(),  # type: ignore[method-assign]
+                              h0.post(reports.Signaled("h0", "TERM", True)))
+    result = sup.run()
+    assert result.verdict is Verdict.INTERRUPTED and result.exit_code == 143
+
+
+def test_a_term_from_outside_after_an_unrelated_failure_keeps_the_failure() -> None:
+    sup, (h0,), _ = supervise({0: (3, None), 1: None})
+    start = h0.start_ranks
+    h0.start_ranks = lambda: (start(),  # type: ignore[method-assign]
+                              h0.post(reports.Signaled("h0", "TERM", True)))
+    result = sup.run()
+    assert result.verdict is Verdict.FAILED and result.exit_code == 1
+
+
+def test_a_usr1_from_outside_is_reported_and_stops_nothing() -> None:
+    sup, hosts, log = supervise({0: None})
+    sup.post(reports.Signaled("h0", "USR1", False))
+    sup.request_interrupt(signal.SIGINT)
+    result = sup.run()
+    assert result.exit_code == 130
+    assert any("SIGUSR1 from outside, which Slurm delivered to its ranks too" in e.message
+               for e in log.events)
 
 
 def test_second_interrupt_kills_at_once() -> None:

@@ -83,8 +83,17 @@ def gpu_indices() -> Dict[str, Any]:
 
     The one GPU query of the package: agents answer `local_devices: all` with it, and the
     launcher uses it for its own machine (dry runs, ``fdl-fabric run --nproc-per-node gpu``).
+    Inside a Slurm step the answer is the step's own GPUs (CUDA_VISIBLE_DEVICES, as Slurm
+    set it): nvidia-smi may list GPUs that belong to other jobs.
     """
     import subprocess
+
+    if os.environ.get("SLURM_STEP_ID") is not None:
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        if all(x.strip().isdigit() for x in listed):
+            return {"gpus": [int(x) for x in listed]}
+        return {"gpus": None, "gpu_error": "this Slurm step holds no GPU: ask the job for "
+                "them (--gpus-per-node=N or --gres=gpu:N)"}
 
     try:
         proc = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],

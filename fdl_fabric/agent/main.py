@@ -39,6 +39,9 @@ from fdl_fabric.rank import ENV_CLUSTER_JSON, ENV_ERROR_FILE
 HIGH_WATER = 4 * 1024 * 1024
 #: Bytes read from a rank pipe at once.
 READ_SIZE = 64 * 1024
+#: Started by srun: a signal Slurm sends the step (scancel, the time limit, --signal)
+#: reaches every process in it, the ranks included, not only the agent.
+_IN_SLURM_STEP = os.environ.get("SLURM_STEP_ID") is not None
 #: Bytes written to the launcher per write call.
 WRITE_SIZE = 256 * 1024
 
@@ -47,6 +50,16 @@ EXIT_PROTOCOL = 3
 EXIT_INTERNAL = 4
 
 _INTERNAL_PREFIX = "FLODL_INTERNAL_"
+#: What srun tells the agent about its own step's one task. Wrong for every rank (all
+#: would be "task 0 of 1"), and frameworks that detect Slurm from them (Lightning reads
+#: SLURM_NTASKS and SLURM_PROCID) would take them over RANK and WORLD_SIZE.
+_STEP_TASK_VARS = frozenset({
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS",
+    "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+    "SLURM_GTIDS", "SLURM_TASK_PID", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NODELIST",
+    "SLURM_NNODES", "SLURM_DISTRIBUTION", "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT", "SLURM_STEP_LAUNCHER_PORT",
+})
 
 
 @dataclass
@@ -96,6 +109,10 @@ class Agent:
         self.started = False
         self.finished = False
         self.interrupts = 0
+        #: The spec's lease: seconds without a byte from the launcher after which the
+        #: agent acts as on EOF (None: only EOF counts).
+        self.lease: Optional[float] = None
+        self.last_input = time.monotonic()
         self.watchdog: Optional[watchdog.Watchdog] = None
         self.exit_code = EXIT_OK
         self._wake_r, self._wake_w = os.pipe()
@@ -105,7 +122,8 @@ class Agent:
         for fd in (self.rfd, self.wfd, self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in (signal.SIGCHLD, signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGCHLD, signal.SIGHUP, signal.SIGTERM, signal.SIGINT,
+                    signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, _noop)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         _become_subreaper()
@@ -139,6 +157,10 @@ class Agent:
         timeout: Optional[float] = None
         if self.kill_at is not None and not self.killed:
             timeout = max(0.0, self.kill_at - time.monotonic())
+        lease_end = self._lease_end()
+        if lease_end is not None:
+            left = max(0.0, lease_end - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
         for key, _ in self.sel.select(timeout):
             what = key.data
             if what == "in":
@@ -150,11 +172,24 @@ class Agent:
             else:
                 self._read_rank(key.fd)
         self._reap()
+        lease_end = self._lease_end()
+        if lease_end is not None and time.monotonic() >= lease_end:
+            self._error(f"no word from the launcher for {self.lease:g}s (its host, its link or "
+                        "the srun carrying this agent is gone): stopping every rank")
+            self._leash()
         if self.kill_at is not None and not self.killed and time.monotonic() >= self.kill_at:
             self._kill_all()
         self._maybe_finish()
         if self.out and self.output_open:
             self._write_output()  # most writes fit the pipe: no need to wait for select
+
+    def _lease_end(self) -> Optional[float]:
+        """When the launcher's silence becomes its absence: a stream that stalls without an
+        EOF (a Slurm node whose srun is gone, a link cut behind an sshd that never probes
+        its clients) must not keep ranks running for ever."""
+        if self.lease is None or self.stopping or not self.input_open:
+            return None
+        return self.last_input + self.lease
 
     def _update_registrations(self) -> None:
         want_out = bool(self.out) and self.output_open
@@ -213,6 +248,7 @@ class Agent:
             data = _read_ready(self.rfd)
             if data is None:
                 return
+            self.last_input = time.monotonic()
             if not data:
                 self.input_open = False
                 self.sel.unregister(self.rfd)
@@ -258,6 +294,8 @@ class Agent:
             self._kill_all()
         elif kind == wire.SWEEP:
             self._on_sweep(wire.parse_json(body))
+        elif kind == wire.PING:
+            pass  # reading it renewed the lease
 
     # -- spec, probe, pre-flight, sweep -----------------------------------------------------
     def _on_spec(self, spec: Dict[str, Any]) -> None:
@@ -270,6 +308,8 @@ class Agent:
             if key not in spec:
                 raise wire.ProtocolError(f"spec lacks {key!r}")
         self.spec = spec
+        if spec.get("lease"):
+            self.lease = max(float(spec["lease"]), wire.LEASE_MIN)
         envelope = _decode_envelope(str(spec.get("envelope", "")))
         if spec.get("checks"):
             values = checks.gather(spec["checks"], bytes.fromhex(envelope.get("salt", "00" * 16)),
@@ -290,7 +330,7 @@ class Agent:
     def _on_sweep(self, request: Dict[str, Any]) -> None:
         report = procs.sweep(runs=[str(r) for r in request.get("runs") or []],
                              cluster=request.get("cluster"), all_runs=bool(request.get("all")),
-                             pattern=request.get("pattern"))
+                             pattern=request.get("pattern"), scope=request.get("scope"))
         self.send(wire.SWEPT, report)
         self.send(wire.DONE)
         self.finished = True
@@ -307,7 +347,8 @@ class Agent:
         self.watchdog = watchdog.start(run_id, host, float(spec["kill_grace"]))
         # Defaults first, then this host's own environment, then the spec's.
         base = {str(k): str(v) for k, v in (spec.get("defaults") or {}).items()}
-        base.update({k: v for k, v in os.environ.items() if not k.startswith(_INTERNAL_PREFIX)})
+        base.update({k: v for k, v in os.environ.items()
+                     if not k.startswith(_INTERNAL_PREFIX) and k not in _STEP_TASK_VARS})
         base.update(spec["env"])
         if spec.get("envelope"):
             base[ENV_CLUSTER_JSON] = str(spec["envelope"])
@@ -319,7 +360,8 @@ class Agent:
             error_file = ""
             try:
                 if spec.get("error_files"):
-                    error_file = procs.error_file(run_id, int(spec.get("attempt", 0)), rank)
+                    error_file = procs.error_file(run_id, host, int(spec.get("attempt", 0)),
+                                                  rank)
                     env[ENV_ERROR_FILE] = error_file
                 child = children.spawn(argv, env, str(spec["cwd"]))
             except (OSError, procs.RegistryError) as exc:
@@ -428,15 +470,17 @@ class Agent:
                     os.killpg(proc.pid, sig)
 
     # -- stopping ---------------------------------------------------------------------------
-    def _leash(self) -> None:
-        """Graceful stop of everything: TERM now, KILL after the kill grace."""
+    def _leash(self, signal_ranks: bool = True) -> None:
+        """Graceful stop of everything: TERM now (unless the ranks already have it), KILL
+        after the kill grace."""
         if self.stopping:
             return
         self.stopping = True
         grace = float(self.spec["kill_grace"]) if self.spec else 0.0
-        self._signal(signal.SIGTERM, None)
-        if self.spec is not None:
-            procs.signal_pids(self._strays(), signal.SIGTERM)
+        if signal_ranks:
+            self._signal(signal.SIGTERM, None)
+            if self.spec is not None:
+                procs.signal_pids(self._strays(), signal.SIGTERM)
         self.kill_at = time.monotonic() + grace
 
     def _leash_now(self) -> None:
@@ -467,9 +511,25 @@ class Agent:
             if signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
                 if signum == signal.SIGINT:
                     self.interrupts += 1
+                # Said before the ranks' exits, which it causes: the launcher then knows
+                # the run was stopped from outside (scancel, a time limit), not that it failed.
+                if not self.stopping:
+                    self.send(wire.SIGNALED, {"signal": signal.Signals(signum).name[3:],
+                                              "stopping": True})
                 if self.stopping and self.interrupts >= 2:
                     self._kill_all()
-                self._leash()
+                # Under Slurm the same TERM reached every process of the step (scancel, the
+                # time limit): the ranks have it; a second one could cut their handler short.
+                self._leash(signal_ranks=not _IN_SLURM_STEP)
+            elif signum in (signal.SIGUSR1, signal.SIGUSR2):
+                # An operator's `kill -USR1 <agent>` is meant for the ranks. Slurm's
+                # `--signal=USR1@T` and `scancel --signal` reach every process of the step,
+                # the ranks included: forwarding it too would deliver it twice.
+                forward = not _IN_SLURM_STEP
+                if forward:
+                    self._signal(signum, None)
+                self.send(wire.SIGNALED, {"signal": signal.Signals(signum).name[3:],
+                                          "stopping": False, "forwarded": forward})
 
     # -- the end ----------------------------------------------------------------------------
     def _maybe_finish(self) -> None:
@@ -478,6 +538,7 @@ class Agent:
         if self.started:
             if any(p.running for p in self.ranks.values()):
                 return
+            self._read_signals()  # a TERM that came with the ranks' end is still told
             self._verify()
             self.finished = True
             return
@@ -498,8 +559,8 @@ class Agent:
             grace = min(float(spec["kill_grace"]), procs.SWEEP_GRACE) if not self.killed else 0.0
             remaining = procs.stop(lambda: procs.carriers(run_id, host), grace)
         if not remaining:
-            procs.remove_record(run_id)
-        procs.remove_error_files(run_id)
+            procs.remove_record(run_id, host)
+        procs.remove_error_files(run_id, host)
         # Output that leftovers wrote before they were stopped still belongs to the run.
         for fd, stream in list(self.streams.items()):
             self._read_rank(fd)

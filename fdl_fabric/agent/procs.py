@@ -14,7 +14,7 @@ A process belongs to a run on this host when either
 Nothing is ever selected by command line (DeepSpeed's ``pkill -f`` cleanup killed other
 users' jobs, DeepSpeed#6807), except behind an explicit ``--pattern``.
 
-The registry is one JSON file per run and host, ``/tmp/fdl-fabric-<uid>/<run>.json``
+The registry is one JSON file per run and host, ``/tmp/fdl-fabric-<uid>/<run>@<host>.json``
 (folder 0700, file 0600), written by the agent alone, atomically. JSON rather than
 ``key=value`` text: no field value, such as a host name, can forge another field.
 ``inv cleanup`` and the agent's pre-spawn sweep read it to find runs that outlived their
@@ -24,6 +24,7 @@ launcher.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -216,7 +217,8 @@ def _checked_dir(folder: str, create: bool) -> bool:
 ERROR_FILE_MAX = 64 * 1024
 
 
-def error_file(run_id: str, attempt: int, rank: int, folder: Optional[str] = None) -> str:
+def error_file(run_id: str, host: str, attempt: int, rank: int,
+               folder: Optional[str] = None) -> str:
     """Where a rank writes its error file (torchrun's TORCHELASTIC_ERROR_FILE), made ready.
 
     Under the run registry, so it is private to the user (0700 folders); a stale file
@@ -224,8 +226,8 @@ def error_file(run_id: str, attempt: int, rank: int, folder: Optional[str] = Non
     """
     base = folder or registry_dir()
     _checked_dir(base, create=True)
-    path = os.path.join(record_path(run_id, base)[:-len(".json")], f"attempt_{attempt}",
-                        f"r{rank}", "error.json")
+    path = os.path.join(_run_folder(run_id, host, base), f"attempt_{attempt}", f"r{rank}",
+                        "error.json")
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -242,24 +244,33 @@ def read_error_file(path: str) -> str:
         return ""
 
 
-def remove_error_files(run_id: str, folder: Optional[str] = None) -> None:
+def remove_error_files(run_id: str, host: str, folder: Optional[str] = None) -> None:
     import shutil
 
     with contextlib.suppress(OSError, ValueError):
-        shutil.rmtree(record_path(run_id, folder)[:-len(".json")])
+        shutil.rmtree(_run_folder(run_id, host, folder))
 
 
-def record_path(run_id: str, folder: Optional[str] = None) -> str:
+def _run_folder(run_id: str, host: str, folder: Optional[str] = None) -> str:
+    """``<registry>/<run>@<host>``: one host's part of a run. Per host, because several
+    nodes of one run can share a machine (and its /tmp) in a test lab."""
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id):
         raise ValueError(f"not a run id: {run_id!r}")
-    return os.path.join(folder or registry_dir(), run_id + ".json")
+    slug = re.sub(r"[^A-Za-z0-9._-]", "_", host)
+    if slug != host or len(slug) > 64:  # keep names short and distinct
+        slug = slug[:40] + "-" + hashlib.sha256(host.encode("utf-8")).hexdigest()[:12]
+    return os.path.join(folder or registry_dir(), f"{run_id}@{slug}")
+
+
+def record_path(run_id: str, host: str, folder: Optional[str] = None) -> str:
+    return _run_folder(run_id, host, folder) + ".json"
 
 
 def write_record(record: Dict[str, Any], folder: Optional[str] = None) -> str:
     """Write (or replace) a run's record atomically, 0600. Returns its path."""
     folder = folder or registry_dir()
     _checked_dir(folder, create=True)
-    path = record_path(str(record["run"]), folder)
+    path = record_path(str(record["run"]), str(record["host"]), folder)
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
@@ -270,9 +281,9 @@ def write_record(record: Dict[str, Any], folder: Optional[str] = None) -> str:
     return path
 
 
-def remove_record(run_id: str, folder: Optional[str] = None) -> None:
+def remove_record(run_id: str, host: str, folder: Optional[str] = None) -> None:
     with contextlib.suppress(OSError, ValueError):
-        os.unlink(record_path(run_id, folder))
+        os.unlink(record_path(run_id, host, folder))
 
 
 def read_records(folder: Optional[str] = None) -> tuple:  # type: ignore[type-arg]
@@ -314,7 +325,7 @@ def _valid_record(data: Any) -> Dict[str, Any]:
                 isinstance(r.get(k), int) and not isinstance(r.get(k), bool)
                 for k in ("rank", "pid", "start")):
             raise ValueError("a rank entry lacks integer rank, pid or start")
-    record_path(data["run"])  # a run id that is a safe file name
+    record_path(data["run"], data["host"])  # a run id that is a safe file name
     return dict(data)
 
 
@@ -334,6 +345,7 @@ def describe(pids: Sequence[int]) -> List[Dict[str, Any]]:
 def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: bool = False,
           pattern: Optional[str] = None, grace: float = SWEEP_GRACE,
           folder: Optional[str] = None, keep: Optional[str] = None,
+          scope: Optional[str] = None,
           wait: Callable[[float], None] = time.sleep) -> Dict[str, Any]:
     """Stop the recorded runs selected by id, cluster key or ``all_runs``; verify; report.
 
@@ -341,7 +353,9 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
     the run the sweeping agent belongs to, whose other hosts may share this machine's
     registry and be starting right now. With ``pattern``, processes whose command line
     matches the regex are stopped too, like ``pkill -f``: an explicit opt-in, since it
-    can hit processes fdl-fabric did not start.
+    can hit processes fdl-fabric did not start. ``scope`` is a cluster key every selected
+    run must have, whatever else selects it: a Slurm job's cleanup never reaches a run of
+    another job on the same node.
     """
     report: Dict[str, Any] = {"stopped": [], "leftovers": [], "stale": 0, "errors": []}
     try:
@@ -351,7 +365,8 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
         records, problems = [], []
     report["errors"].extend(problems)
     wanted = set(runs)
-    selected = [r for r in records if r["run"] != keep and (
+    selected = [r for r in records if r["run"] != keep and (scope is None or
+                                                             r["cluster"] == scope) and (
         all_runs or r["run"] in wanted or (cluster and r["cluster"] == cluster))]
     targets = []
     for rec in selected:

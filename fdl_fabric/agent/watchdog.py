@@ -121,4 +121,4 @@ def _run(fd: int, run_id: str, host: str, kill_grace: float) -> None:  # pragma:
         return sorted(found)
 
     procs.stop(current, kill_grace)
-    procs.remove_record(run_id)
+    procs.remove_record(run_id, host)

@@ -50,6 +50,12 @@ STOP = 4  #: graceful stop of every rank: TERM, KILL after the kill grace
 KILL = 5  #: KILL every rank's group now
 PROBE = 6  #: {"gpus": true}: report facts needed before the plan exists
 SWEEP = 7  #: {"runs": [...], "cluster": k, "all": bool, "pattern": p}: cleanup only
+PING = 8  #: {}: the launcher is alive (renews the spec's ``lease``)
+
+#: Seconds between the launcher's pings to each agent during a run.
+PING_INTERVAL = 2.0
+#: The shortest lease an agent accepts: a few pings may be late without stopping a run.
+LEASE_MIN = 3 * PING_INTERVAL
 
 # -- frame types, agent -> launcher ---------------------------------------------------------
 HELLO = 64  #: {"version", "pid", "python", "system", "machine"}
@@ -63,10 +69,15 @@ VERIFIED = 71  #: {"stopped": [...], "remaining": [...]}: nothing of the run is 
 ERROR = 72  #: {"message", "rank": int | null}: a problem the agent reports and survives
 SPAWN_FAILED = 73  #: {"rank", "reason"}: the host's ranks were not (all) started
 DONE = 74  #: {}: the agent is about to exit normally
+#: {"signal": "TERM", "stopping": bool, "forwarded": bool}: a signal from outside reached
+#: the agent (scancel, a Slurm time limit, an operator's kill); stopping: it is stopping
+#: its ranks; forwarded: it passed a USR1/USR2 on to them (not under Slurm, which
+#: delivers it to every process of the step itself)
+SIGNALED = 75
 
-DOWN_TYPES: FrozenSet[int] = frozenset({SPEC, START, SIGNAL, STOP, KILL, PROBE, SWEEP})
+DOWN_TYPES: FrozenSet[int] = frozenset({SPEC, START, SIGNAL, STOP, KILL, PROBE, SWEEP, PING})
 UP_TYPES: FrozenSet[int] = frozenset({HELLO, FACTS, PREFLIGHT, SWEPT, SPAWNED, OUTPUT, EXITED,
-                                      VERIFIED, ERROR, SPAWN_FAILED, DONE})
+                                      VERIFIED, ERROR, SPAWN_FAILED, DONE, SIGNALED})
 
 STDOUT = 1
 STDERR = 2

@@ -590,8 +590,12 @@ class SlurmLab:
                 )
             time.sleep(_POLL)
 
-    def _wait_idle(self, daemons: Sequence[_Daemon]) -> None:
-        """Until ``sinfo`` reports every node ``idle`` (registered, responding, usable)."""
+    def _wait_idle(self, daemons: Sequence[_Daemon],
+                   nodes: Optional[Sequence[str]] = None) -> None:
+        """Until ``sinfo`` reports ``nodes`` (default: every node) ``idle`` (registered,
+        responding, usable) or, for a node named, in use by a job (``alloc``, ``mix``)."""
+        usable = ("idle",) if nodes is None else ("idle", "alloc", "mix")
+        nodes = self.nodes if nodes is None else nodes
         deadline = time.monotonic() + self.startup_timeout
         states: dict[str, str] = {}
         last = ""
@@ -607,7 +611,7 @@ class SlurmLab:
             if result.returncode == 0:
                 states = dict(line.split(None, 1) for line in result.stdout.splitlines()
                               if " " in line)
-                if all(states.get(node) == "idle" for node in self.nodes):
+                if all(states.get(node) in usable for node in nodes):
                     return
             if time.monotonic() > deadline:
                 details = "\n".join(d.tail() for d in self._daemons)
@@ -720,12 +724,13 @@ class SlurmLab:
                 daemon.proc.wait(10)
 
     def restart_slurmd(self, node: str) -> None:
-        """Start ``node``'s slurmd again (after ``kill_slurmd``); waits until it is idle."""
+        """Start ``node``'s slurmd again (after ``kill_slurmd``); waits until it serves again
+        (idle, or still in a job that outlived the node's failure)."""
         daemon = self._daemon(f"slurmd {node}")
         if daemon.alive():
             raise SlurmLabError(f"slurmd {node} is still running")
         daemon.spawn(self.env)
-        self._wait_idle([daemon])
+        self._wait_idle([daemon], [node])
 
     def _daemon(self, name: str) -> _Daemon:
         for daemon in self._daemons:
