@@ -5,30 +5,35 @@ Prints medians (and min/max) over ``--repeat`` runs; it is a script, not a test,
 timing is ever asserted.  Every time is measured from ``t0``, taken just before the
 benchmark sends SIGKILL to one rank:
 
-* **pre-formation** (the rank program writes its pid and sleeps; it never joins the
-  coordinator, so the first failure is fatal and every other rank is stopped):
-  ``t0 -> all peers stopped``, the moment the last other rank's pid is gone (``/proc``
-  polled every 5 ms, zombies count as gone).  Also timed: the launcher's
-  ``rank R of HOST exited with signal 9`` line, its ``peer failure`` line and its exit.
+* **pre-formation** (the rank program writes its pid to a file and sleeps; it never
+  joins the coordinator, so the first failure is fatal and every other rank is stopped):
 
-  - local: one ``localhost`` worker, ``nproc: 4``, ``kill_grace: 10``, rank 1 killed;
-  - remote: two sshd-lab hosts x 2 ranks, rank 1 (on lab1) killed, peers on both hosts;
-  - torchrun: ``torchrun --standalone --nproc-per-node 4`` with the same program and
-    defaults (``--max-restarts 0``, ``--monitor-interval 0.1``), worker 1 killed.
+  - ``death -> all peers stopped``: the last other rank exited (a pidfd per rank, polled
+    by the kernel: no sampling interval; a zombie counts as stopped);
+  - ``death -> victim reaped``: the killed rank's ``/proc`` entry vanished, i.e. its
+    agent's ``waitpid`` collected it (sampled every 1 ms) — the agent's share;
+  - the launcher's ``rank R of HOST exited with signal 9`` line, its ``peer failure``
+    line, its verdict (the last line it prints) and its exit; and ``verdict -> launcher
+    exited``, the teardown after the verdict.
 
-* **post-formation** (``examples/toy_train.py``, one local worker and one lab host, two
-  ranks each; a death is a tolerated membership event): ``t0 -> the coordinator's
-  "rank R declared dead" line``, and ``t0 -> the supervisor's "tolerating" line``;
-  a local rank (1) or a remote rank (3) is killed, then the launch is stopped with
-  SIGTERM.
+  Topologies: ``pre-local`` one ``localhost`` worker x 4 ranks (rank 1 killed);
+  ``pre-local-torchrun`` ``torchrun --standalone --nproc-per-node 4`` with the same
+  program (defaults: ``--max-restarts 0``, ``--monitor-interval 0.1``), worker 1 killed;
+  ``pre-remote`` 2 lab hosts x 2 ranks (rank 1 on lab1 killed); ``pre-remote-64`` 8 lab
+  hosts x 8 ranks (rank 9, on lab2, killed; peers on all 8 hosts).
 
-Line times are taken by reader threads the moment a line arrives on the launcher's pipe
-(``tests/labutil.LiveLaunch``).  For fdl-fabric the exit of the killed rank's bash
-wrapper (its parent, also on lab hosts, which are this machine) is timed too, which
-splits the latency into the wrapper's share and the launcher's.  The kill comes 0.5 s
-plus a random 0-0.2 s after the last rank is up, so it lands at a random phase of the
-polling loops being measured.  One discarded warm-up run per scenario comes first, then
-the scenarios run round-robin.
+* **post-formation** (``examples/toy_train.py``; one local worker and one lab host, two
+  ranks each; a death is a tolerated membership event): ``death -> the coordinator's
+  "rank R declared dead" line``, ``death -> victim reaped`` and ``death -> the
+  supervisor's "tolerating" line``; a local rank (1) or a remote rank (3) is killed, then
+  the launch is stopped with SIGTERM.
+
+Ranks are found through the pid files they write (lab hosts are this machine, so the
+pids are ours to watch). Launcher lines are timestamped by reader threads the moment
+they arrive on its pipes.  The kill comes 0.5 s plus a random 0-0.2 s after the last
+rank is up, so it lands at a random phase of any periodic loop (the supervisor's 50 ms
+tick, the coordinator's 50 ms tick, torchrun's 100 ms monitor).  One discarded warm-up
+run per scenario comes first, then the scenarios run round-robin.
 
 Run ``python3 bench/detect.py`` (``--help`` for options).  Everything the script starts
 (launches, torchrun, rank processes, the sshd lab) is stopped before it exits.
@@ -38,46 +43,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import random
 import re
+import select
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Optional, TextIO
 
+import benchlib
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = benchlib.ROOT
 TOY = ROOT / "examples" / "toy_train.py"
-
-
-def _load_labutil() -> ModuleType:
-    """tests/labutil.py, the integration tests' launch helper, imported by path."""
-    path = ROOT / "tests" / "labutil.py"
-    spec = importlib.util.spec_from_file_location("fdl_bench_labutil", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-labutil = _load_labutil()
-LiveLaunch = labutil.LiveLaunch
 
 #: The pre-formation rank program: write our pid to ``<dir>/pid-r<RANK>`` (atomically),
 #: then sleep.  It never joins the coordinator.  The sleep is bounded so that a rank the
@@ -95,62 +85,62 @@ os.replace(tmp, os.path.join(folder, "pid-r%s" % rank))
 time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 120.0)
 """
 
-#: How often ``/proc`` is read while waiting for peers to go.
-PROC_POLL = 0.005
+#: How often ``/proc/<victim>`` is looked at until its agent has reaped it.
+REAP_POLL = 0.001
 #: Pause between "every rank is up" and the kill, so start-up work has settled ...
 SETTLE = 0.5
-#: ... plus a random 0..JITTER s, so the kill lands at a random phase of the polling loops
-#: being measured (wrapper tick 100 ms, supervisor poll and coordinator tick 50 ms,
-#: torchrun's monitor 100 ms).  Those loops start with the ranks, and a fixed delay would
-#: hit the same phase in every run and bias every sample the same way.
+#: ... plus a random 0..JITTER s, so the kill lands at a random phase of periodic loops.
 JITTER = 0.2
-#: Kill grace in every cluster file (the issue's scenario; TERM ends the ranks anyway).
+#: Kill grace in every cluster file (TERM ends the ranks anyway).
 KILL_GRACE = 10
 #: Longest wait for any one step (ranks up, cohort formed, peers gone, a line, an exit).
-STEP_TIMEOUT = 60.0
+STEP_TIMEOUT = 90.0
 
 # Scenario keys, in the order they are reported.
-PRE_LOCAL, PRE_LOCAL_TORCH, PRE_REMOTE, POST_LOCAL, POST_REMOTE = (
-    "pre-local", "pre-local-torchrun", "pre-remote", "post-local", "post-remote")
-ALL_KEYS = (PRE_LOCAL, PRE_LOCAL_TORCH, PRE_REMOTE, POST_LOCAL, POST_REMOTE)
+PRE_LOCAL, PRE_LOCAL_TORCH, PRE_REMOTE, PRE_REMOTE_64, POST_LOCAL, POST_REMOTE = (
+    "pre-local", "pre-local-torchrun", "pre-remote", "pre-remote-64", "post-local",
+    "post-remote")
+ALL_KEYS = (PRE_LOCAL, PRE_LOCAL_TORCH, PRE_REMOTE, PRE_REMOTE_64, POST_LOCAL, POST_REMOTE)
 FDL, TORCHRUN = "fdl-fabric", "torchrun"
 
-#: Scenario label and tool, per key.  Topologies: pre-formation local = one ``localhost``
-#: worker x 4 ranks; remote = lab1 x 2 + lab2 x 2, rank 1 (lab1) killed; post-formation =
-#: localhost x 2 (ranks 0-1) + lab1 x 2 (ranks 2-3).
-SCENARIO = {
-    PRE_LOCAL: ("pre-formation, local (1x4, r1 killed)", FDL),
-    PRE_LOCAL_TORCH: ("pre-formation, local (1x4, r1 killed)", TORCHRUN),
-    PRE_REMOTE: ("pre-formation, remote (2x2, r1 on lab1 killed)", FDL),
-    POST_LOCAL: ("post-formation, local rank (r1 killed)", FDL),
-    POST_REMOTE: ("post-formation, remote rank (r3 killed)", FDL),
+#: key -> (label, tool, hosts, ranks per host (0 = local), victim rank)
+SCENARIO: dict[str, tuple[str, str, int, int, int]] = {
+    PRE_LOCAL: ("pre-formation, local (1x4, r1 killed)", FDL, 0, 4, 1),
+    PRE_LOCAL_TORCH: ("pre-formation, local (1x4, r1 killed)", TORCHRUN, 0, 4, 1),
+    PRE_REMOTE: ("pre-formation, remote (2x2, r1 on lab1 killed)", FDL, 2, 2, 1),
+    PRE_REMOTE_64: ("pre-formation, remote (8x8, r9 on lab2 killed)", FDL, 8, 8, 9),
+    POST_LOCAL: ("post-formation, local rank (r1 killed)", FDL, 1, 2, 1),
+    POST_REMOTE: ("post-formation, remote rank (r3 killed)", FDL, 1, 2, 3),
 }
+
+_FDL_PRE = (("peers_stopped", "death -> all peers stopped"),
+            ("victim_reaped", "death -> victim reaped by its agent"),
+            ("exit_reported", "death -> 'rank R ... signal 9' line"),
+            ("peer_failure", "death -> 'peer failure' line"),
+            ("first_peer_stopped", "death -> first peer stopped"),
+            ("verdict", "death -> verdict (last line)"),
+            ("tool_exited", "death -> launcher exited"),
+            ("exit_after_verdict", "verdict -> launcher exited"))
+_FDL_POST = (("declared_dead", "death -> 'declared dead' line"),
+             ("victim_reaped", "death -> victim reaped by its agent"),
+             ("tolerating", "death -> 'tolerating' line"))
 
 #: (milestone key, what it measures), per scenario; the first one is the headline.
 MEASURES: dict[str, tuple[tuple[str, str], ...]] = {
-    PRE_LOCAL: (("peers_stopped", "death -> all peers stopped"),
-                ("wrapper_exited", "death -> its wrapper exited"),
-                ("exit_reported", "death -> 'rank 1 ... signal 9' line"),
-                ("peer_failure", "death -> 'peer failure' line"),
-                ("first_peer_stopped", "death -> first peer stopped"),
-                ("tool_exited", "death -> launcher exited")),
+    PRE_LOCAL: _FDL_PRE,
     PRE_LOCAL_TORCH: (("peers_stopped", "death -> all peers stopped"),
+                      ("victim_reaped", "death -> victim reaped by torchrun"),
                       ("exit_reported", "death -> 'failed (exitcode: -9)' line"),
                       ("first_peer_stopped", "death -> first peer stopped"),
                       ("tool_exited", "death -> torchrun exited")),
-    PRE_REMOTE: (("peers_stopped", "death -> all peers stopped"),
-                 ("wrapper_exited", "death -> its wrapper exited"),
-                 ("exit_reported", "death -> 'rank 1 ... signal 9' line"),
-                 ("peer_failure", "death -> 'peer failure' line"),
-                 ("first_peer_stopped", "death -> first peer stopped"),
-                 ("tool_exited", "death -> launcher exited")),
-    POST_LOCAL: (("declared_dead", "death -> 'declared dead' line"),
-                 ("wrapper_exited", "death -> its wrapper exited"),
-                 ("tolerating", "death -> 'tolerating' line")),
-    POST_REMOTE: (("declared_dead", "death -> 'declared dead' line"),
-                  ("wrapper_exited", "death -> its wrapper exited"),
-                  ("tolerating", "death -> 'tolerating' line")),
+    PRE_REMOTE: _FDL_PRE,
+    PRE_REMOTE_64: _FDL_PRE,
+    POST_LOCAL: _FDL_POST,
+    POST_REMOTE: _FDL_POST,
 }
+
+#: The issue's targets: (scenario, measure, bound in ms).
+TARGETS = ((PRE_REMOTE_64, "peers_stopped", 50.0), (PRE_REMOTE_64, "exit_after_verdict", 300.0))
 
 
 # --------------------------------------------------------------------------------------
@@ -183,33 +173,22 @@ def identify(pid: int) -> Optional[Pid]:
     return None if st is None else Pid(pid, st[2])
 
 
-def wrapper_of(rank: Pid) -> Optional[Pid]:
-    """The fdl-fabric bash wrapper that runs ``rank`` (its parent), or None.
-
-    The wrapper's subshell ``exec``s ``setsid`` which ``exec``s the program without
-    forking, so the rank's parent is the wrapper, on lab hosts as well (they are this
-    machine).  Recognised by the wrapper text on its command line (``bash -c``).
-    """
-    st = _stat(rank.pid)
-    if st is None:
-        return None
-    try:
-        cmdline = Path(f"/proc/{st[1]}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return identify(st[1]) if b"__fdl_pid" in cmdline else None
-
-
 def alive(p: Pid) -> bool:
     """Running (zombies and dead processes are gone) and still the same process."""
     st = _stat(p.pid)
     return st is not None and st[2] == p.start and st[0] not in ("Z", "X")
 
 
+def present(p: Pid) -> bool:
+    """Still in /proc, zombie or not (not yet reaped by its parent)."""
+    st = _stat(p.pid)
+    return st is not None and st[2] == p.start
+
+
 #: Every rank process this script has seen, to be killed at exit if still running.
 _RANKS: set[Pid] = set()
 #: Launches and torchrun runs that may still be running.
-_RUNS: list[Any] = []
+_RUNS: list[LiveCommand] = []
 
 
 def kill_leftovers(pids: Sequence[Pid]) -> list[int]:
@@ -221,23 +200,42 @@ def kill_leftovers(pids: Sequence[Pid]) -> list[int]:
     return [p.pid for p in left]
 
 
-def stop_run(run: Any, *, timeout: float = 30.0) -> Optional[int]:
+class LiveCommand:
+    """A running command whose output lines are collected with their arrival time."""
+
+    def __init__(self, argv: Sequence[str], *, cwd: Path) -> None:
+        self.proc = benchlib.start(argv, cwd=str(cwd))
+        self.out: list[tuple[float, str]] = []
+        self.err: list[tuple[float, str]] = []
+        self.threads = []
+        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            t = threading.Thread(target=self._pump, args=(stream, sink), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    @staticmethod
+    def _pump(stream: Any, sink: list[tuple[float, str]]) -> None:
+        for line in stream:
+            sink.append((time.monotonic(), line.decode("utf-8", "replace").rstrip("\n")))
+
+    def join_pumps(self) -> None:
+        for t in self.threads:
+            t.join(5)
+
+
+def stop_run(run: LiveCommand, *, timeout: float = 30.0) -> Optional[int]:
     """TERM the tool's own process (the launcher stops its ranks on TERM), KILL its
     process group after ``timeout``; returns its exit code."""
     proc = run.proc
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            run.kill()
-            proc.wait(10)
-    for t in run._threads:
-        t.join(5)
+    code = benchlib.stop(proc, grace=10)
+    run.join_pumps()
     if run in _RUNS:
         _RUNS.remove(run)
-    code: Optional[int] = proc.returncode
     return code
 
 
@@ -250,31 +248,6 @@ def stop_everything() -> None:
     while time.monotonic() < deadline and any(alive(p) for p in _RANKS):
         time.sleep(0.05)
     kill_leftovers(list(_RANKS))
-
-
-@contextlib.contextmanager
-def _terminate_gracefully() -> Iterator[None]:
-    """SIGTERM/SIGHUP to the benchmark unwind like Ctrl-C, so cleanup still runs."""
-
-    def raise_exit(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, raise_exit) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-class LiveCommand(LiveLaunch):  # type: ignore[misc, valid-type]
-    """LiveLaunch's line collection (monotonic time per line) for any command."""
-
-    def __init__(self, argv: Sequence[str], *, cwd: Path) -> None:
-        self.proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     cwd=str(cwd), start_new_session=True)
-        self._start_pumps()
 
 
 # --------------------------------------------------------------------------------------
@@ -307,13 +280,13 @@ def line_time(sink: list[tuple[float, str]], pattern: str, after: float) -> Opti
     return None
 
 
-def after(sink: list[tuple[float, str]], pattern: str, t0: float) -> Optional[float]:
+def since(sink: list[tuple[float, str]], pattern: str, t0: float) -> Optional[float]:
     """Seconds from ``t0`` to the first line matching ``pattern`` after it, or None."""
     stamp = line_time(sink, pattern, t0)
     return None if stamp is None else stamp - t0
 
 
-def wait_pid_files(folder: Path, world: int, run: Any) -> dict[int, Pid]:
+def wait_pid_files(folder: Path, world: int, run: LiveCommand) -> dict[int, Pid]:
     """Pids of ranks 0..world-1 from their pid files, once all are there and running."""
 
     def ready() -> Optional[dict[int, Pid]]:
@@ -336,35 +309,57 @@ def wait_pid_files(folder: Path, world: int, run: Any) -> dict[int, Pid]:
     return pids
 
 
-def watch_gone(procs: dict[str, Pid], t0: float,
-               until: Callable[[], Any] = lambda: True) -> dict[str, float]:
-    """Poll /proc every PROC_POLL until every process is gone and ``until()`` holds.
+def watch(peers: dict[str, Pid], victim: Optional[Pid], tool: Optional[subprocess.Popen[bytes]],
+          t0: float, until: Callable[[], Any] = lambda: True) -> dict[str, float]:
+    """Wait until every peer and the tool exited, the victim was reaped and ``until()``.
 
-    Returns the seconds from t0 at which each process was first seen gone.
+    Peers and the tool are watched through pidfds (the kernel wakes us when each exits);
+    the victim's /proc entry is looked at every REAP_POLL until it is gone.  Returns the
+    seconds from t0 of each event: peer names, ``victim``, ``tool``.
     """
+    poller = select.poll()
+    fds: dict[int, str] = {}
     gone: dict[str, float] = {}
-    deadline = t0 + STEP_TIMEOUT
-    while True:
-        now = time.monotonic()
-        for name, p in procs.items():
-            if name not in gone and not alive(p):
-                gone[name] = now - t0
-        if len(gone) == len(procs) and until():
-            return gone
-        if now > deadline:
-            raise BenchError(f"{sorted(set(procs) - set(gone)) or 'a line'} still pending "
-                             f"after {STEP_TIMEOUT:g}s")
-        time.sleep(PROC_POLL)
-
-
-def wait_exit(run: Any, t0: float) -> float:
-    """Seconds from t0 to the tool's exit, polled every PROC_POLL."""
-    deadline = t0 + STEP_TIMEOUT
-    while run.proc.poll() is None:
-        if time.monotonic() > deadline:
-            raise BenchError("the tool did not exit after its ranks were stopped")
-        time.sleep(PROC_POLL)
-    return time.monotonic() - t0
+    try:
+        for name, p in peers.items():
+            try:
+                fd = os.pidfd_open(p.pid)
+            except ProcessLookupError:
+                gone[name] = 0.0
+                continue
+            if not alive(p):  # the pid was recycled, or it is a zombie already
+                os.close(fd)
+                gone[name] = 0.0
+                continue
+            fds[fd] = name
+            poller.register(fd, select.POLLIN)
+        if tool is not None:
+            fd = os.pidfd_open(tool.pid)
+            fds[fd] = "tool"
+            poller.register(fd, select.POLLIN)
+        deadline = t0 + STEP_TIMEOUT
+        while True:
+            victim_pending = victim is not None and "victim" not in gone
+            waiting = any(name not in gone for name in fds.values())
+            if not waiting and not victim_pending and until():
+                return gone
+            now = time.monotonic()
+            if now > deadline:
+                missing = sorted(set(peers) - set(gone))
+                raise BenchError(f"still pending after {STEP_TIMEOUT:g}s: peers {missing}, "
+                                 f"victim {'reaped' if 'victim' in gone else 'not reaped'}")
+            timeout_ms = 1 if victim_pending else 20
+            for fd, _ in poller.poll(timeout_ms if waiting else 0):
+                stamp = time.monotonic() - t0
+                gone.setdefault(fds[fd], stamp)
+                poller.unregister(fd)
+            if victim_pending and not present(victim):  # type: ignore[arg-type]
+                gone["victim"] = time.monotonic() - t0
+            if not waiting:
+                time.sleep(REAP_POLL if victim_pending else 0.02)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def settle() -> None:
@@ -395,10 +390,11 @@ class Sample:
     ok: bool = False
     error: str = ""
     victim: Optional[int] = None
-    ms: dict[str, float] = field(default_factory=dict)
+    ms: dict[str, Optional[float]] = field(default_factory=dict)
     peers_ms: dict[str, float] = field(default_factory=dict)
     returncode: Optional[int] = None
     leftovers: list[int] = field(default_factory=list)
+    verdict_line: str = ""
 
 
 def _ms(seconds: Optional[float]) -> Optional[float]:
@@ -435,23 +431,37 @@ class Bench:
     def rank_cmd(self, folder: Path) -> list[str]:
         return [sys.executable, str(self.program), str(folder)]
 
+    def launch(self, cluster: Path, cmd: str, folder: Path) -> LiveCommand:
+        run = LiveCommand(benchlib.inv_launch_argv(cluster, cmd), cwd=ROOT)
+        _RUNS.append(run)
+        return run
+
     # -- pre-formation ------------------------------------------------------------------
 
-    def pre_fdl(self, sample: Sample, *, remote: bool) -> None:
+    def pre_fdl(self, sample: Sample) -> None:
+        _label, _tool, n_hosts, per_host, victim = SCENARIO[sample.key]
         folder = self.folder(sample.key)
-        if remote:
-            workers = [self.lab.worker(h, nproc=2) for h in self.lab.hosts[:2]]
+        if n_hosts:
+            workers = [self.lab.worker(h, nproc=per_host) for h in self.lab.hosts[:n_hosts]]
         else:
-            workers = [{"host": "localhost", "nproc": 4, "path": str(folder)}]
+            workers = [{"host": "localhost", "nproc": per_host, "path": str(folder)}]
+        world = max(1, n_hosts) * per_host
         cluster = self.cluster(folder, workers)
         cmd = " ".join(shlex.quote(w) for w in self.rank_cmd(folder))
-        run = LiveLaunch(cluster, "--cmd", cmd)
-        _RUNS.append(run)
+        run = self.launch(cluster, cmd, folder)
         try:
-            t0 = self._pre(sample, run, folder, victim=1)
-            sample.ms["exit_reported"] = _ms(after(
-                run.err, r"^cluster launcher: rank 1 of \S+ exited with signal 9$", t0))
-            sample.ms["peer_failure"] = _ms(after(run.err, r"^cluster launcher: peer failure", t0))
+            t0 = self._pre(sample, run, folder, world=world, victim=victim)
+            sample.ms["exit_reported"] = _ms(since(
+                run.err, rf"^cluster launcher: rank {victim} of \S+ exited with signal 9", t0))
+            sample.ms["peer_failure"] = _ms(since(run.err, r"^cluster launcher: peer failure",
+                                                  t0))
+            if run.err:
+                stamp, line = run.err[-1]
+                sample.verdict_line = line
+                sample.ms["verdict"] = _ms(stamp - t0)
+                exited = sample.ms.get("tool_exited")
+                if exited is not None:
+                    sample.ms["exit_after_verdict"] = round(exited - (stamp - t0) * 1000, 2)
         finally:
             sample.returncode = stop_run(run)
         if sample.returncode != 1:
@@ -464,43 +474,40 @@ class Bench:
         run = LiveCommand(argv, cwd=folder)
         _RUNS.append(run)
         try:
-            t0 = self._pre(sample, run, folder, victim=1)
-            sample.ms["exit_reported"] = _ms(after(run.err, r"failed \(exitcode: -9\)", t0))
+            t0 = self._pre(sample, run, folder, world=4, victim=1)
+            sample.ms["exit_reported"] = _ms(since(run.err, r"failed \(exitcode: -9\)", t0))
         finally:
             sample.returncode = stop_run(run)
 
     @staticmethod
-    def _pre(sample: Sample, run: Any, folder: Path, *, victim: int) -> float:
-        """Wait for 4 ranks, kill ``victim``, time the peers' end; returns t0."""
-        pids = wait_pid_files(folder, 4, run)
+    def _pre(sample: Sample, run: LiveCommand, folder: Path, *, world: int,
+             victim: int) -> float:
+        """Wait for the ranks, kill ``victim``, time the peers' end; returns t0."""
+        pids = wait_pid_files(folder, world, run)
         settle()
         sample.victim = victim
         peers = {str(r): p for r, p in pids.items() if r != victim}
-        wrapper = wrapper_of(pids[victim])
-        watched = {**peers, **({"wrapper": wrapper} if wrapper is not None else {})}
         t0 = kill_rank(pids[victim])
-        gone = watch_gone(watched, t0)
-        sample.ms["tool_exited"] = _ms(wait_exit(run, t0))
+        gone = watch(peers, pids[victim], run.proc, t0)
+        sample.ms["tool_exited"] = _ms(gone["tool"])
+        sample.ms["victim_reaped"] = _ms(gone.get("victim"))
         sample.peers_ms = {r: _ms(gone[r]) or 0.0 for r in peers}
         sample.ms["peers_stopped"] = _ms(max(gone[r] for r in peers))
         sample.ms["first_peer_stopped"] = _ms(min(gone[r] for r in peers))
-        if wrapper is not None:
-            sample.ms["wrapper_exited"] = _ms(gone["wrapper"])
-        for t in run._threads:  # the tool has exited: its output is complete
-            t.join(5)
+        run.join_pumps()  # the tool has exited: its output is complete
         sample.leftovers = kill_leftovers(list(pids.values()))
         return t0
 
     # -- post-formation -----------------------------------------------------------------
 
-    def post(self, sample: Sample, *, victim: int) -> None:
+    def post(self, sample: Sample) -> None:
+        victim = SCENARIO[sample.key][4]
         folder = self.folder(sample.key)
         local = {"host": "localhost", "nproc": 2, "path": str(folder)}
         cluster = self.cluster(folder, [local, self.lab.worker(self.lab.hosts[0], nproc=2)])
         cmd = (f"{shlex.quote(sys.executable)} {shlex.quote(str(TOY))} --steps 100000 "
                f"--step-time 0.2 --checkpoint-dir {shlex.quote(str(folder / 'ck'))}")
-        run = LiveLaunch(cluster, "--cmd", cmd)
-        _RUNS.append(run)
+        run = self.launch(cluster, cmd, folder)
         pids: dict[int, Pid] = {}
         joined = re.compile(r":r(\d+)\] rank (\d+)/\d+ joined on .* \(pid (\d+)\)")
 
@@ -522,19 +529,18 @@ class Bench:
             wait_until(all_joined, "cohort formed and 4 joined lines")
             settle()
             sample.victim = victim
-            wrapper = wrapper_of(pids[victim])
             t0 = kill_rank(pids[victim])
             dead = rf"cluster coordinator: rank {victim} declared dead"
-            gone = watch_gone({"wrapper": wrapper} if wrapper is not None else {}, t0,
-                              until=lambda: line_time(run.err, dead, t0))
-            sample.ms["declared_dead"] = _ms(after(run.err, dead, t0))
-            if wrapper is not None:
-                sample.ms["wrapper_exited"] = _ms(gone["wrapper"])
-            sample.ms["tolerating"] = _ms(after(
-                run.err, rf"rank {victim} of \S+ exited with signal 9 — tolerating", t0))
+            tolerating = rf"rank {victim} of \S+ exited with signal 9 — tolerating"
+            gone = watch({}, pids[victim], None, t0,
+                         until=lambda: line_time(run.err, dead, t0)
+                         and line_time(run.err, tolerating, t0))
+            sample.ms["declared_dead"] = _ms(since(run.err, dead, t0))
+            sample.ms["victim_reaped"] = _ms(gone.get("victim"))
+            sample.ms["tolerating"] = _ms(since(run.err, tolerating, t0))
         finally:
             sample.returncode = stop_run(run)
-            # The launcher stopped the survivors on TERM; give the wrappers a moment.
+            # The launcher stopped the survivors on TERM; give them a moment.
             with contextlib.suppress(BenchError):
                 wait_until(lambda: not any(alive(p) for p in pids.values()), "ranks gone",
                            timeout=KILL_GRACE + 5)
@@ -545,16 +551,12 @@ class Bench:
     def run(self, key: str, rep: int, warmup: bool) -> Sample:
         sample = Sample(key, rep, warmup)
         try:
-            if key == PRE_LOCAL:
-                self.pre_fdl(sample, remote=False)
-            elif key == PRE_REMOTE:
-                self.pre_fdl(sample, remote=True)
-            elif key == PRE_LOCAL_TORCH:
+            if key == PRE_LOCAL_TORCH:
                 self.pre_torchrun(sample)
-            elif key == POST_LOCAL:
-                self.post(sample, victim=1)
-            elif key == POST_REMOTE:
-                self.post(sample, victim=3)
+            elif key.startswith("pre-"):
+                self.pre_fdl(sample)
+            else:
+                self.post(sample)
             headline = MEASURES[key][0][0]
             if sample.ms.get(headline) is None:
                 raise BenchError(f"no {headline} time")
@@ -568,6 +570,8 @@ class Bench:
 
 
 def free_port() -> int:
+    import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -578,87 +582,74 @@ def free_port() -> int:
 # --------------------------------------------------------------------------------------
 
 
-def _fmt(value: float) -> str:
-    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def _values(samples: Sequence[Sample], key: str, measure: str) -> list[float]:
+    return [v for s in samples if s.key == key and s.ok and not s.warmup
+            for v in [s.ms.get(measure)] if v is not None]
 
 
 def table(samples: Sequence[Sample], keys: Sequence[str]) -> str:
-    head = ("scenario", "tool", "measure", "median ms", "min", "max", "n")
-    rows: list[tuple[str, ...]] = []
+    rows = [["scenario", "tool", "measure", "median ms", "min", "max", "n"]]
     for key in keys:
-        scenario, tool = SCENARIO[key]
-        good = [s for s in samples if s.key == key and s.ok and not s.warmup]
+        scenario, tool = SCENARIO[key][:2]
         for mkey, label in MEASURES[key]:
-            values = [s.ms[mkey] for s in good if s.ms.get(mkey) is not None]
+            values = _values(samples, key, mkey)
             if values:
-                rows.append((scenario, tool, label, _fmt(statistics.median(values)),
-                             _fmt(min(values)), _fmt(max(values)), str(len(values))))
+                rows.append([scenario, tool, label, _fmt(statistics.median(values)),
+                             _fmt(min(values)), _fmt(max(values)), str(len(values))])
             else:
-                rows.append((scenario, tool, label, "-", "-", "-", "0"))
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    numeric = {3, 4, 5, 6}
-
-    def fmt_row(r: tuple[str, ...]) -> str:
-        cells = [c.rjust(w) if i in numeric else c.ljust(w)
-                 for i, (c, w) in enumerate(zip(r, widths))]
-        return "| " + " | ".join(cells) + " |"
-
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i in numeric else "-" * (w + 2)
-                         for i, w in enumerate(widths)) + "|"
-    return "\n".join([fmt_row(head), sep, *(fmt_row(r) for r in rows)])
+                rows.append([scenario, tool, label, "-", "-", "-", "0"])
+    return benchlib.table(rows, [False, False, False, True, True, True, True])
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "?"
-
-
-def _openssh() -> str:
-    ssh = shutil.which("ssh")
-    if ssh is None:
-        return "?"
-    out = subprocess.run([ssh, "-V"], capture_output=True, text=True, timeout=10)
-    return (out.stderr or out.stdout).strip().split(",")[0]
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
+def targets_table(samples: Sequence[Sample], keys: Sequence[str]) -> str:
+    rows = [["target", "fdl-fabric median ms", "bound ms", "met", "torchrun (local 1x4) ms"]]
+    torch_peers = _values(samples, PRE_LOCAL_TORCH, "peers_stopped")
+    torch_exit = _values(samples, PRE_LOCAL_TORCH, "tool_exited")
+    for key, measure, bound in TARGETS:
+        if key not in keys:
+            continue
+        values = _values(samples, key, measure)
+        med = statistics.median(values) if values else None
+        label = dict(MEASURES[key])[measure]
+        peer = torch_peers if measure == "peers_stopped" else torch_exit
+        rows.append([f"{SCENARIO[key][0]}: {label}", _fmt(med), f"{bound:g}",
+                     "n/a" if med is None else ("yes" if med <= bound else "NO"),
+                     _fmt(statistics.median(peer)) if peer else "-"])
+    return benchlib.table(rows, [False, True, True, False, True])
 
 
 def machine_notes(load_before: str) -> list[str]:
-    from fdl_fabric import commands, coordinator, spawn, supervisor
+    notes = [f"{k}: {v}" for k, v in benchlib.machine_notes().items()]
+    try:
+        torch_version = __import__("importlib.metadata").metadata.version("torch")
+    except Exception:
+        torch_version = "not installed"
+    notes.append(f"torch {torch_version}")
+    intervals = []
+    with contextlib.suppress(Exception):
+        from fdl_fabric import coordinator, supervisor
 
-    return [
-        f"cpus: {os.cpu_count()} x {_cpu_model()}; kernel {platform.release()}; "
-        f"python {platform.python_version()}",
-        f"fabric {_version('fabric')}, invoke {_version('invoke')}, "
-        f"paramiko {_version('paramiko')}, torch {_version('torch')}, {_openssh()}",
-        f"load average before {load_before}, after {_loadavg()}",
+        intervals.append(f"supervisor tick {getattr(supervisor, 'TICK', float('nan')) * 1000:g}"
+                         " ms (an inbox wait: reports wake it at once)")
+        intervals.append(f"coordinator tick {coordinator.TICK_INTERVAL * 1000:g} ms")
+    intervals.append("agents: no timer (SIGCHLD through set_wakeup_fd)")
+    intervals.append("torchrun monitor interval 100 ms (default)")
+    notes += [
+        f"load average before {load_before}, after {benchlib.loadavg()}",
         "remote = sshd-lab hosts (real OpenSSH servers on 127.x loopback addresses, same "
         "machine); post-formation runs: localhost x 2 (r0-r1) + lab1 x 2 (r2-r3), "
         "examples/toy_train.py --step-time 0.2",
-        f"fdl-fabric intervals: supervisor poll {supervisor.POLL_INTERVAL * 1000:g} ms, "
-        f"wrapper tick {commands.WRAPPER_TICK * 1000:g} ms, "
-        f"coordinator tick {coordinator.TICK_INTERVAL * 1000:g} ms, "
-        f"stdin thread nap {spawn._Streaming.input_sleep * 1000:g} ms; "
-        "torchrun monitor interval 100 ms (default)",
-        f"measurement: /proc polled every {PROC_POLL * 1000:g} ms (zombies count as gone); "
-        "line times = arrival on the launcher's pipe in a reader thread; kill "
+        "intervals: " + "; ".join(intervals),
+        "measurement: peers and the tool through pidfds (exit wakes the poll; a zombie "
+        f"counts as stopped); the victim's /proc entry every {REAP_POLL * 1000:g} ms; line "
+        "times = arrival on the launcher's pipe in a reader thread; kill "
         f"{SETTLE * 1000:g} ms + uniform 0-{JITTER * 1000:g} ms after the last rank is up",
     ]
+    return notes
 
 
 # --------------------------------------------------------------------------------------
@@ -676,6 +667,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--only", action="append", choices=ALL_KEYS, metavar="SCENARIO",
                     help=f"run only this scenario (repeatable): {', '.join(ALL_KEYS)}")
     ap.add_argument("--no-torchrun", action="store_true", help="skip the torchrun baseline")
+    ap.add_argument("--wait-load", type=float, metavar="L",
+                    help="first wait (up to 20 min) until the 1-minute load is <= L")
     ap.add_argument("--json", metavar="FILE",
                     help="also write the raw samples as JSON to FILE ('-': JSON on stdout, "
                          "the report on stderr)")
@@ -693,12 +686,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     report = sys.stderr if args.json == "-" else sys.stdout
-    with _terminate_gracefully():
+    with benchlib.terminate_gracefully():
         tmp = Path(tempfile.mkdtemp(prefix="fdl-detect-"))
         try:
             return _bench(args, tmp, report)
         finally:
             stop_everything()
+            benchlib.stop_all()
             if args.keep:
                 report.write(f"\nkept {tmp}\n")
             else:
@@ -706,34 +700,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _bench(args: argparse.Namespace, tmp: Path, report: TextIO) -> int:
-    from fdl_fabric.testing import SshdLab, sshd_available
+    from fdl_fabric.testing import sshd_available
 
     keys = [k for k in ALL_KEYS if not args.only or k in args.only]
     remarks: list[str] = []
     if PRE_LOCAL_TORCH in keys and (args.no_torchrun or importlib.util.find_spec("torch") is None):
         keys.remove(PRE_LOCAL_TORCH)
         remarks.append("torchrun baseline skipped (--no-torchrun or torch not installed)")
-    needs_lab = [k for k in keys if k in (PRE_REMOTE, POST_LOCAL, POST_REMOTE)]
+    needs_lab = [k for k in keys if SCENARIO[k][2]]
     if needs_lab and not sshd_available():
         keys = [k for k in keys if k not in needs_lab]
         remarks.append(f"skipped {', '.join(needs_lab)}: no sshd (install openssh-server)")
+        needs_lab = []
     if not keys:
         report.write("nothing to run\n")
         return 2
 
+    load_before = benchlib.wait_for_quiet(args.wait_load, report)
     random.seed(args.seed)
     program = tmp / "rank_program.py"
     program.write_text(RANK_PROGRAM)
     bench = Bench(tmp=tmp, program=program)
-    load_before = _loadavg()
     samples: list[Sample] = []
     started = time.monotonic()
     lab = None
     try:
-        if any(k in needs_lab for k in keys):
-            report.write("starting the sshd lab (2 hosts)...\n")
-            report.flush()
-            lab = SshdLab(tmp / "lab", 2).start()
+        if needs_lab:
+            lab = benchlib.start_lab(tmp / "lab", max(SCENARIO[k][2] for k in needs_lab),
+                                     report)
             bench.lab = lab
         plan = [(rep, True) for rep in range(args.warmup)] + \
                [(rep, False) for rep in range(args.repeat)]
@@ -747,11 +741,12 @@ def _bench(args: argparse.Namespace, tmp: Path, report: TextIO) -> int:
                           else f"FAILED: {sample.error}")
                 if sample.ok and sample.error:
                     status += f" ({sample.error})"
-                report.write(f"  {'warm-up' if warm else f'run {rep + 1}'} {key}: {status}\n")
+                report.write(f"  {'warm-up' if warm else f'run {rep + 1}'} {key}: {status}"
+                             f"  (load {benchlib.loadavg()})\n")
                 report.flush()
     finally:
+        stop_everything()
         if lab is not None:
-            stop_everything()
             lab.stop()
 
     elapsed = time.monotonic() - started
@@ -761,6 +756,11 @@ def _bench(args: argparse.Namespace, tmp: Path, report: TextIO) -> int:
         f"os.kill); median, min, max over {args.repeat} run(s) after {args.warmup} warm-up "
         "run(s); first measure of each scenario is the headline\n\n")
     report.write(table(samples, keys) + "\n\n")
+    if any(k in keys for k, _, _ in TARGETS):
+        report.write("targets\n\n" + targets_table(samples, keys) + "\n\n")
+    verdicts = sorted({s.verdict_line for s in samples if s.verdict_line})
+    if verdicts:
+        report.write("verdict lines seen: " + " | ".join(v[:120] for v in verdicts) + "\n\n")
     report.write("machine and method:\n")
     for note in [*machine_notes(load_before), *remarks,
                  f"{len(samples)} runs in {elapsed:.0f} s; {len(failed)} measured run(s) failed"]:

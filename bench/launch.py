@@ -3,26 +3,36 @@
 
 Prints medians and ratios (it is a script, not a test: nothing here asserts a timing).
 
-Every tool starts the same trivial rank program, which prints ``up <RANK>`` (flushed) as
-its first act and then exits 0.  For each run two times are taken, both measured from
-just before the first ``Popen`` of the tool:
+Every tool starts the same trivial rank program, which prints ``up <RANK>`` (one
+``os.write``) as its first act and then exits 0.  For each run two times are taken, both
+measured from just before the first ``Popen`` of the tool:
 
 * **all running**: when the last of the N ``up`` lines was read from the tool's stdout
   (so it includes the tool's own output forwarding);
-* **completion**: when the last process the benchmark started exited.
+* **completion**: when the last process the benchmark started exited;
+* **client CPU**: user+system CPU seconds of what the benchmark started, from ``wait4``
+  (the launcher process; pssh with the ssh clients it reaped; the sum of the ssh
+  clients of a fan-out). The hosts' side (sshd, shells, agents, ranks) is not in it.
 
-Scenarios:
+Scenarios (``--only``, repeatable):
 
-* ``local``: 4 ranks on this machine: ``inv launch`` (one worker ``localhost, nproc: 4``)
-  beside ``torchrun --standalone --nproc-per-node 4`` (skipped when torch is missing);
+* ``local``: 4 ranks on this machine: ``inv launch`` (one worker ``localhost, nproc: 4``,
+  i.e. one local agent) beside ``torchrun --standalone --nproc-per-node 4``;
 * ``remote``: 8 ranks on 4 sshd-lab hosts (``fdl_fabric.testing.SshdLab``, real OpenSSH
-  servers on loopback addresses), 2 per host: ``inv launch`` beside 8 parallel ``ssh``
-  clients and ``parallel-ssh -i -p 8`` (completion only: with ``-i`` pssh holds each
-  host's output until that host's command has exited).
+  servers on loopback addresses), 2 per host: ``inv launch`` (one agent per host, one
+  SSH session each) beside 8 parallel ``ssh`` clients and ``parallel-ssh -P -p 8``;
+* ``scale64``: 64 ranks on 8 lab hosts (8 per host), the same three tools
+  (64 ``ssh`` clients, ``parallel-ssh -P -p 64``);
+* ``scale256``: 256 ranks on 32 lab hosts (8 per host), likewise (``-p 256``);
+* every remote scenario also runs ``inv launch --no-preflight`` (``--no-variants`` skips
+  it): the same launch without the pre-flight barrier, to show what the barrier costs;
+* ``scale``: both scale scenarios.  They are slow on a small machine, so they use
+  ``--scale-repeat`` (default 3) instead of ``--repeat``.
 
-Plus reference floors (one rank with no launcher, one rank over one ssh session, the
-import-and-parse cost of ``inv launch --help``) and, for fdl-fabric, the phases of a
-launch read from the timestamps of its ``-v`` event lines.
+Plus reference floors (one rank with no launcher, N ranks started at once with no
+launcher and no SSH, one rank over one ssh session, the import-and-parse cost of ``inv
+launch --help``), fdl-fabric's phases read from the timestamps of its ``-v`` event lines,
+and a table of the issue's targets (fdl-fabric / peer ratios, met or not).
 
 Run ``python3 bench/launch.py`` (``--help`` for options); see bench/README.md.
 """
@@ -66,8 +76,9 @@ if len(sys.argv) > 1 and float(sys.argv[1]) > 0:
     time.sleep(float(sys.argv[1]))
 """
 
-#: An ``up`` line, bare (torchrun, ssh, pssh) or behind fdl-fabric's ``[host:dev:rN] ``.
-UP_LINE = re.compile(rb"^(?:\[[^\]]*\] )?up (\S+)\s*$")
+#: An ``up`` line: bare (torchrun, ssh), behind fdl-fabric's ``[host:dev:rN] `` or behind
+#: parallel-ssh -P's ``<addr>: ``.
+UP_LINE = re.compile(rb"^(?:\[[^\]]*\] |[0-9A-Za-z.:\[\]-]+: )?up (\S+)\s*$")
 
 #: Seconds one run may take before it is stopped and recorded as failed.
 RUN_TIMEOUT = 60.0
@@ -77,7 +88,7 @@ PHASES: tuple[tuple[str, str, Optional[re.Pattern[bytes]]], ...] = (
     ("planned", "config loaded, hosts connected, plan built (the `run ...` line)",
      re.compile(rb"^cluster launcher: run \S+: \d+ rank")),
     ("connected", "last host connected", re.compile(rb"^cluster launcher: connected to ")),
-    ("started", "last rank's process (local) or SSH session (remote) started",
+    ("started", "last rank reported spawned by its host's agent",
      re.compile(rb"^cluster launcher: started ")),
     ("all up", "last `up` line (all ranks running)", None),
     ("exits seen", "supervisor saw the last rank exit",
@@ -136,12 +147,16 @@ class Sample:
     up_lines: int = 0
     error: str = ""
     milestones: dict[str, float] = field(default_factory=dict)
+    #: user+sys CPU seconds of the processes the benchmark started (pssh: with its ssh
+    #: clients; fdl-fabric: the launcher, plus a local agent if any), None if unknown.
+    cpu: Optional[float] = None
 
 
 @dataclass
 class _Child:
     proc: subprocess.Popen[bytes]
     exited: Optional[float] = None
+    cpu: Optional[float] = None  # user+sys s of the process and the children it reaped
     partial: dict[str, bytes] = field(default_factory=lambda: {"out": b"", "err": b""})
     lines: list[tuple[float, str, bytes]] = field(default_factory=list)
 
@@ -215,7 +230,12 @@ def run_timed(
                 now = time.perf_counter() - t0
                 if what == "exit":
                     sel.unregister(key.fileobj)
-                    child.proc.wait()
+                    try:  # wait4, not Popen.wait: it also says how much CPU the tool used
+                        _, status, usage = os.wait4(child.proc.pid, 0)
+                        child.proc.returncode = os.waitstatus_to_exitcode(status)
+                        child.cpu = usage.ru_utime + usage.ru_stime
+                    except ChildProcessError:
+                        child.proc.wait()
                     child.exited = now
                     continue
                 data = os.read(key.fd, 65536)
@@ -261,8 +281,10 @@ def measure(
     env: Optional[dict[str, str]] = None,
     cwd: Optional[str] = None,
     phases: bool = False,
+    timeout: float = RUN_TIMEOUT,
 ) -> Sample:
-    running, done, children, error = run_timed(argvs, expect_up=expect_up, env=env, cwd=cwd)
+    running, done, children, error = run_timed(argvs, expect_up=expect_up, env=env, cwd=cwd,
+                                               timeout=timeout)
     ups = sum(1 for c in children for _, what, line in c.lines
               if what == "out" and UP_LINE.match(line))
     codes = [c.proc.returncode for c in children]
@@ -272,6 +294,8 @@ def measure(
         error = f"only {ups} of {expect_up} `up` lines"
     sample = Sample(scenario, tool, rep, warmup=rep == 0, running=running, done=done,
                     ok=not error, returncodes=codes, up_lines=ups, error=error)
+    if children and all(c.cpu is not None for c in children):
+        sample.cpu = sum(c.cpu or 0.0 for c in children)
     if error:
         tail = [line.decode(errors="replace") for c in children for _, _, line in c.lines][-12:]
         sample.error += "\n    " + "\n    ".join(tail)
@@ -397,6 +421,10 @@ def _ratio(value: Optional[float], base: Optional[float]) -> str:
     return "n/a" if value is None or not base else f"{value / base:.2f}"
 
 
+def _cpu(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def _spread(values: Sequence[Optional[float]]) -> str:
     clean = [v for v in values if v is not None]
     if not clean:
@@ -421,6 +449,52 @@ class Row:
     note: str = ""
 
 
+@dataclass(frozen=True)
+class Target:
+    """One of the issue's targets: fdl-fabric's median against a peer's, or a bound in s.
+
+    ``measure`` is ``running`` or ``done``; ``peer`` None means ``limit`` is seconds.
+    """
+
+    scenario: str
+    measure: str
+    peer: Optional[str]
+    limit: float
+    #: Which fdl-fabric entry point is measured.
+    tool: str = "fdl-fabric (inv launch)"
+
+
+FDL_TOOL = "fdl-fabric (inv launch)"
+RUN_TOOL = "fdl-fabric run"
+
+
+def print_targets(targets: Sequence[Target], samples: Sequence[Sample], out: TextIO) -> None:
+    """fdl-fabric / peer, side by side, from the medians of this very run."""
+
+    def median_of(scenario: str, tool: str, measure: str) -> Optional[float]:
+        got = [getattr(s, measure) for s in samples
+               if s.scenario == scenario and s.tool == tool and not s.warmup and s.ok]
+        return _median(got)
+
+    out.write("\nTargets (fdl-fabric / peer from the medians above; same run, round-robin)\n\n")
+    rows = [["scenario", "tool", "measure", "fdl-fabric", "peer", "peer figure", "ratio",
+             "target", "met"]]
+    for t in targets:
+        mine = median_of(t.scenario, t.tool, t.measure)
+        what = "all running" if t.measure == "running" else "completion"
+        if t.peer is None:
+            met = "n/a" if mine is None else ("yes" if mine <= t.limit else "NO")
+            rows.append([t.scenario, t.tool, what, _ms(mine), "-", "-", "-",
+                         f"<= {t.limit * 1000:.0f} ms", met])
+            continue
+        theirs = median_of(t.scenario, t.peer, t.measure)
+        ratio = None if mine is None or not theirs else mine / theirs
+        met = "n/a" if ratio is None else ("yes" if ratio <= t.limit else "NO")
+        rows.append([t.scenario, t.tool, what, _ms(mine), t.peer, _ms(theirs),
+                     "n/a" if ratio is None else f"{ratio:.2f}", f"<= {t.limit:g}x", met])
+    _table(rows, out, [False, False, False, True, False, True, True, True, False])
+
+
 def print_report(
     rows: list[Row],
     samples: list[Sample],
@@ -428,6 +502,7 @@ def print_report(
     notes: dict[str, Any],
     remarks: list[str],
     out: TextIO,
+    targets: Sequence[Target] = (),
 ) -> None:
     def kept(scenario: str, tool: str) -> list[Sample]:
         return [s for s in samples
@@ -439,13 +514,13 @@ def print_report(
 
     out.write("\nLaunch overhead: medians in ms from just before Popen (warm-up run dropped)\n\n")
     table = [["scenario", "tool", "all running", "completion", "x fdl running",
-              "x fdl completion", "completion min-max", "runs"]]
+              "x fdl completion", "completion min-max", "client CPU s", "runs"]]
     base: dict[str, tuple[Optional[float], Optional[float]]] = {}
     for row in rows:
         got = kept(row.scenario, row.tool)
         running = _median([s.running for s in got])
         done = _median([s.done for s in got])
-        if row.tool.startswith("fdl-fabric"):
+        if row.tool == FDL_TOOL:
             base[row.scenario] = (running, done)
         if row.note:  # a tool that was not run, or whose all-running is not measured
             running = None if "n/a" in row.note or "skipped" in row.note else running
@@ -453,12 +528,13 @@ def print_report(
         fails = failed(row.scenario, row.tool)
         runs = f"{len(got)}" + (f" ({fails} failed)" if fails else "")
         if "skipped" in row.note:
-            table.append([row.scenario, row.tool, "-", "-", "-", "-", "-", "skipped"])
+            table.append([row.scenario, row.tool, "-", "-", "-", "-", "-", "-", "skipped"])
             continue
         table.append([row.scenario, row.tool, _ms(running), _ms(done),
                       _ratio(running, b_running), _ratio(done, b_done),
-                      _spread([s.done for s in got]), runs])
-    _table(table, out, [False, False, True, True, True, True, True, False])
+                      _spread([s.done for s in got]), _cpu(_median([s.cpu for s in got])),
+                      runs])
+    _table(table, out, [False, False, True, True, True, True, True, True, False])
 
     notes_rows = [r for r in rows if r.note]
     if notes_rows:
@@ -490,6 +566,9 @@ def print_report(
                 continue
             ptable.append([name, *cells, meaning])
         _table(ptable, out, [False, *([True] * len(scenarios)), False])
+
+    if targets:
+        print_targets(targets, samples, out)
 
     out.write("\nMachine\n\n")
     for key, value in notes.items():
@@ -524,25 +603,40 @@ def _terminate_gracefully() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+#: ``--only`` values; ``scale`` means both scale scenarios.
+SCENARIOS = ("local", "remote", "scale64", "scale256")
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5,
                     help="measured runs per tool, after one discarded warm-up run (default 5)")
-    ap.add_argument("--only", choices=("local", "remote"), help="run one scenario only")
+    ap.add_argument("--scale-repeat", type=int, default=3,
+                    help="measured runs per tool in the scale scenarios (default 3)")
+    ap.add_argument("--only", action="append", choices=(*SCENARIOS, "scale"),
+                    help="run this scenario only (repeatable; default: local and remote)")
     ap.add_argument("--sleep", type=float, default=0.0,
                     help="seconds each rank sleeps after its `up` line (default 0)")
     ap.add_argument("--no-torchrun", action="store_true", help="skip the torchrun baseline")
     ap.add_argument("--no-phases", action="store_true",
                     help="skip the extra `inv launch -v` runs that time fdl-fabric's phases")
     ap.add_argument("--no-floors", action="store_true", help="skip the reference floors")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="skip the `inv launch --no-preflight` rows of the remote scenarios")
+    ap.add_argument("--no-fanout", action="store_true",
+                    help="skip the plain OpenSSH fan-out in the scale scenarios")
     ap.add_argument("--json", metavar="FILE",
                     help="also write raw samples as JSON to FILE ('-': JSON on stdout, "
                          "the report on stderr)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args(argv)
-    if args.repeat < 1:
-        ap.error("--repeat must be at least 1")
+    if args.repeat < 1 or args.scale_repeat < 1:
+        ap.error("--repeat and --scale-repeat must be at least 1")
+    chosen = set(args.only or ("local", "remote"))
+    if "scale" in chosen:
+        chosen |= {"scale64", "scale256"}
+    args.scenarios = [s for s in SCENARIOS if s in chosen]
     return args
 
 
@@ -573,6 +667,40 @@ def _progress(out: TextIO, text: str) -> None:
     out.flush()
 
 
+@dataclass
+class Job:
+    """One tool in one scenario, run once per round for ``reps`` measured rounds."""
+
+    scenario: str
+    tool: str
+    argvs: list[list[str]]
+    expect_up: int
+    phases: bool = False
+    reps: int = 5
+    timeout: float = RUN_TIMEOUT
+
+
+#: scenario key -> (label, hosts, ranks per host, run timeout in s)
+REMOTE_SHAPES = {
+    "remote": ("remote 8 ranks / 4 hosts", 4, 2, RUN_TIMEOUT),
+    "scale64": ("scale 64 ranks / 8 hosts", 8, 8, 120.0),
+    "scale256": ("scale 256 ranks / 32 hosts", 32, 8, 300.0),
+}
+
+
+def pssh_argv(pssh: str, lab: Any, hosts_file: Path, sessions: int, command: str) -> list[str]:
+    """parallel-ssh with one session per line of ``hosts_file``, all at once, streaming.
+
+    ``-P`` prints each line as it arrives (``<addr>: up ?``), so pssh gets an all-running
+    time too; ``-p`` is the number of sessions, so none waits for a slot.
+    """
+    extra = (f"-F /dev/null -i {lab.identity_file} -o IdentitiesOnly=yes "
+             f"-o UserKnownHostsFile={lab.known_hosts} "
+             "-o StrictHostKeyChecking=no -o BatchMode=yes -o LogLevel=ERROR")
+    return [pssh, "-P", "-p", str(sessions), "-t", "300", "-h", str(hosts_file),
+            "-x", extra, command]
+
+
 def _bench(args: argparse.Namespace, tmp: Path, report: TextIO) -> int:
     script = tmp / "rank.py"
     script.write_text(RANK_SCRIPT)
@@ -585,15 +713,14 @@ def _bench(args: argparse.Namespace, tmp: Path, report: TextIO) -> int:
     remarks: list[str] = []
 
     rows: list[Row] = []
-    # (scenario, tool, argvs, expect_up, phases) per job; one list, run round-robin.
-    jobs: list[tuple[str, str, list[list[str]], int, bool]] = []
+    jobs: list[Job] = []  # one list, run round-robin
     floor_jobs: list[tuple[str, list[list[str]], int]] = []  # (what, argvs, expect_up)
+    targets: list[Target] = []
 
-    scen_local = "local 4 ranks"
-    scen_remote = "remote 8 ranks / 4 hosts"
     lab = None
     try:
-        if args.only in (None, "local"):
+        if "local" in args.scenarios:
+            scen_local = "local 4 ranks"
             cluster = tmp / "local.yml"
             cluster.write_text(
                 "controller:\n  host: 127.0.0.1\n"
@@ -602,21 +729,29 @@ def _bench(args: argparse.Namespace, tmp: Path, report: TextIO) -> int:
                 "workers:\n"
                 f"  - host: localhost\n    nproc: 4\n    path: {json.dumps(str(tmp))}\n"
             )
-            rows.append(Row(scen_local, "fdl-fabric (inv launch)"))
-            jobs.append((scen_local, "fdl-fabric (inv launch)",
-                         [inv_launch_argv(cluster, rank_cmd)], 4, False))
+            rows.append(Row(scen_local, FDL_TOOL))
+            jobs.append(Job(scen_local, FDL_TOOL, [inv_launch_argv(cluster, rank_cmd)], 4,
+                            reps=args.repeat))
+            # The torchrun drop-in: torchrun's command line, the same script (issue 12).
+            rows.append(Row(scen_local, RUN_TOOL))
+            jobs.append(Job(scen_local, RUN_TOOL,
+                            [[py, "-m", "fdl_fabric", "run", "--nproc-per-node", "4",
+                              *rank_words[1:]]], 4, reps=args.repeat))
             if have_torch:
                 rows.append(Row(scen_local, "torchrun --standalone"))
-                jobs.append((scen_local, "torchrun --standalone",
-                             [[*torchrun_argv(), "--standalone", "--nproc-per-node", "4",
-                               *rank_words[1:]]], 4, False))
+                jobs.append(Job(scen_local, "torchrun --standalone",
+                                [[*torchrun_argv(), "--standalone", "--nproc-per-node", "4",
+                                  *rank_words[1:]]], 4, reps=args.repeat))
+                targets.append(Target(scen_local, "done", "torchrun --standalone", 0.3,
+                                      tool=RUN_TOOL))
             else:
                 why = ("--no-torchrun" if args.no_torchrun else "torch not installed")
                 rows.append(Row(scen_local, "torchrun --standalone", f"skipped ({why})"))
                 _progress(report, f"torchrun: skipped ({why})\n")
             if not args.no_phases:
-                jobs.append((scen_local, "fdl-fabric -v (phases)",
-                             [inv_launch_argv(cluster, rank_cmd, "-v")], 4, True))
+                jobs.append(Job(scen_local, "fdl-fabric -v (phases)",
+                                [inv_launch_argv(cluster, rank_cmd, "-v")], 4, True,
+                                reps=args.repeat))
             floor_jobs.append(("1 rank, no launcher (<python> rank.py)", [rank_words], 1))
             floor_jobs.append(("fdl-fabric import + parse (inv launch --help)",
                                [[py, "-m", "invoke", "--search-root", str(ROOT), "launch",
@@ -627,89 +762,110 @@ def _bench(args: argparse.Namespace, tmp: Path, report: TextIO) -> int:
                 floor_jobs.append(("bash -c '. ~/.bashrc' (what each SSH session sources)",
                                    [["bash", "-c", f". {shlex.quote(str(bashrc))}"]], 0))
 
-        if args.only in (None, "remote"):
+        remote = [k for k in args.scenarios if k in REMOTE_SHAPES]
+        if remote:
             from fdl_fabric.testing import SshdLab, sshd_available
 
             if not sshd_available():
-                remarks.append("remote scenario skipped: sshd/ssh-keygen not found "
+                remarks.append("remote scenarios skipped: sshd/ssh-keygen not found "
                                "(install openssh-server)")
-            else:
-                _progress(report, "starting 4 sshd lab hosts... ")
-                lab = SshdLab(tmp / "lab", 4).start()
-                _progress(report, "ok\n")
-                # Pre-seed known_hosts so no run pays (or races on) first contact.
-                Path(lab.known_hosts).write_text(
-                    "".join(h.known_hosts_line() + "\n" for h in lab.hosts))
-                cluster = lab.write_cluster([lab.worker(h, nproc=2) for h in lab.hosts])
-                rows.append(Row(scen_remote, "fdl-fabric (inv launch)"))
-                jobs.append((scen_remote, "fdl-fabric (inv launch)",
-                             [inv_launch_argv(cluster, rank_cmd)], 8, False))
-                ssh_argvs = [lab.ssh_argv(lab.hosts[r // 2], f"RANK={r} {rank_cmd}")
-                             for r in range(8)]
-                rows.append(Row(scen_remote, "OpenSSH fan-out (8 x ssh)"))
-                jobs.append((scen_remote, "OpenSSH fan-out (8 x ssh)", ssh_argvs, 8, False))
-                if pssh:
-                    hosts_file = tmp / "pssh_hosts"
-                    hosts_file.write_text("".join(
-                        f"{lab.user}@{h.addr}:{h.port}\n" for h in lab.hosts for _ in range(2)))
-                    extra = (f"-F /dev/null -i {lab.identity_file} -o IdentitiesOnly=yes "
-                             f"-o UserKnownHostsFile={lab.known_hosts} "
-                             "-o StrictHostKeyChecking=no -o BatchMode=yes -o LogLevel=ERROR")
-                    pssh_argv = [pssh, "-i", "-p", "8", "-t", "60", "-h", str(hosts_file),
-                                 "-x", extra, rank_cmd]
-                    if pssh_dedups(tmp):
-                        # Fall back to two invocations of 4 hosts each, in parallel.
-                        hosts_file.write_text("".join(
-                            f"{lab.user}@{h.addr}:{h.port}\n" for h in lab.hosts))
-                        pssh_argv[4] = "4"
-                        pssh_argvs = [pssh_argv, list(pssh_argv)]
-                        remarks.append("parallel-ssh collapses identical host lines here: "
-                                       "ran two `-p 4` invocations in parallel")
-                    else:
-                        pssh_argvs = [pssh_argv]
-                        remarks.append("parallel-ssh keeps identical host-file lines (checked "
-                                       "with its own parser): one invocation, each host "
-                                       "listed twice")
-                    rows.append(Row(scen_remote, "parallel-ssh -i -p 8",
-                                    "all running n/a: with -i pssh prints a host's output only "
-                                    "after that host's command exited, so `up` lines arrive "
-                                    "at completion"))
-                    jobs.append((scen_remote, "parallel-ssh -i -p 8", pssh_argvs, 8, False))
+                remote = []
+        if remote:
+            n_hosts = max(REMOTE_SHAPES[k][1] for k in remote)
+            _progress(report, f"starting {n_hosts} sshd lab hosts... ")
+            # MaxStartups: 256 clients at once are 8 unauthenticated connections per
+            # listener, under the default 10:30:100, but give every tool headroom.
+            lab = SshdLab(tmp / "lab", n_hosts,
+                          extra_sshd_config=["MaxStartups 100:30:300"]).start()
+            _progress(report, "ok\n")
+            # Pre-seed known_hosts so no run pays (or races on) first contact.
+            Path(lab.known_hosts).write_text(
+                "".join(h.known_hosts_line() + "\n" for h in lab.hosts))
+            if pssh:
+                if pssh_dedups(tmp):
+                    remarks.append("parallel-ssh collapses identical host lines here: its "
+                                   "figures cover one session per host only")
                 else:
-                    rows.append(Row(scen_remote, "parallel-ssh -i -p 8",
-                                    "skipped (parallel-ssh not installed)"))
-                if not args.no_phases:
-                    jobs.append((scen_remote, "fdl-fabric -v (phases)",
-                                 [inv_launch_argv(cluster, rank_cmd, "-v")], 8, True))
+                    remarks.append("parallel-ssh keeps identical host-file lines (checked "
+                                   "with its own parser): one invocation, each host listed "
+                                   "once per rank")
+        for key in remote:
+            label, n_hosts, per_host, timeout = REMOTE_SHAPES[key]
+            hosts = lab.hosts[:n_hosts]
+            world = n_hosts * per_host
+            reps = args.repeat if key == "remote" else args.scale_repeat
+            cluster = lab.write_cluster([lab.worker(h, nproc=per_host) for h in hosts],
+                                        filename=f"{key}.yml")
+            rows.append(Row(label, FDL_TOOL))
+            jobs.append(Job(label, FDL_TOOL, [inv_launch_argv(cluster, rank_cmd)], world,
+                            reps=reps, timeout=timeout))
+            if not args.no_variants:
+                nopf = "fdl-fabric --no-preflight"
+                rows.append(Row(label, nopf))
+                jobs.append(Job(label, nopf,
+                                [inv_launch_argv(cluster, rank_cmd, "--no-preflight")], world,
+                                reps=reps, timeout=timeout))
+            fanout = f"OpenSSH fan-out ({world} x ssh)"
+            if key == "remote" or not args.no_fanout:
+                rows.append(Row(label, fanout))
+                jobs.append(Job(label, fanout,
+                                [lab.ssh_argv(hosts[r // per_host], f"RANK={r} {rank_cmd}")
+                                 for r in range(world)], world, reps=reps, timeout=timeout))
+            peer = f"parallel-ssh -P -p {world}"
+            if pssh:
+                hosts_file = tmp / f"pssh_hosts_{key}"
+                hosts_file.write_text("".join(f"{lab.user}@{h.addr}:{h.port}\n"
+                                              for h in hosts for _ in range(per_host)))
+                rows.append(Row(label, peer, "ranks print `up ?`: pssh cannot pass RANK per "
+                                "session (PSSH_NODENUM needs SendEnv)"))
+                jobs.append(Job(label, peer, [pssh_argv(pssh, lab, hosts_file, world, rank_cmd)],
+                                world, reps=reps, timeout=timeout))
+            else:
+                rows.append(Row(label, peer, "skipped (parallel-ssh not installed)"))
+            if not args.no_phases:
+                jobs.append(Job(label, "fdl-fabric -v (phases)",
+                                [inv_launch_argv(cluster, rank_cmd, "-v")], world, True,
+                                reps=reps, timeout=timeout))
+            if key == "remote":
+                targets.append(Target(label, "done", peer, 0.8))
+                targets.append(Target(label, "running", fanout, 1.0))
                 floor_jobs.append(("1 rank over 1 ssh session (ssh host <python> rank.py)",
-                                   [lab.ssh_argv(lab.hosts[0], f"RANK=0 {rank_cmd}")], 1))
-                # What fdl-fabric's remote sweeps run: `python3` as the login PATH finds it
-                # (a pyenv shim here), and `exec bash -c`, which its rank sessions use.
-                floor_jobs.append(("1 ssh session, login-PATH python3 (ssh host python3 -c '')",
-                                   [lab.ssh_argv(lab.hosts[0], "python3 -c ''")], 0))
-                floor_jobs.append(("1 ssh session, exec bash -c (ssh host exec bash -c true)",
-                                   [lab.ssh_argv(lab.hosts[0], "exec bash -c true")], 0))
+                                   [lab.ssh_argv(hosts[0], f"RANK=0 {rank_cmd}")], 1))
                 floor_jobs.append(("1 ssh session, nothing (ssh host true)",
-                                   [lab.ssh_argv(lab.hosts[0], "true")], 0))
+                                   [lab.ssh_argv(hosts[0], "true")], 0))
+                floor_jobs.append(("1 ssh session, the agent's python (/usr/bin/python3 -I -S "
+                                   "-c '')", [lab.ssh_argv(hosts[0], "/usr/bin/python3 -I -S "
+                                                           "-c ''")], 0))
+            else:
+                targets.append(Target(label, "done", peer, 0.3 if world == 64 else 0.25))
+                if not args.no_fanout:
+                    targets.append(Target(label, "running", fanout, 1.0))
+                if world == 256:
+                    targets.append(Target(label, "running", None, 3.0))
+                floor_jobs.append((f"{world} ranks at once, no launcher, no SSH "
+                                   f"({world} x <python> rank.py)",
+                                   [list(rank_words) for _ in range(world)], world))
 
         samples: list[Sample] = []
         floors: list[Sample] = []
         load_before = _loadavg()
-        total = args.repeat + 1
+        total = max([j.reps for j in jobs], default=args.repeat) + 1
         for rep in range(total):
             _progress(report, f"run {rep + 1}/{total}{' (warm-up)' if rep == 0 else ''}:")
-            for scenario, tool, argvs, expect_up, phases in jobs:
-                s = measure(scenario, tool, rep, argvs, expect_up=expect_up, env=env,
-                            cwd=str(ROOT), phases=phases)
+            for job in jobs:
+                if rep > job.reps:
+                    continue
+                s = measure(job.scenario, job.tool, rep, job.argvs, expect_up=job.expect_up,
+                            env=env, cwd=str(ROOT), phases=job.phases, timeout=job.timeout)
                 samples.append(s)
                 _progress(report, " ." if s.ok else " x")
-            if not args.no_floors:
+            if not args.no_floors and rep <= args.repeat:
                 for name, argvs, ups in floor_jobs:
                     s = measure("floor", name, rep, argvs, expect_up=ups, env=env,
                                 cwd=str(ROOT))
                     floors.append(s)
                     _progress(report, " ." if s.ok else " x")
-            _progress(report, "\n")
+            _progress(report, f"  (load {_loadavg()})\n")
     finally:
         stop_all()
         if lab is not None:
@@ -718,11 +874,12 @@ def _bench(args: argparse.Namespace, tmp: Path, report: TextIO) -> int:
     notes = machine_notes(pssh, torch_installed())
     notes["load average (1/5/15 min) before / after"] = f"{load_before} / {_loadavg()}"
     notes["rank command"] = rank_cmd
-    print_report(rows, samples, floors, notes, remarks, report)
+    print_report(rows, samples, floors, notes, remarks, report, targets)
     if args.json:
         doc = {
             "machine": notes,
             "repeat": args.repeat,
+            "scale_repeat": args.scale_repeat,
             "remarks": remarks,
             "samples": [asdict(s) for s in samples],
             "floors": [asdict(s) for s in floors],

@@ -47,6 +47,8 @@ from .supervisor import Verdict
 
 #: How often the coordinator drains reported deaths and checks heartbeats.
 TICK_INTERVAL = 0.05
+#: Selector data of the wake-up socket (connections carry a `_Conn`, the listener None).
+_WAKE = object()
 #: Largest frame a connection may send before its hello verified: a hello or a probe is
 #: about a hundred bytes, so an unauthenticated peer can make us hold little.
 PRE_AUTH_FRAME = 4096
@@ -253,6 +255,11 @@ class Coordinator:
         self._selector: Optional[selectors.BaseSelector] = None
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
+        # Written by other threads (stop, report_dead) so the I/O thread acts at once
+        # instead of at its next tick: a death is declared, and a run ends, without waiting.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._port = spec.port
         # Refused connections since the last report (I/O thread only).
         self._rejected_at: Optional[float] = None
@@ -276,6 +283,7 @@ class Coordinator:
         self._port = int(listener.getsockname()[1])
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._thread = threading.Thread(target=self._run, name="fdl-coordinator", daemon=True)
         self._thread.start()
 
@@ -287,6 +295,7 @@ class Coordinator:
     def stop(self) -> None:
         """Close every connection and the port, and join the I/O thread. Idempotent."""
         self._stopping.set()
+        self._wake()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=SEND_TIMEOUT + 5.0)
@@ -299,6 +308,12 @@ class Coordinator:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        for end in (self._wake_r, self._wake_w):
+            end.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (already woken) or closed (stopped)
+            self._wake_w.send(b"\0")
 
     # -- ElasticPolicy --------------------------------------------------------------------------
     @property
@@ -311,6 +326,7 @@ class Coordinator:
         """Queue process deaths seen by the supervisor; the next tick declares them."""
         with self._lock:
             self._reports.append(([int(r) for r in ranks], reason))
+        self._wake()
 
     def abort_reason(self) -> Optional[str]:
         """Why the run must be killed (formation timeout, coordinator failure), else None."""
@@ -372,13 +388,20 @@ class Coordinator:
                 selector = self._selector
                 if selector is None:
                     return
+                woken = False
                 for key, _ in selector.select(timeout=TICK_INTERVAL):
                     if key.data is None:
                         self._accept()
+                    elif key.data is _WAKE:
+                        woken = True
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
                     else:
                         self._read(key.data)
+                if self._stopping.is_set():
+                    return
                 now = time.monotonic()
-                if now >= next_tick:
+                if now >= next_tick or woken:
                     self._tick(now)
                     next_tick = now + TICK_INTERVAL
         except Exception as exc:  # any bug becomes a visible abort, not a silent hang

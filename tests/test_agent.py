@@ -30,13 +30,13 @@ RUN_ENV = "FLODL_INTERNAL_RUN_ID"
 class AgentPipe:
     """One agent process and the launcher's end of its protocol."""
 
-    def __init__(self) -> None:
+    def __init__(self, payload: Optional[bytes] = None) -> None:
         self.proc = subprocess.Popen(
             ["/bin/sh", "-c", bundle.local_command(sys.executable)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.reader = wire.Reader(wire.UP_TYPES, handshake=True)
         self.pending: list[tuple[int, bytes]] = []
-        self.write(bundle.payload())
+        self.write(payload or bundle.payload())
 
     def write(self, data: bytes) -> None:
         assert self.proc.stdin is not None
@@ -405,6 +405,19 @@ def test_without_start_now_the_agent_waits_for_start_after_its_preflight(
 
 
 # -- pure parts -------------------------------------------------------------------------------
+@pytest.mark.parametrize("tag", [sys.implementation.cache_tag, "cpython-00"])
+def test_the_agent_runs_from_shipped_code_on_the_same_python_and_from_source_on_another(
+        tag: str) -> None:
+    agent = AgentPipe(bundle.payload(tag))
+    try:
+        agent.send(wire.SPEC, spec(["sh", "-c", "echo ran"]))
+        frames = agent.until(wire.DONE)
+        assert agent.output(frames, 0) == b"ran\n"
+        assert agent.exits(frames)[0]["code"] == 0
+    finally:
+        agent.stop()
+
+
 def test_login_shell_noise_before_the_handshake_is_skipped_and_kept() -> None:
     reader = wire.Reader(wire.UP_TYPES, handshake=True)
     data = b"Welcome to gpu-a!\n" + wire.HANDSHAKE + wire.message(wire.DONE)

@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import select
 import selectors
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from fdl_fabric.agent import checks, children, lines, procs, watchdog, wire
+from fdl_fabric.agent import children, lines, procs, watchdog, wire
 from fdl_fabric.rank import ENV_CLUSTER_JSON, ENV_ERROR_FILE
 
 #: Frames waiting for the launcher beyond this many bytes pause reading rank output,
@@ -134,8 +132,9 @@ class Agent:
         self.out += wire.HANDSHAKE
         self.send(wire.HELLO, {
             "version": wire.VERSION, "pid": os.getpid(),
-            "python": platform.python_version(), "system": platform.system(),
-            "machine": platform.machine(),
+            "python": "{}.{}.{}".format(*sys.version_info[:3]),
+            "system": os.uname().sysname,
+            "machine": os.uname().machine,
         })
 
     # -- the loop -------------------------------------------------------------------------
@@ -147,6 +146,8 @@ class Agent:
                 self._step()
         except Exception:
             self.exit_code = EXIT_INTERNAL
+            import traceback
+
             self._error("agent crashed: " + traceback.format_exc(limit=5).strip())
             self._leash_now()
         self._flush_blocking()
@@ -312,6 +313,8 @@ class Agent:
             self.lease = max(float(spec["lease"]), wire.LEASE_MIN)
         envelope = _decode_envelope(str(spec.get("envelope", "")))
         if spec.get("checks"):
+            from fdl_fabric.agent import checks  # only with a pre-flight: keeps starts light
+
             values = checks.gather(spec["checks"], bytes.fromhex(envelope.get("salt", "00" * 16)),
                                    str(spec["run_id"]), str(spec["host"]))
             self.send(wire.PREFLIGHT, {"values": values})
@@ -324,6 +327,8 @@ class Agent:
     def _on_probe(self, request: Dict[str, Any]) -> None:
         facts: Dict[str, Any] = {}
         if request.get("gpus"):
+            from fdl_fabric.agent import checks
+
             facts.update(checks.gpu_indices())
         self.send(wire.FACTS, facts)
 

@@ -1,0 +1,220 @@
+"""Small helpers shared by the newer benchmark scripts (idle.py, output.py, detect.py).
+
+Only the benchmark scripts import this (they run as ``python3 bench/<script>.py``, so
+``bench/`` is on ``sys.path``). It uses the public lab from ``fdl_fabric.testing`` and
+nothing from ``tests/``.
+
+Every process started through `start` runs in a process group of its own and is
+remembered until it is reaped; `stop_all` stops those groups and no others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Processes this script started and has not reaped, by pid (= their process group).
+_LIVE: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def start(argv: Sequence[str], *, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE,
+          env: Optional[dict[str, str]] = None, cwd: Optional[str] = None,
+          bufsize: int = -1) -> subprocess.Popen[bytes]:
+    """Popen in a new session (its own process group), remembered for `stop_all`."""
+    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                            env=env, cwd=cwd or str(ROOT), start_new_session=True,
+                            bufsize=bufsize)
+    _LIVE[proc.pid] = proc
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 10.0,
+         sig: int = signal.SIGTERM) -> Optional[int]:
+    """``sig`` to the group we created for ``proc``, KILL after ``grace``; reap it.
+
+    Only groups whose leader we started and have not reaped yet are signalled, so a
+    recycled pid or pgid is never hit.
+    """
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(grace)
+    forget(proc)
+    return proc.returncode
+
+
+def forget(proc: subprocess.Popen[bytes]) -> None:
+    """``proc`` was reaped: never signal its pid again."""
+    _LIVE.pop(proc.pid, None)
+
+
+def stop_all() -> None:
+    for proc in list(_LIVE.values()):
+        with contextlib.suppress(Exception):
+            stop(proc, grace=5.0)
+
+
+@contextlib.contextmanager
+def terminate_gracefully() -> Iterator[None]:
+    """SIGTERM/SIGHUP unwind through ``finally`` blocks like Ctrl-C does."""
+
+    def bye(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, bye) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# -- the lab --------------------------------------------------------------------------------
+def start_lab(root: Path, n_hosts: int, out: TextIO) -> Any:
+    """An sshd lab of ``n_hosts`` with known_hosts pre-seeded (no run pays first contact)."""
+    from fdl_fabric.testing import SshdLab
+
+    out.write(f"starting {n_hosts} sshd lab hosts... ")
+    out.flush()
+    lab = SshdLab(root, n_hosts, extra_sshd_config=["MaxStartups 100:30:300"]).start()
+    Path(lab.known_hosts).write_text("".join(h.known_hosts_line() + "\n" for h in lab.hosts))
+    out.write("ok\n")
+    out.flush()
+    return lab
+
+
+def inv_launch_argv(cluster: Path, command: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "invoke", "--search-root", str(ROOT), "launch",
+            *extra, "--cluster", str(cluster), "--cmd", command]
+
+
+def pssh_path() -> Optional[str]:
+    return shutil.which("parallel-ssh") or shutil.which("pssh")
+
+
+def pssh_argv(lab: Any, hosts_file: Path, sessions: int, command: str) -> list[str]:
+    """``parallel-ssh -P``: every session at once, each line printed as it arrives."""
+    pssh = pssh_path()
+    assert pssh is not None
+    extra = (f"-F /dev/null -i {lab.identity_file} -o IdentitiesOnly=yes "
+             f"-o UserKnownHostsFile={lab.known_hosts} "
+             "-o StrictHostKeyChecking=no -o BatchMode=yes -o LogLevel=ERROR")
+    return [pssh, "-P", "-p", str(sessions), "-t", "0", "-h", str(hosts_file),
+            "-x", extra, command]
+
+
+# -- /proc ----------------------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """user + system CPU seconds of one process (its threads included), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def threads(pid: int) -> Optional[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def wait_for_quiet(limit: Optional[float], out: TextIO, *, patience: float = 1200.0) -> str:
+    """Wait (60 s at a time, up to ``patience``) until the 1-minute load is <= ``limit``.
+
+    Returns the load average seen when the wait ended.
+    """
+    if limit is None:
+        return loadavg()
+    deadline = time.monotonic() + patience
+    while os.getloadavg()[0] > limit and time.monotonic() < deadline:
+        out.write(f"load {loadavg()} > {limit:g}: waiting 60 s\n")
+        out.flush()
+        time.sleep(60)
+    return loadavg()
+
+
+# -- reporting ------------------------------------------------------------------------------
+def table(rows: list[list[str]], right: Sequence[bool]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [c.rjust(w) if right[i] else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _first_line(argv: Sequence[str]) -> str:
+    try:
+        out = subprocess.run(list(argv), capture_output=True, text=True, timeout=20,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({exc})"
+    text = (out.stdout + out.stderr).strip().splitlines()
+    return text[0] if text else "unknown"
+
+
+def machine_notes() -> dict[str, str]:
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    commit = _first_line(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", ".",
+                            ":(exclude)bench"], capture_output=True, text=True).stdout.strip()
+    pssh = pssh_path()
+    return {
+        "cpus": f"{len(os.sched_getaffinity(0))} x {cpu}; kernel {platform.release()}",
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "openssh": _first_line(["ssh", "-V"]),
+        "parallel-ssh": _first_line([pssh, "--version"]) if pssh else "not installed",
+        "fabric / invoke / paramiko": " / ".join(_version(d) for d in
+                                                 ("fabric", "invoke", "paramiko")),
+        "fdl_fabric commit": commit + (" (+ uncommitted changes outside bench/)"
+                                       if dirty else ""),
+    }
