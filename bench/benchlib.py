@@ -126,12 +126,11 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def cpu_seconds(pid: int) -> Optional[float]:
     """user + system CPU seconds of one process (its threads included), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
+    from fdl_fabric.agent.procs import stat_fields
+
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    fields = data[data.rindex(b")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 

@@ -66,6 +66,8 @@ from typing import Any, Callable, Optional, TextIO
 import benchlib
 import yaml
 
+from fdl_fabric.agent.procs import stat_fields
+
 ROOT = benchlib.ROOT
 TOY = ROOT / "examples" / "toy_train.py"
 
@@ -159,12 +161,9 @@ class Pid:
 
 def _stat(pid: int) -> Optional[tuple[str, int, int]]:
     """(state letter, parent pid, start time in clock ticks) from /proc/<pid>/stat."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    fields = data[data.rindex(b")") + 2:].split()
     return fields[0].decode(), int(fields[1]), int(fields[19])
 
 

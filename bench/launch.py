@@ -56,10 +56,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
+
+from benchlib import terminate_gracefully
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -588,21 +590,6 @@ def print_report(
 # --------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _terminate_gracefully() -> Iterator[None]:
-    """SIGTERM/SIGHUP unwind through ``finally`` blocks like Ctrl-C does."""
-
-    def bye(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = {sig: signal.signal(sig, bye) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 #: ``--only`` values; ``scale`` means both scale scenarios.
 SCENARIOS = ("local", "remote", "scale64", "scale256")
 
@@ -643,7 +630,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     report = sys.stderr if args.json == "-" else sys.stdout
-    with _terminate_gracefully():
+    with terminate_gracefully():
         tmp = Path(tempfile.mkdtemp(prefix="fdl-bench-"))
         try:
             return _bench(args, tmp, report)

@@ -49,14 +49,23 @@ def registry_dir() -> str:
 
 
 # -- /proc ----------------------------------------------------------------------------------
-def proc_stat(pid: int) -> Optional[tuple]:  # type: ignore[type-arg]
-    """(pgid, start time in clock ticks since boot, state letter) of a process, or None."""
+def stat_fields(pid: int) -> Optional[List[bytes]]:
+    """The fields of /proc/<pid>/stat after the command name (state first, as field 3 of
+    proc(5)); None when the process is gone. The name is skipped by its last ``)``: it
+    may hold spaces and parentheses."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             data = fh.read()
     except OSError:
         return None
-    fields = data[data.rindex(b")") + 2:].split()
+    return data[data.rindex(b")") + 2:].split()
+
+
+def proc_stat(pid: int) -> Optional[tuple]:  # type: ignore[type-arg]
+    """(pgid, start time in clock ticks since boot, state letter) of a process, or None."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
     return int(fields[2]), int(fields[19]), fields[0].decode("ascii", "replace")
 
 
