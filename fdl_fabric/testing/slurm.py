@@ -171,7 +171,7 @@ def _render_slurm_conf(lab: SlurmLab, ports: _Ports) -> str:
     )
     gres = f" Gres=gpu:{lab.gpus_per_node}" if lab.gpus_per_node else ""
     lines = [
-        "# Written by fdl_fabric.slurmlab; regenerated on every start.",
+        "# Written by fdl_fabric.testing.slurm; regenerated on every start.",
         f"ClusterName={lab.cluster_name}",
         "SlurmctldHost=localhost(127.0.0.1)",
         f"SlurmctldPort={ports.slurmctld}",
@@ -782,14 +782,14 @@ class SlurmLab:
 
 
 # --------------------------------------------------------------------------------------
-# Interactive use: python -m fdl_fabric.testing.slurm DIR [N_NODES]
+# Interactive use: python -m fdl_fabric.testing slurm DIR [N_NODES]
 # --------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str]) -> int:
     """Start a lab, print how to use it, keep it up until SIGINT/SIGTERM, then stop it."""
     if not argv or len(argv) > 2:
-        print("usage: python -m fdl_fabric.testing.slurm DIR [N_NODES]", file=sys.stderr)
+        print("usage: python -m fdl_fabric.testing slurm DIR [N_NODES]", file=sys.stderr)
         return 2
     n_nodes = int(argv[1]) if len(argv) > 1 else 3
     stop = threading.Event()
@@ -800,7 +800,3 @@ def main(argv: Sequence[str]) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
