@@ -186,7 +186,8 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _first_line(argv: Sequence[str]) -> str:
+def tool_version(argv: Sequence[str]) -> str:
+    """The first line a tool prints for ``argv`` (``ssh -V``, ``git rev-parse``...)."""
     try:
         out = subprocess.run(list(argv), capture_output=True, text=True, timeout=20,
                              stdin=subprocess.DEVNULL)
@@ -203,15 +204,15 @@ def machine_notes() -> dict[str, str]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    commit = _first_line(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    commit = tool_version(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", ".",
                             ":(exclude)bench"], capture_output=True, text=True).stdout.strip()
     pssh = pssh_path()
     return {
         "cpus": f"{len(os.sched_getaffinity(0))} x {cpu}; kernel {platform.release()}",
         "python": f"{platform.python_version()} ({sys.executable})",
-        "openssh": _first_line(["ssh", "-V"]),
-        "parallel-ssh": _first_line([pssh, "--version"]) if pssh else "not installed",
+        "openssh": tool_version(["ssh", "-V"]),
+        "parallel-ssh": tool_version([pssh, "--version"]) if pssh else "not installed",
         "fabric / invoke / paramiko": " / ".join(_version(d) for d in
                                                  ("fabric", "invoke", "paramiko")),
         "fdl_fabric commit": commit + (" (+ uncommitted changes outside bench/)"

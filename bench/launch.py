@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from benchlib import terminate_gracefully
+from benchlib import terminate_gracefully, tool_version
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -359,16 +359,6 @@ def pssh_dedups(tmp: Path) -> bool:
         return out.stdout.strip() != "2"
     except (OSError, subprocess.SubprocessError):
         return False
-
-
-def tool_version(argv: Sequence[str]) -> str:
-    try:
-        out = subprocess.run(list(argv), capture_output=True, text=True, timeout=20,
-                             stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"unknown ({exc})"
-    text = (out.stdout + out.stderr).strip().splitlines()
-    return text[0] if text else "unknown"
 
 
 def machine_notes(pssh: Optional[str], have_torch: bool) -> dict[str, Any]:
