@@ -1,8 +1,9 @@
 """Tests for the Slurm lab (fdl_fabric.testing.slurm) against real Slurm daemons.
 
-They skip, with the reason, where Slurm's daemons or munge are not installed; CI installs
-them.  One lab serves the whole module (starting one takes about a second, but the
-tests share a 2-core machine); the teardown test starts its own, since it stops it.
+They skip, with the reason, where Slurm's daemons or munge are not installed, and fail
+under CI, which installs them.  One lab serves the whole module (starting one takes
+about a second, but the tests share a 2-core machine); the teardown test starts its own,
+since it stops it.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from typing import Callable
 import psutil
 import pytest
 
+from fdl_fabric.testing.fixtures import require_slurm
 from fdl_fabric.testing.slurm import MARKER_ENV, SlurmLab, SlurmLabError, slurm_missing
 
-pytestmark = [
-    pytest.mark.slurm,
-    pytest.mark.skipif(slurm_missing() is not None, reason=slurm_missing() or ""),
-]
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _slurm_installed() -> None:
+    """Skip where Slurm is not installed; under CI (which installs it) fail instead."""
+    require_slurm()
 
 
 @pytest.fixture(scope="module")
