@@ -40,7 +40,6 @@ Run ``python3 bench/launch.py`` (``--help`` for options); see bench/README.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -49,7 +48,6 @@ import re
 import selectors
 import shlex
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -61,6 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from benchlib import stop as benchlib_stop
 from benchlib import terminate_gracefully, tool_version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,20 +108,9 @@ _LIVE: dict[int, subprocess.Popen[bytes]] = {}
 
 
 def _stop(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
-    """TERM the process group we created for ``proc``, KILL after ``grace``; reap it.
-
-    Only groups whose leader we started and have not reaped yet are signalled, so a
-    recycled pid or pgid is never hit.
-    """
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(grace)
+    """TERM the process group we created for ``proc``, KILL after ``grace``; reap it
+    (`benchlib.stop`), then close its pipes."""
+    benchlib_stop(proc, grace)
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()
