@@ -33,15 +33,19 @@ def _hosts_from_argv(argv: list[str]) -> list[str]:
     return [h for h in hosts if h]
 
 
-@task(help={"run-id": "stop only this run", "pattern": "also `pkill -f` this regex"})
-def cleanup(c: Connection, run_id: Optional[str] = None, pattern: Optional[str] = None) -> None:
-    """Stop every fdl-fabric rank recorded on the hosts (or one run), then verify."""
+@task(help={"run-id": "stop only this run (even if its launcher is alive)",
+            "pattern": "also `pkill -f` this regex",
+            "force": "also stop runs whose launcher is alive (otherwise left alone)"})
+def cleanup(c: Connection, run_id: Optional[str] = None, pattern: Optional[str] = None,
+            force: bool = False) -> None:
+    """Stop every fdl-fabric run on the hosts whose launcher is gone (or one run), then
+    verify. Live runs are left alone, and said so."""
     global _done
     if _done:
         return
     _done = True
     hosts = _hosts_from_argv(sys.argv) or [c.original_host]
     conns = [c if h == c.original_host else Connection(h, config=c.config.clone()) for h in hosts]
-    code = adhoc_cleanup_hosts(conns, run_id=run_id, pattern=pattern)
+    code = adhoc_cleanup_hosts(conns, run_id=run_id, pattern=pattern, force=force)
     if code:
         raise SystemExit(code)

@@ -28,11 +28,9 @@ from .shell import quote
 _PACKAGES = ("fdl_fabric", "fdl_fabric.agent")
 _MODULES = ("fdl_fabric.rank", "fdl_fabric.agent.wire", "fdl_fabric.agent.lines",
             "fdl_fabric.agent.procs", "fdl_fabric.agent.children", "fdl_fabric.agent.checks",
-            "fdl_fabric.agent.watchdog", "fdl_fabric.agent.main")
+            "fdl_fabric.agent.stacks", "fdl_fabric.agent.watchdog", "fdl_fabric.agent.main")
 #: Digits of the payload's length header.
 _HEADER_DIGITS = 10
-#: Exit status of the bootstrap itself (old Python, payload cut short).
-EXIT_BOOTSTRAP = 3
 
 #: The command-line part: check the Python version, read exactly the payload, run it.
 #: os.read, not sys.stdin: a buffered reader would swallow the frames that follow.

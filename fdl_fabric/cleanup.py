@@ -6,11 +6,18 @@ instead of a spec. The agent stops the recorded runs that match (only processes 
 provably belong to them, see `fdl_fabric.agent.procs`), verifies that nothing of them
 remains, and reports. A host that cannot be reached, or where something survives,
 makes the cleanup fail loudly; every other host is still swept.
+
+A run whose launcher still holds its agents is *live* (`fdl_fabric.agent.procs`): no
+sweep stops it unless it is named (``--run-id``) or ``--force`` is given, and each
+sweep says what it left alone. A live run that is stopped is told who did it, and its
+verdict says so.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +39,8 @@ class HostReport:
     stopped: list[dict[str, Any]] = field(default_factory=list)
     leftovers: list[dict[str, Any]] = field(default_factory=list)
     error: Optional[str] = None
+    #: Live runs the sweep left alone: run, host, launcher.
+    live: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -51,6 +60,9 @@ class HostReport:
             parts.append("stopped " + ", ".join(what))
         else:
             parts.append("nothing to stop")
+        for item in self.live:
+            parts.append(f"run {item.get('run')} is live ({item.get('launcher')}): left alone "
+                         "(name it with --run-id, or --force, to stop it)")
         if self.leftovers:
             parts.append(f"LEFTOVER: {self.leftovers}")
         return f"{self.host}: " + "; ".join(parts)
@@ -58,16 +70,25 @@ class HostReport:
 
 def sweep_request(*, runs: Sequence[str] = (), cluster: Optional[str] = None,
                   all_runs: bool = False, pattern: Optional[str] = None,
-                  scope: Optional[str] = None) -> dict[str, Any]:
+                  scope: Optional[str] = None, force: bool = False,
+                  by: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """What an agent's sweep does (`fdl_fabric.agent.procs.sweep`); ``by`` says who
+    stops a live run (the note its verdict quotes)."""
     return {"runs": list(runs), "cluster": cluster, "all": all_runs, "pattern": pattern,
-            "scope": scope}
+            "scope": scope, "force": force, "by": by or stopper("a cleanup")}
+
+
+def stopper(command: str) -> dict[str, Any]:
+    """The note a cleanup leaves for a live run it stops: the command, its pid and host."""
+    return {"command": command, "pid": os.getpid(), "host": socket.gethostname()}
 
 
 OpenSession = Callable[[str, Post], AgentSession]
 
 
 def sweep_with_agents(hosts: Sequence[str], open_session: OpenSession,
-                      request: Mapping[str, Any]) -> list[HostReport]:
+                      request: Mapping[str, Any], *, timeout: float = SWEEP_TIMEOUT
+                      ) -> list[HostReport]:
     """Start one agent per host (``open_session``) and sweep them all at once."""
     inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
     found: dict[str, HostReport] = {}
@@ -82,13 +103,13 @@ def sweep_with_agents(hosts: Sequence[str], open_session: OpenSession,
         session.sweep(dict(request))
         sessions[host] = session
     pending = set(sessions)
-    deadline = time.monotonic() + SWEEP_TIMEOUT
+    deadline = time.monotonic() + timeout
     while pending:
         try:
             report = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             for host in pending:
-                found[host] = HostReport(host, error=f"no answer within {SWEEP_TIMEOUT:g}s")
+                found[host] = HostReport(host, error=f"no answer within {timeout:g}s")
                 sessions[host].abandon()
             break
         if isinstance(report, reports.Swept):
@@ -96,7 +117,8 @@ def sweep_with_agents(hosts: Sequence[str], open_session: OpenSession,
             errors = data.get("errors") or []
             found[report.host] = HostReport(report.host, list(data.get("stopped", [])),
                                             list(data.get("leftovers", [])),
-                                            "; ".join(errors) if errors else None)
+                                            "; ".join(errors) if errors else None,
+                                            list(data.get("live", [])))
         elif isinstance(report, reports.AgentGone):
             pending.discard(report.host)
             if report.host not in found:
@@ -108,9 +130,10 @@ def sweep_with_agents(hosts: Sequence[str], open_session: OpenSession,
 
 def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
                 all_runs: bool = False, pattern: Optional[str] = None, slurm: bool = False,
-                console: Any = None) -> int:
+                force: bool = False, console: Any = None) -> int:
     """``inv cleanup``: sweep every host of a cluster (with ``slurm``: every node of this
-    allocation, for this job's runs only); 0 clean, 1 leftovers, 2 config or usage."""
+    allocation, for this job's runs only); 0 clean, 1 leftovers, 2 config or usage. Live
+    runs are left alone unless named by ``run_id`` or ``force``d."""
     from .config import ConfigError
     from .output import Console
     from .plan import cluster_key
@@ -140,10 +163,13 @@ def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
     connections, errors = connect_each(settings)
     workers = {w.host: w for w in cluster.workers}
     try:
+        command = "inv cleanup" + (f" --run-id {run_id}" if run_id else "") + \
+            (" --force" if force else "")
         request = sweep_request(runs=[run_id] if run_id else [],
                                 cluster=None if (run_id or all_runs) else key,
                                 all_runs=all_runs, pattern=pattern,
-                                scope=key if slurm else None)
+                                scope=key if slurm else None, force=force,
+                                by=stopper(command))
         hosts = [w.host for w in cluster.workers if w.host not in errors]
         found = {r.host: r for r in sweep_with_agents(
             hosts, lambda host, post: agent_session(workers[host], connections, post,
@@ -188,8 +214,10 @@ def report_and_verdict(reports_: Sequence[HostReport], console: Any) -> int:
 
 
 def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
-                        pattern: Optional[str] = None, console: Any = None) -> int:
+                        pattern: Optional[str] = None, force: bool = False,
+                        console: Any = None) -> int:
     """``fab -H a,b cleanup``: every host in parallel; a failing host never stops the others.
+    Runs whose launcher is alive are left alone, unless named (``run_id``) or ``force``d.
 
     fab builds its Connections with Fabric's AutoAddPolicy; they get our accept-new
     policy before they open, like every other connection we make.
@@ -214,8 +242,10 @@ def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
 
     with ThreadPoolExecutor(max_workers=max(1, min(32, len(conns)))) as pool:
         list(pool.map(open_one, conns))
+    command = "fab cleanup" + (f" --run-id {run_id}" if run_id else "") + \
+        (" --force" if force else "")
     request = sweep_request(runs=[run_id] if run_id else [], all_runs=not run_id,
-                            pattern=pattern)
+                            pattern=pattern, force=force, by=stopper(command))
     hosts = [c.original_host for c in conns]
     found = {r.host: r for r in sweep_with_agents(
         [h for h in hosts if h in by_host],

@@ -186,6 +186,14 @@ class ClusterSpec:
     env_forward: tuple[str, ...] = ()
     #: Set for ``scheduler: slurm``; ``workers`` is then empty until the launch fills it in.
     slurm: Optional[SlurmSpec] = None
+    #: Seconds without a frame from a host's agent after which the host is unresponsive.
+    agent_timeout: float = 10.0
+    #: Seconds without output or progress from any rank after which the run is hung
+    #: (None: never).
+    hang_timeout: Optional[float] = None
+    #: The cluster key, when not derived from the file (`plan.cluster_key`): each
+    #: ``fdl-fabric run`` is a cluster of its own.
+    key: Optional[str] = None
 
 
 # --------------------------------------------------------------------------------------------

@@ -231,10 +231,13 @@ class Coordinator:
     """The launcher's coordinator; see the module docstring and docs/protocol.md."""
 
     def __init__(self, spec: CoordinatorSpec, events: EventBus,
-                 on_join: Optional[Callable[[int], None]] = None) -> None:
+                 on_join: Optional[Callable[[int], None]] = None,
+                 on_dead: Optional[Callable[[int, str], None]] = None) -> None:
         self.spec = spec
         self.events = events
         self.on_join = on_join
+        #: Told of each rank declared dead for silence (its agent must stop it).
+        self.on_dead = on_dead
         self._dead = DeadRanks(spec.world_size)
         self._lock = threading.Lock()
         # Guarded by _lock: read by the supervisor thread.
@@ -244,11 +247,15 @@ class Coordinator:
         self._abort: Optional[str] = None
         self._shutdown: Optional[str] = None
         self._reports: list[tuple[list[int], str]] = []
+        #: When any joined rank last reported progress (`fdl_fabric.rank.progress`).
+        self._last_progress = 0.0
+        self._resume_pending = False
         # I/O thread only.
         self._conns: set[_Conn] = set()
         self._rank_conn: dict[int, _Conn] = {}
         self._hosts: dict[int, str] = {}
         self._last_frame: dict[int, float] = {}
+        self._progress: dict[int, int] = {}
         self._first_hello: Optional[float] = None
         self._formed_at = 0.0
         self._listener: Optional[socket.socket] = None
@@ -355,6 +362,19 @@ class Coordinator:
                     "the teardown window were tolerated (never registered as rank deaths) — "
                     "full workload delivered, nothing redistributed")
         return Verdict.OK, f"cluster launcher: run completed — all {w} ranks exited 0"
+
+    @property
+    def last_progress(self) -> float:
+        """When (monotonic) a joined rank last reported progress; 0 when none ever did."""
+        with self._lock:
+            return self._last_progress
+
+    def resumed(self) -> None:
+        """This process was stopped (Ctrl-Z): the ranks' silence was ours, not theirs, so
+        the heartbeat clocks start again at the next tick."""
+        with self._lock:
+            self._resume_pending = True
+        self._wake()
 
     # -- read-only views ----------------------------------------------------------------------
     @property
@@ -484,7 +504,14 @@ class Coordinator:
         if kind == "hello":
             raise FrameError("second hello on one connection")
         rank = conn.rank
-        self._last_frame[rank] = time.monotonic()
+        now = self._last_frame[rank] = time.monotonic()
+        if kind == "heartbeat":
+            progress = message.get("progress")
+            if isinstance(progress, int) and not isinstance(progress, bool) \
+                    and progress != self._progress.get(rank, 0):
+                self._progress[rank] = progress
+                with self._lock:
+                    self._last_progress = now
         if kind == "exiting":
             with self._lock:
                 fresh = rank not in self._exited
@@ -547,7 +574,14 @@ class Coordinator:
             reports, self._reports = self._reports, []
             formed = self._formed
             exited = set(self._exited)
+            resumed, self._resume_pending = self._resume_pending, False
+        if resumed:
+            for rank in self._last_frame:
+                self._last_frame[rank] = now
+            if self._first_hello is not None:
+                self._first_hello = max(self._first_hello, now - 1.0)
         newly: list[tuple[int, str]] = []
+        silent_ranks: list[tuple[int, str]] = []
         for ranks, reason in reports:
             for rank in ranks:
                 if rank not in exited and self._dead.declare_dead(rank):
@@ -559,10 +593,14 @@ class Coordinator:
                     continue
                 silent = now - max(self._last_frame[rank], self._formed_at)
                 if silent > limit and self._dead.declare_dead(rank):
-                    newly.append((rank, f"no frame for {silent:.1f}s, heartbeat timeout "
-                                        f"{_seconds(limit)}"))
+                    reason = f"no frame for {silent:.1f}s, heartbeat timeout {_seconds(limit)}"
+                    newly.append((rank, reason))
+                    silent_ranks.append((rank, reason))
         for rank, reason in newly:
             self._declare(rank, reason)
+        if self.on_dead is not None:
+            for rank, reason in silent_ranks:
+                self.on_dead(rank, reason)
         if newly:
             self._check_unrecoverable()
         self._check_timeouts(now, formed)

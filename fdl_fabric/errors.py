@@ -19,6 +19,9 @@ class LaunchError(Exception):
     was started), 1 for a host that cannot be reached or used.
     """
 
-    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE,
+                 details: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        #: Lines that come before the message (one per host, when several failed).
+        self.details = details

@@ -28,6 +28,8 @@ class Kind(str, Enum):
     STOPPING = "stopping"
     RESTART = "restart"
     SHUTDOWN = "shutdown"
+    HANG = "hang"
+    STACKS = "stacks"
     VERDICT = "verdict"
     WARNING = "warning"
     INFO = "info"

@@ -61,6 +61,17 @@ def seconds(flag: str, text: Optional[str]) -> Optional[float]:
     return value
 
 
+def agent_timeout(text: Optional[str]) -> Optional[float]:
+    """``--agent-timeout``: seconds, at least `wire.AGENT_TIMEOUT_MIN`."""
+    from .agent.wire import AGENT_TIMEOUT_MIN
+
+    value = seconds("--agent-timeout", text)
+    if value is not None and value < AGENT_TIMEOUT_MIN:
+        raise usage("--agent-timeout", f"must be at least {AGENT_TIMEOUT_MIN:g} seconds (agents "
+                    f"send a heartbeat every second), got {text!r}")
+    return value
+
+
 def restarts(flag: str, text: Union[None, str, int]) -> Optional[int]:
     if text is None:
         return None

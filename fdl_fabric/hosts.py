@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from .config import WorkerSpec
 from .errors import LaunchError
-from .sessions import AgentSession, Post, local_environment
+from .sessions import AgentSession, OutputSink, Post, local_environment
 from .sshopts import SshSettings
 
 if TYPE_CHECKING:  # Fabric's SSH stack loads only when a host is remote
@@ -56,8 +56,12 @@ def connect_all(settings: Mapping[str, SshSettings],
     opened, errors = connect_each(settings, on_connect)
     if errors:
         close_all(opened.values())
-        raise LaunchError("\n".join(f"cluster launcher: cannot connect to host {h!r}: {why}"
-                                     for h, why in errors.items()))
+        lines = tuple(f"cluster launcher: cannot connect to host {h!r}: {why}"
+                      for h, why in errors.items())
+        if len(lines) == 1:
+            raise LaunchError(lines[0] + " — nothing was started")
+        raise LaunchError(f"cluster launcher: cannot connect to {len(lines)} hosts "
+                          f"({', '.join(errors)}) — nothing was started", details=lines)
     return opened
 
 
@@ -76,9 +80,11 @@ def _close(conn: FdlConnection) -> None:
 
 
 def start_agents(workers: Iterable[WorkerSpec], connections: Mapping[str, FdlConnection],
-                 post: Post) -> dict[str, AgentSession]:
+                 post: Post, on_output: Optional[OutputSink] = None
+                 ) -> dict[str, AgentSession]:
     """One agent per worker host, started in parallel; a host that cannot start fails all."""
-    sessions = {w.host: agent_session(w, connections, post) for w in workers}
+    sessions = {w.host: agent_session(w, connections, post, on_output=on_output)
+                for w in workers}
     ensure_fd_limit(len(sessions))
     errors: list[str] = []
 
@@ -94,7 +100,11 @@ def start_agents(workers: Iterable[WorkerSpec], connections: Mapping[str, FdlCon
     if errors:
         for s in sessions.values():
             s.abandon()
-        raise LaunchError("\n".join(sorted(errors)))
+        errors.sort()
+        if len(errors) == 1:
+            raise LaunchError(errors[0])
+        raise LaunchError(f"cluster launcher: {len(errors)} hosts cannot start their agents",
+                          details=tuple(errors))
     return sessions
 
 
@@ -120,7 +130,8 @@ def ensure_fd_limit(hosts: int) -> None:
 
 
 def agent_session(worker: WorkerSpec, connections: Mapping[str, FdlConnection],
-                  post: Post, *, step_name: Optional[str] = None) -> AgentSession:
+                  post: Post, *, step_name: Optional[str] = None,
+                  on_output: Optional[OutputSink] = None) -> AgentSession:
     """How this worker's agent is reached: an srun step of its Slurm job, a process here,
     or an SSH session on its connection."""
     if worker.slurm_job is not None:
@@ -129,7 +140,8 @@ def agent_session(worker: WorkerSpec, connections: Mapping[str, FdlConnection],
         command = slurm.step_command(worker.slurm_job, worker.host,
                                      name=step_name or slurm.AGENT_STEP)
         return AgentSession(worker.host, post, command=command,
-                            env=slurm.step_env(local_environment()))
+                            env=slurm.step_env(local_environment()), on_output=on_output)
     if worker.is_local:
-        return AgentSession(worker.host, post)
-    return AgentSession(worker.host, post, connection=connections[worker.host])
+        return AgentSession(worker.host, post, on_output=on_output)
+    return AgentSession(worker.host, post, connection=connections[worker.host],
+                        on_output=on_output)

@@ -14,6 +14,11 @@ import paramiko
 
 from .sshopts import SshSettings
 
+#: Seconds between two looks at every connection.
+POLL = 0.2
+#: A gap this long between two looks means this process was stopped (Ctrl-Z).
+PAUSE_GAP = 2.0
+
 
 class KeepaliveMonitor:
     """Declare a connection dead when it stops answering keepalives.
@@ -45,9 +50,21 @@ class KeepaliveMonitor:
     def close(self) -> None:
         self._stop.set()
 
+    def resumed(self) -> None:
+        """This process was stopped (Ctrl-Z): no server could answer while it was, so
+        every connection's silence counts from now."""
+        now = time.monotonic()
+        with self._lock:
+            for entry in self._entries:
+                entry.last_reply = max(entry.last_reply, now)
+
     def _loop(self) -> None:
-        while not self._stop.wait(0.2):
+        last = time.monotonic()
+        while not self._stop.wait(POLL):
             now = time.monotonic()
+            if now - last > PAUSE_GAP:
+                self.resumed()  # this process was stopped: the servers were not silent
+            last = now
             with self._lock:
                 entries = list(self._entries)
             for entry in entries:

@@ -4,13 +4,16 @@ Transport and supervision never print: they emit events (`events.py`), and the s
 here render them. Rank output arrives as ``Kind.OUTPUT`` events, each a chunk of whole
 lines of one rank, printed with the prefix ``[host:device:rN] `` in one write, so two
 ranks never mix inside a line and 100k lines cost 100 writes, not 100k. `Console`
-writes plain lines (CI, pipes); `LiveConsole` keeps a status table refreshed in place
-on a terminal while rank output scrolls above it; `RunLog` keeps what a run said on
-disk (``--log-dir``): rank output byte for byte, and every other event as JSON.
+writes plain lines (CI, pipes) and, on a terminal, keeps a status table refreshed in
+place while rank output scrolls above it; during a launch it writes through one writer
+thread (`screen`), so a stalled terminal never stalls supervision. `RunLog` keeps what
+a run said on disk (``--log-dir``): rank output byte for byte, and every other event as
+JSON; a disk that fills up is reported once and the run goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,6 +24,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Optional, TextIO
 
 from .events import Event, Kind
+from .screen import ERR, OUT, Screen
+from .stacks import dump_text, stacks_text
 from .supervisor import Rank, RankState
 
 if TYPE_CHECKING:  # the preflight package renders through this module
@@ -31,8 +36,6 @@ _VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.JOIN}
 
 #: Per-host prefix colors on a terminal (ANSI codes, and the rich style names).
 _PALETTE = ["36", "33", "35", "32", "34", "91", "96", "93"]
-_RICH_PALETTE = ["cyan", "yellow", "magenta", "green", "blue", "bright_red", "bright_cyan",
-                 "bright_yellow"]
 
 #: Env keys whose values are shown as *** in dry-run, logs and cluster.json.
 SECRET_KEY_RE = re.compile(r"SECRET|TOKEN|PASSW|KEY|CREDENTIAL|AUTH|COOKIE|PRIVATE", re.I)
@@ -52,7 +55,13 @@ def use_color(stream: Any) -> bool:
 
 
 class Console:
-    """The one place that writes to the launcher's stdout and stderr."""
+    """The one place that writes to the launcher's stdout and stderr.
+
+    ``threaded`` (a launch): every write goes through a `screen.Screen`, so a stalled
+    terminal holds up nobody but the one agent whose output waits; ``live`` also keeps
+    the status table drawn in place on a terminal. Without it (cleanup, checks, tests)
+    writes are direct.
+    """
 
     def __init__(
         self,
@@ -62,6 +71,9 @@ class Console:
         verbosity: int = 1,
         show_rank_output: bool = True,
         color: Optional[bool] = None,
+        threaded: bool = False,
+        live: bool = False,
+        dropped_hint: str = "",
     ) -> None:
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
@@ -70,21 +82,33 @@ class Console:
         self.color = use_color(self.out) if color is None else color
         self._hosts: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.live = live and threaded
+        self.screen: Optional[Screen] = None
+        if threaded:
+            self.screen = Screen(self.out, self.err, dropped_hint=dropped_hint)
 
     def host_color(self, host: str) -> int:
         return self._hosts.setdefault(host, len(self._hosts)) % len(_PALETTE)
 
     def rank_output(self, event: Event) -> None:
-        """A chunk of one rank's lines, each behind the rank's prefix, in one write."""
+        """A chunk of one rank's lines, each behind the rank's prefix, in one write.
+
+        Called on a session's reading thread; with a screen it may wait while the console
+        is slow (never while it is stalled: then the lines are counted, not shown)."""
         if not self.show_rank_output:
             return
         data = event.data
-        stream = self.err if data["stderr"] else self.out
         tag = f"[{data['label']}]"
         if self.color:
             tag = f"\x1b[{_PALETTE[self.host_color(event.host or '')]}m{tag}\x1b[0m"
         head = tag + " "
-        block = head + data["text"].replace("\n", "\n" + head) + "\n"
+        text: str = data["text"]
+        block = head + text.replace("\n", "\n" + head) + "\n"
+        if self.screen is not None:
+            self.screen.put_output(ERR if data["stderr"] else OUT,
+                                   block.encode("utf-8", "replace"), text.count("\n") + 1)
+            return
+        stream = self.err if data["stderr"] else self.out
         with self._lock:
             stream.write(block)
             stream.flush()
@@ -92,6 +116,10 @@ class Console:
     def emit(self, event: Event) -> None:
         if event.kind is Kind.OUTPUT:
             self.rank_output(event)
+            return
+        if event.kind is Kind.STACKS:
+            if self.verbosity >= 0:
+                self.message(stacks_text(event.data))
             return
         if self.verbosity <= 0 and event.kind not in (Kind.VERDICT, Kind.WARNING, Kind.DEATH):
             return
@@ -103,14 +131,21 @@ class Console:
 
     def message(self, text: str) -> None:
         """A line for the operator (status, warnings, verdicts): on stderr."""
+        if self.screen is not None:
+            self.screen.put_message(ERR, (text + "\n").encode("utf-8", "replace"))
+            return
         with self._lock:
             self.err.write(text + "\n")
             self.err.flush()
 
     def result(self, text: str) -> None:
         """What a command was asked for (a report, a path): on stdout, so it can be piped."""
+        text = text if text.endswith("\n") else text + "\n"
+        if self.screen is not None:
+            self.screen.put_message(OUT, text.encode("utf-8", "replace"))
+            return
         with self._lock:
-            self.out.write(text if text.endswith("\n") else text + "\n")
+            self.out.write(text)
             self.out.flush()
 
     def json(self, data: Any) -> None:
@@ -126,62 +161,47 @@ class Console:
         self.result(report.summary())
 
     def start_status(self, rows: Callable[[], Sequence[Rank]]) -> None:
-        """Plain consoles have no live view; the event lines tell the story."""
+        """On a terminal, the live table (host, rank, pid, state, last line) below the
+        output; plain consoles have none, the event lines tell the story."""
+        if self.live and self.screen is not None:
+            self.screen.set_status(lambda width, height: render_status(rows(), width,
+                                                                        height, self.color))
 
     def stop_status(self) -> None:
-        pass
+        if self.screen is not None:
+            self.screen.set_status(None)
+
+    @property
+    def dropped(self) -> int:
+        """Lines of rank output the console did not show (a stall, a closed stdout)."""
+        return self.screen.dropped if self.screen is not None else 0
+
+    def close(self) -> None:
+        """Write what is queued (bounded by `screen.FINAL_DRAIN`) and stop the writer."""
+        if self.screen is not None:
+            self.screen.close()
 
 
-class LiveConsole(Console):
-    """On a terminal: a status table refreshed in place, output scrolling above.
+def render_status(ranks: Sequence[Rank], width: int, height: int, color: bool) -> str:
+    """The live table as terminal text, at most ``height - 2`` lines (the rest elided)."""
+    import io
 
-    Everything goes through one rich console on stdout, because writing to
-    stderr behind rich's back would tear the live region.
-    """
+    from rich.console import Console as RichConsole
 
-    def __init__(self, *, verbosity: int = 1, show_rank_output: bool = True) -> None:
-        super().__init__(verbosity=verbosity, show_rank_output=show_rank_output)
-        from rich.console import Console as RichConsole
-
-        self._rich = RichConsole(file=self.out, no_color=not use_color(self.out),
-                                 highlight=False, soft_wrap=True)
-        self._live: Any = None
-
-    def rank_output(self, event: Event) -> None:
-        if not self.show_rank_output:
-            return
-        from rich.text import Text
-
-        data = event.data
-        tag_style = _RICH_PALETTE[self.host_color(event.host or "")]
-        tag = f"[{data['label']}] "
-        text = Text()
-        for line in data["text"].split("\n"):
-            text.append(tag, style=tag_style)
-            text.append(line + "\n", style="red" if data["stderr"] else "")
-        text.rstrip()
-        with self._lock:
-            self._rich.print(text)
-
-    def message(self, text: str) -> None:
-        from rich.text import Text
-
-        with self._lock:
-            self._rich.print(Text(text, style="bold"))
-
-    def start_status(self, rows: Callable[[], Sequence[Rank]]) -> None:
-        from rich.live import Live
-
-        self._live = Live(get_renderable=lambda: status_table(rows(), self._rich.width),
-                          console=self._rich,
-                          refresh_per_second=4, transient=True, redirect_stdout=False,
-                          redirect_stderr=False)
-        self._live.start()
-
-    def stop_status(self) -> None:
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
+    keep = max(1, height - 3)
+    shown = list(ranks)
+    more = len(shown) - keep
+    if more > 0:
+        shown = shown[:keep]
+    buf = io.StringIO()
+    rich = RichConsole(file=buf, force_terminal=True, width=width, highlight=False,
+                       color_system="standard" if color else None, no_color=not color,
+                       soft_wrap=False)
+    rich.print(status_table(shown, width), end="")
+    text = buf.getvalue().rstrip("\n")
+    if more > 0:
+        text += f"\n… {more} more rank(s)"
+    return text
 
 
 def _uptime(rank: Rank) -> str:
@@ -287,16 +307,20 @@ class RunLog:
         <dir>/<run_id>/attempt_<k>/r<rank>/stdout.log   rank output, byte for byte
         <dir>/<run_id>/attempt_<k>/r<rank>/stderr.log
         <dir>/<run_id>/attempt_<k>/r<rank>/error.json   a failed rank's error file
+        <dir>/<run_id>/attempt_<k>/stacks/r<rank>.txt   every rank's stack (a hang, Ctrl-\\)
         <dir>/<run_id>/events.jsonl           every other event, one JSON object a line
         <dir>/<run_id>/cluster.json           the resolved plan, secrets redacted
 
     ``k`` counts attempts (``--max-restarts``), from 0.
 
     Rank output can carry tokens, so folders are 0700 and files 0600, like the run
-    registry, whatever the umask.
+    registry, whatever the umask. A write that fails (a full disk, an I/O error) is
+    reported once through ``on_error`` and ends the log: the run goes on, its console
+    and its verdict untouched.
     """
 
-    def __init__(self, root: str, run_id: str) -> None:
+    def __init__(self, root: str, run_id: str,
+                 on_error: Optional[Callable[[str], None]] = None) -> None:
         self.folder = Path(root) / run_id
         Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one is kept
         _private_dir(self.folder)
@@ -305,6 +329,9 @@ class RunLog:
         self._lock = threading.Lock()
         #: The attempt whose rank output is being written (``--max-restarts``).
         self.attempt = 0
+        self.on_error = on_error
+        #: Why the log stopped (a failed write), once it did.
+        self.failed: Optional[str] = None
 
     def rank_folder(self, rank: int) -> Path:
         return self.folder / f"attempt_{self.attempt}" / f"r{rank}"
@@ -320,27 +347,51 @@ class RunLog:
         return fh
 
     def emit(self, event: Event) -> None:
+        failure = None
         with self._lock:
-            if self._events.closed:
+            if self._events.closed or self.failed is not None:
                 return
-            if event.kind is Kind.OUTPUT:
-                assert event.rank is not None
-                fh = self._rank_file(event.rank, bool(event.data["stderr"]))
-                fh.write(event.data["raw"])
-                fh.flush()
-                return
-            if event.kind is Kind.SPAWN and event.rank is not None:
-                for stderr in (False, True):  # both exist from the start, as with torchrun
-                    self._rank_file(event.rank, stderr)
-            record = event.to_json()
-            text = record.pop("error_file", None)
-            if isinstance(text, str) and event.rank is not None:
-                with _private_file(self.rank_folder(event.rank) / "error.json") as fh:
-                    fh.write(text.encode("utf-8"))
-            record.setdefault("attempt", self.attempt)
-            line = json.dumps(record, ensure_ascii=False) + "\n"
-            self._events.write(line.encode("utf-8"))
-            self._events.flush()
+            try:
+                self._write(event)
+            except OSError as exc:
+                failure = self.failed = exc.strerror or str(exc)
+        if failure is not None and self.on_error is not None:
+            self.on_error(f"--log-dir: {failure}; rank logs stop here ({self.folder})")
+
+    def _write(self, event: Event) -> None:
+        if event.kind is Kind.OUTPUT:
+            assert event.rank is not None
+            fh = self._rank_file(event.rank, bool(event.data["stderr"]))
+            fh.write(event.data["raw"])
+            fh.flush()
+            return
+        if event.kind is Kind.SPAWN and event.rank is not None:
+            for stderr in (False, True):  # both exist from the start, as with torchrun
+                self._rank_file(event.rank, stderr)
+        record = event.to_json()
+        text = record.pop("error_file", None)
+        if isinstance(text, str) and event.rank is not None:
+            with _private_file(self.rank_folder(event.rank) / "error.json") as fh:
+                fh.write(text.encode("utf-8"))
+        if event.kind is Kind.STACKS:
+            record["files"] = self._write_stacks(record.pop("ranks", {}) or {},
+                                                 record.get("hosts") or {})
+        record.setdefault("attempt", self.attempt)
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        self._events.write(line.encode("utf-8"))
+        self._events.flush()
+
+    def _write_stacks(self, ranks: dict[str, Any], hosts: dict[str, str]) -> list[str]:
+        folder = self.folder / f"attempt_{self.attempt}" / "stacks"
+        _private_dir(folder.parent)
+        _private_dir(folder)
+        written = []
+        for rank, entry in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+            path = folder / f"r{rank}.txt"
+            with _private_file(path, truncate=True) as fh:
+                fh.write(dump_text(rank, hosts.get(rank, "?"), entry).encode("utf-8"))
+            written.append(str(path.relative_to(self.folder)))
+        return written
 
     def write_cluster(self, data: dict[str, Any]) -> None:
         with _private_file(self.folder / "cluster.json") as fh:
@@ -348,9 +399,9 @@ class RunLog:
 
     def close(self) -> None:
         with self._lock:
-            self._events.close()
-            for fh in self._ranks.values():
-                fh.close()
+            for fh in (self._events, *self._ranks.values()):
+                with contextlib.suppress(OSError):
+                    fh.close()
 
 
 def _private_dir(path: Path) -> None:
@@ -358,8 +409,9 @@ def _private_dir(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
-def _private_file(path: Path) -> IO[bytes]:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+def _private_file(path: Path, *, truncate: bool = False) -> IO[bytes]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if truncate else os.O_APPEND)
+    fd = os.open(path, flags, 0o600)
     os.fchmod(fd, 0o600)
     return os.fdopen(fd, "ab")
 

@@ -112,7 +112,8 @@ class LaunchPlan:
                 if k not in ranks[0].env and not (local and k in self.launcher_sets)}
 
     def agent_spec(self, host: str, *, checks: Optional[dict[str, Any]] = None,
-                   start_now: bool = False, lease: Optional[float] = None) -> dict[str, Any]:
+                   start_now: bool = False, lease: Optional[float] = None,
+                   launcher: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """What one host's agent is told (docs/protocol.md, ``spec``); carries the salt.
 
         Variables every rank of the host shares are sent once (``env``); each rank's
@@ -143,6 +144,7 @@ class LaunchPlan:
             "checks": checks,
             "start_now": start_now,
             "lease": lease,
+            "launcher": launcher,
         }
 
 
@@ -163,6 +165,8 @@ def worker_devices(
 def cluster_key(cluster: ClusterSpec) -> str:
     """A stable id of the cluster file, so a launch finds its predecessors' leftovers; for
     a Slurm launch, its job (a later job on the same nodes must never sweep this one's)."""
+    if cluster.key is not None:
+        return cluster.key
     if cluster.slurm is not None and cluster.slurm.job_id is not None:
         return f"slurm-{cluster.slurm.job_id}"
     path = os.path.join(cluster.folder, os.path.basename(cluster.file))

@@ -245,6 +245,9 @@ class _Client:
         self.closed = threading.Event()
         self.stop_reason: Optional[str] = None
         self.callbacks: List[Callable[[str], None]] = []
+        #: Calls of `progress()` so far, and the last step it was given.
+        self.progress = 0
+        self.step: Optional[int] = None
 
     def start(self) -> None:
         self.sock.settimeout(SOCKET_TIMEOUT)
@@ -302,7 +305,10 @@ class _Client:
 
     def _heartbeat_loop(self) -> None:
         while not self.closed.wait(HEARTBEAT_INTERVAL):
-            self.send({"type": "heartbeat"})
+            beat: Dict[str, Any] = {"type": "heartbeat", "progress": self.progress}
+            if self.step is not None:
+                beat["step"] = self.step
+            self.send(beat)
 
     def _read_loop(self) -> None:
         try:
@@ -454,6 +460,22 @@ def survivors() -> List[int]:
         return []
     with client.state_lock:
         return list(client.members)
+
+
+def progress(step: Optional[int] = None) -> None:
+    """Say that this rank is making progress (and at which ``step``, if given).
+
+    The launcher calls a run *hung* when, for ``hang_timeout`` seconds, no rank wrote a
+    line and no joined rank reported progress; a script that is quiet for long stretches
+    (no output per step) calls this once per step. The next heartbeat carries it (within
+    a second): a call costs an integer increment. No-op before `join()`.
+    """
+    client = _client
+    if client is None:
+        return
+    client.progress += 1
+    if step is not None:
+        client.step = int(step)
 
 
 def exiting() -> None:

@@ -122,6 +122,37 @@ class Signaled:
     signal: str
     stopping: bool
     forwarded: bool = False
+    #: Who sent it, when a cleanup stopped this live run (its note: command, pid, host).
+    by: Optional[dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """Where each of the host's ranks is (`fdl_fabric.agent.stacks`)."""
+
+    host: str
+    request_id: int
+    run: Optional[str]
+    ranks: dict[int, dict[str, Any]]
+    py_spy: bool = False
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The runs recorded on a host (``status``, ``stacks``)."""
+
+    host: str
+    runs: list[dict[str, Any]]
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DeclaredDead:
+    """The coordinator heard nothing from a joined rank for its heartbeat timeout."""
+
+    rank: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -133,11 +164,13 @@ class Joined:
 
 @dataclass(frozen=True)
 class Request:
-    """From a signal handler or the launcher: interrupt, kill, forward a signal, abort."""
+    """From a signal handler or the launcher: interrupt, kill, forward a signal, abort,
+    suspend, resume, stacks."""
 
     kind: str
     arg: Optional[str] = None
 
 
 Report = Union[AgentReady, Facts, Preflight, Swept, Spawned, SpawnFailed, Output, Exited,
-               Verified, AgentError, AgentDone, AgentGone, Signaled, Joined, Request]
+               Verified, AgentError, AgentDone, AgentGone, Signaled, Joined, Request, Stacks,
+               Runs, DeclaredDead]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import sys
 from typing import NoReturn, Optional
@@ -94,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(*_both("kill-grace"), default="30", metavar="S",
                    help="seconds between TERM and KILL when stopping ranks (default 30, "
                    "as torchrun's shutdown timeout)")
+    p.add_argument(*_both("hang-timeout"), default=None, metavar="S",
+                   help="seconds without output or progress from any rank after which the "
+                   "run is hung: every rank's stack is shown, exit 1 (default: off)")
     p.add_argument("--quiet", action="store_true", help="no rank output")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more detail (-v, -vv)")
     p.add_argument("training_script", help="the script (or module, with -m) every rank runs")
@@ -176,7 +180,10 @@ def cluster_for(args: argparse.Namespace) -> ClusterSpec:
         master_port=args.master_port or free_port(),
         elastic=ElasticSpec(max_restarts=flags.restarts("--max-restarts", args.max_restarts)
                             or 0),
-        workers=(worker,))
+        workers=(worker,),
+        # Each run is a cluster of its own: two jobs started from one folder never see
+        # each other as leftovers.
+        key=f"run-{secrets.token_hex(8)}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -191,6 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             cluster=cluster_for(args), argv=worker_argv(args),
             verbosity=1 + min(args.verbose, 2), quiet=args.quiet,
             log_dir=flags.log_dir(args.log_dir),
+            hang_timeout=flags.seconds("--hang-timeout", args.hang_timeout),
             # Nothing remote to check: the local program is found (or not) at spawn.
             preflight=False)
     except LaunchError as exc:

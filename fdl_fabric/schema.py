@@ -15,6 +15,7 @@ from typing import Optional, TypeVar, Union
 
 from yaml.nodes import Node, ScalarNode
 
+from .agent.wire import AGENT_TIMEOUT_MIN
 from .config import (
     _MAX_FAILURE_FORMAT,
     ENV_NAME_RE,
@@ -55,9 +56,11 @@ from .yamlread import TAG, Block, Field, NodeReader, describe, line_of
 
 _DEFAULT_KILL_GRACE = 10.0  # seconds a rank gets to exit cleanly before it is killed
 _DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary port
+_DEFAULT_AGENT_TIMEOUT = ClusterSpec.agent_timeout
 
 _TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "master_port",
-             "elastic", "workers", "scheduler", "nproc_per_node", "local_devices", "path")
+             "elastic", "workers", "scheduler", "nproc_per_node", "local_devices", "path",
+             "agent_timeout", "hang_timeout")
 #: Top-level keys that only a Slurm launch reads: every node gets the same ranks.
 _SLURM_KEYS = ("nproc_per_node", "local_devices", "path")
 _CONTROLLER_KEYS = ("host", "port")
@@ -104,6 +107,10 @@ def read_cluster(
     rank_env = env if _check_rank_env(r, env_field, env, {}) else {}
     env_forward = _read_env_forward(r, top.field("env_forward"))
     kill_grace = r.number(top.field("kill_grace"), minimum=0.0, maximum=SECONDS_MAX)
+    agent_timeout = r.number(top.field("agent_timeout"), minimum=AGENT_TIMEOUT_MIN,
+                             maximum=SECONDS_MAX)
+    hang_timeout = r.number(top.field("hang_timeout"), minimum=0.0, exclusive=True,
+                            maximum=SECONDS_MAX)
     master_port = r.integer(top.field("master_port"), minimum=1, maximum=PORT_MAX)
     elastic = _read_elastic(r, top.field("elastic"))
     slurm = _read_slurm(r, top, folder)
@@ -155,6 +162,8 @@ def read_cluster(
         workers=tuple(workers),
         env_forward=env_forward,
         slurm=slurm,
+        agent_timeout=_or(agent_timeout, _DEFAULT_AGENT_TIMEOUT),
+        hang_timeout=hang_timeout,
     )
 
 

@@ -11,6 +11,11 @@ transport never imports presentation.
 Writes (the spec, start, stop, signals) come from the launcher's threads and are
 serialised by a lock; a write to an agent that is gone is dropped, because its end is
 reported separately (`reports.AgentGone`).
+
+Rank output is handed to ``on_output`` on the reading thread itself (the console and
+the logs, `fdl_fabric.rankoutput`): a slow console slows this one reader, never the
+supervisor. Every byte read counts as a sign of life (`last_heard`), and so does time
+spent waiting on a slow console.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -33,6 +39,8 @@ from .runners import RawLocal
 STDERR_TAIL = 4096
 
 Post = Callable[[reports.Report], None]
+#: Where rank output goes on the reading thread; it may block while the console is slow.
+OutputSink = Callable[[reports.Output], None]
 
 
 class _Stdout:
@@ -43,6 +51,7 @@ class _Stdout:
         self.reader = wire.Reader(wire.UP_TYPES, handshake=True)
 
     def feed(self, data: bytes) -> None:
+        self.session.heard()
         if self.session.broken:
             return
         try:
@@ -56,7 +65,11 @@ class _Stdout:
             try:
                 if kind == wire.OUTPUT:
                     rank, stream, partial, chunk = wire.parse_output(body)
-                    post(reports.Output(host, rank, stream == wire.STDERR, chunk, partial))
+                    report = reports.Output(host, rank, stream == wire.STDERR, chunk, partial)
+                    self.session.output(report)
+                    post(report)
+                elif kind == wire.HEARTBEAT:
+                    continue
                 else:
                     self.session.handle(kind, wire.parse_json(body))
             except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
@@ -86,7 +99,8 @@ class AgentSession:
 
     def __init__(self, host: str, post: Post, *, connection: Any = None,
                  python: str = sys.executable, env: Optional[Mapping[str, str]] = None,
-                 command: Optional[str] = None) -> None:
+                 command: Optional[str] = None,
+                 on_output: Optional[OutputSink] = None) -> None:
         self.host = host
         #: A local command line that reaches the host's agent (an srun step); default: the
         #: agent itself, here.
@@ -104,7 +118,30 @@ class AgentSession:
         self._lock = threading.Lock()
         self._gone = False
         self._problem = ""
+        self.on_output = on_output
+        self._heard = time.monotonic()
+        self._in_sink = 0
 
+    # -- liveness -------------------------------------------------------------------------
+    @property
+    def last_heard(self) -> float:
+        """When the agent last sent anything; now, while its output waits on the console
+        (the agent is talking, the launcher is the one not listening)."""
+        return time.monotonic() if self._in_sink else self._heard
+
+    def heard(self) -> None:
+        self._heard = time.monotonic()
+
+    def output(self, report: reports.Output) -> None:
+        sink = self.on_output
+        if sink is None:
+            return
+        self._in_sink += 1
+        try:
+            sink(report)
+        finally:
+            self._in_sink -= 1
+            self._heard = time.monotonic()
     @property
     def local(self) -> bool:
         return self.connection is None
@@ -149,8 +186,24 @@ class AgentSession:
     def start_ranks(self) -> None:
         self.send(wire.START)
 
-    def stop(self) -> None:
-        self.send(wire.STOP)
+    def stop(self, signal: str = "TERM", rank: Optional[int] = None) -> None:
+        """Graceful stop of every rank (``signal`` first: TERM, or INT for a Ctrl-C), or
+        of one rank (a rank the coordinator declared dead)."""
+        self.send(wire.STOP, {"signal": signal, "rank": rank})
+
+    def suspend(self) -> None:
+        self.send(wire.SUSPEND)
+
+    def resume(self) -> None:
+        self.send(wire.RESUME)
+
+    def stacks(self, request_id: int, run: Optional[str] = None,
+               host: Optional[str] = None) -> None:
+        """Ask for every rank's stack: this run's, or a recorded run's (``run``, ``host``)."""
+        self.send(wire.STACKS, {"id": request_id, "run": run, "host": host})
+
+    def list_runs(self, cluster: Optional[str] = None) -> None:
+        self.send(wire.LIST, {"cluster": cluster})
 
     def kill(self) -> None:
         self.send(wire.KILL)
@@ -227,8 +280,18 @@ class AgentSession:
             self.done = True
             post(reports.AgentDone(host))
         elif kind == wire.SIGNALED:
+            by = obj.get("by")
             post(reports.Signaled(host, str(obj["signal"]), bool(obj.get("stopping")),
-                                  bool(obj.get("forwarded"))))
+                                  bool(obj.get("forwarded")), by if isinstance(by, dict)
+                                  else None))
+        elif kind == wire.STACKS_REPORT:
+            ranks = obj.get("ranks") or {}
+            post(reports.Stacks(host, int(obj.get("id") or 0), obj.get("run"),
+                                {int(k): v for k, v in ranks.items() if isinstance(v, dict)},
+                                bool(obj.get("py_spy")), str(obj.get("error") or "")))
+        elif kind == wire.RUNS:
+            post(reports.Runs(host, [r for r in obj.get("runs") or [] if isinstance(r, dict)],
+                              [str(e) for e in obj.get("errors") or []]))
 
     def protocol_error(self, reason: str) -> None:
         """A malformed stream: stop reading it, end the agent, say why (naming the host)."""

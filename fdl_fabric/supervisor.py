@@ -15,10 +15,21 @@ coordinator), the first failure is fatal: a half-formed collective hangs in
 connect-retry, so every other rank is stopped at once (kill-all). After the cohort
 forms, a death is a membership event and the run carries on until the elastic policy
 (`ElasticPolicy`, the coordinator) says otherwise.
+
+Nothing waits for an exit that may never come. A host whose agent sends nothing for
+``agent_timeout`` (frozen agent, frozen sshd, cut link) is *unresponsive*: its ranks are
+lost, and the rules above apply. A rank the coordinator declares dead (no heartbeat)
+is stopped by its agent. A run in which no rank wrote a line and no joined rank
+reported progress for ``hang_timeout`` is *hung*: every rank's stack is collected, and
+the run ends with that verdict. Signal handlers only post requests here; this loop is
+the one place that acts on them and says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import os
 import queue
 import signal
 import time
@@ -44,6 +55,12 @@ GONE_MARGIN = 5.0
 #: Seconds survivors get to save and exit after a save-and-shutdown broadcast,
 #: before the launcher stops them (a checkpoint can take a while to write).
 SHUTDOWN_GRACE = 120.0
+#: Seconds every agent has to answer a request for stacks (its collector bounds py-spy
+#: at 10 s per process, and they run in parallel).
+STACKS_TIMEOUT = 15.0
+#: A gap this long between two turns of the loop means this process was stopped
+#: (Ctrl-Z, SIGSTOP): every silence clock starts again, nobody is blamed for it.
+PAUSE_GAP = 2.0
 
 
 class RunPhase(str, Enum):
@@ -96,6 +113,9 @@ class RankExit:
     lost: Optional[str] = None
     error: Optional[RankError] = None
     error_text: str = ""
+    #: The rank's host went away (``lost``) or stopped answering (``unresponsive``): no
+    #: error file could come from it.
+    host_fault: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -121,6 +141,10 @@ class Rank:
     started: Optional[float] = None
     ended: Optional[float] = None
     stop_requested: bool = False
+    #: Why the coordinator declared this rank dead, once it did (its agent stops it).
+    declared_dead: Optional[str] = None
+    #: The forwarded signal that ended it (the program had no handler for it).
+    stopped_by: Optional[str] = None
 
     @property
     def rank(self) -> int:
@@ -137,6 +161,12 @@ class Rank:
     @property
     def cause(self) -> str:
         """Why the rank ended, in the words of the run summary."""
+        if self.stopped_by:
+            return f"stopped by {self.stopped_by}"
+        if self.exit is not None and self.exit.host_fault:
+            return f"host {self.exit.host_fault}"
+        if self.declared_dead and self.state is RankState.TOLERATED:
+            return "declared dead"
         return _CAUSES.get(self.state, self.state.value)
 
     @property
@@ -158,6 +188,8 @@ class Verdict(str, Enum):
     OK = "ok"
     DEGRADED = "degraded"
     FAILED = "failed"
+    #: No rank wrote a line or reported progress for ``hang_timeout``: stopped, restartable.
+    HUNG = "hung"
     INTERRUPTED = "interrupted"
 
 
@@ -171,6 +203,8 @@ class RunResult:
     ranks: tuple[Rank, ...]
     #: The first rank that failed (in the order failures were seen): the root cause.
     root_cause: Optional[Rank] = None
+    #: Hosts whose agent went away (``lost``) or stopped answering (``unresponsive``).
+    faults: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def started_any(self) -> bool:
@@ -178,20 +212,27 @@ class RunResult:
 
     @property
     def restartable(self) -> bool:
-        """A failed run whose ranks had started: another attempt may succeed. Pre-flight
-        failures, interrupts and successes are not retried."""
-        return self.verdict is Verdict.FAILED and self.started_any
+        """A failed or hung run whose ranks had started: another attempt may succeed.
+        Pre-flight failures, interrupts and successes are not retried."""
+        return self.verdict in (Verdict.FAILED, Verdict.HUNG) and self.started_any
 
 
 class HostHandle(Protocol):
     """What the supervisor needs from one host's agent (see `sessions.AgentSession`)."""
 
     def start_ranks(self) -> None: ...
-    def stop(self) -> None: ...
+    def stop(self, signal: str = "TERM", rank: Optional[int] = None) -> None: ...
     def kill(self) -> None: ...
     def signal(self, name: str, rank: Optional[int] = None) -> None: ...
     def abandon(self) -> None: ...
     def ping(self) -> None: ...
+    def suspend(self) -> None: ...
+    def resume(self) -> None: ...
+    def stacks(self, request_id: int) -> None: ...
+
+    @property
+    def last_heard(self) -> float:
+        """When (monotonic) the agent last said anything, or is known to be talking."""
 
 
 class ElasticPolicy(Protocol):
@@ -209,6 +250,13 @@ class ElasticPolicy(Protocol):
 
     def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]: ...
 
+    @property
+    def last_progress(self) -> float:
+        """When (monotonic) a joined rank last reported progress (0: never)."""
+
+    def resumed(self) -> None:
+        """This process was stopped for a while: start the heartbeat clocks again."""
+
 
 #: Judges a host's pre-flight values: (host, values) -> (warnings, failures).
 PreflightJudge = Callable[[str, Mapping[str, str]], tuple[list[str], list[str]]]
@@ -222,6 +270,25 @@ class _Host:
     done_at: Optional[float] = None
     gone: bool = False
     forced: bool = False
+    #: The host's rank could not report: lost (its session ended) or unresponsive.
+    fault: Optional[str] = None
+
+
+@dataclass
+class _StackRequest:
+    """Stacks asked of every agent: for a hung run (then the verdict) or for a look."""
+
+    id: int
+    reason: str
+    pending: set[str]
+    deadline: float
+    hang: bool
+    found: dict[int, dict[str, object]] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+    py_spy: dict[str, bool] = field(default_factory=dict)
+
+
+_request_ids = itertools.count(1)
 
 
 class Supervisor:
@@ -238,6 +305,9 @@ class Supervisor:
         preflight: Optional[PreflightJudge] = None,
         inbox: Optional[queue.SimpleQueue[reports.Report]] = None,
         tick: float = TICK,
+        agent_timeout: Optional[float] = None,
+        hang_timeout: Optional[float] = None,
+        on_resume: Optional[Callable[[], None]] = None,
     ) -> None:
         self.ranks = [Rank(p) for p in plans]
         self.by_rank = {r.rank: r for r in self.ranks}
@@ -262,6 +332,22 @@ class Supervisor:
         self._shutdown_seen: Optional[float] = None
         self._preflight_failures: list[str] = []
         self.root_cause: Optional[Rank] = None
+        self.agent_timeout = agent_timeout
+        self.hang_timeout = hang_timeout
+        self.on_resume = on_resume
+        now = time.monotonic()
+        #: Silence clocks start here (and again after a pause of this process).
+        self._watch_from = now
+        self._last_turn = now
+        self._last_activity = now
+        self._stacks: Optional[_StackRequest] = None
+        self._hung: Optional[str] = None
+        #: Signals the launcher forwarded to the ranks, by number.
+        self._forwarded: set[int] = set()
+        #: A forwarded signal that ended a rank: the run's interruption.
+        self._stopped_by_forward: Optional[tuple[int, Rank]] = None
+        #: A cleanup that stopped this run (its note): who, for the verdict.
+        self._stopped_by: Optional[str] = None
 
     # -- called from other threads (all go through the inbox) --------------------------------
     def post(self, report: reports.Report) -> None:
@@ -286,6 +372,18 @@ class Supervisor:
         """A run-level failure outside the ranks."""
         self.post(reports.Request("abort", reason))
 
+    def request_suspend(self) -> None:
+        """Ctrl-Z: tell the agents to hold their leases, then stop this process."""
+        self.post(reports.Request("suspend"))
+
+    def request_resume(self) -> None:
+        """SIGCONT: the agents count their leases again."""
+        self.post(reports.Request("resume"))
+
+    def request_stacks(self) -> None:
+        """Ctrl-\\ (SIGQUIT): show where every rank is; the run goes on."""
+        self.post(reports.Request("stacks"))
+
     # -- views --------------------------------------------------------------------------------
     def live(self) -> list[Rank]:
         return [r for r in self.ranks if not r.state.terminal]
@@ -299,20 +397,32 @@ class Supervisor:
                 report: Optional[reports.Report] = self.inbox.get(timeout=self.tick)
             except queue.Empty:
                 report = None
+            self._check_pause()
             while report is not None:
                 self._handle(report)
-                try:
-                    report = self.inbox.get_nowait()
-                except queue.Empty:
-                    report = None
+                report = self._next()
             self._check_elastic()
+            self._check_hosts()
+            self._check_hang()
+            self._check_stacks()
             self._escalate()
             self._ping()
+        # Reports that came with the last host's end (an exit, a death) still count.
+        report = self._next()
+        while report is not None:
+            self._handle(report)
+            report = self._next()
         self.phase = RunPhase.DONE
         for r in self.ranks:
             if not r.state.terminal:  # cannot happen once every host is gone; be safe
                 self._end(r, RankExit(lost="agent gone"), RankState.LOST)
         return self._result()
+
+    def _next(self) -> Optional[reports.Report]:
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return None
 
     def _handle(self, report: reports.Report) -> None:
         if isinstance(report, reports.Output):
@@ -323,8 +433,13 @@ class Supervisor:
             self._spawned(report)
         elif isinstance(report, reports.Joined):
             r = self.by_rank.get(report.rank)
+            self._last_activity = time.monotonic()
             if r is not None and r.state in (RankState.PENDING, RankState.RUNNING):
                 r.state = RankState.JOINED
+        elif isinstance(report, reports.DeclaredDead):
+            self._declared_dead(report)
+        elif isinstance(report, reports.Stacks):
+            self._stacks_report(report)
         elif isinstance(report, reports.Request):
             self._request(report)
         elif isinstance(report, reports.Preflight):
@@ -395,6 +510,10 @@ class Supervisor:
         for item in data.get("leftovers", []):
             self.events(Kind.WARNING, f"cluster launcher: could not stop a leftover on "
                         f"{report.host}: {item}", host=report.host)
+        for item in data.get("live", []):
+            self.events(Kind.INFO, f"cluster launcher: run {item.get('run')} of this cluster is "
+                        f"live on {report.host} ({item.get('launcher')}): left alone",
+                        host=report.host, data={"live_run": item.get("run")})
 
     # -- ranks --------------------------------------------------------------------------------
     def _spawned(self, report: reports.Spawned) -> None:
@@ -403,24 +522,25 @@ class Supervisor:
             return
         r.pid = report.pid
         r.state = RankState.RUNNING
-        r.started = time.monotonic()
+        r.started = self._last_activity = time.monotonic()
         self.events(Kind.SPAWN, f"cluster launcher: started {r.plan.label} (pid {report.pid})",
                     host=r.host, rank=r.rank, data={"pid": report.pid})
         if self._stop_started is not None and not r.stop_requested:
             r.stop_requested = True  # started while the run was being stopped
 
     def _output(self, report: reports.Output) -> None:
+        """Bookkeeping only: the chunk itself reached the console and the logs on the
+        session's reading thread (`rankoutput`), so a stalled terminal never stalls this
+        loop."""
         r = self.by_rank.get(report.rank)
         if r is None:
             return
-        text = report.data.decode("utf-8", "replace")
-        body = text[:-1] if text.endswith("\n") else text
+        self._last_activity = time.monotonic()
+        tail = report.data[-400:].decode("utf-8", "replace")
+        body = tail[:-1] if tail.endswith("\n") else tail
         last = body.rpartition("\n")[2]
         if last:
             r.last_line = last[-200:]
-        self.events(Kind.OUTPUT, "", host=r.host, rank=r.rank,
-                    data={"label": r.plan.label, "text": body, "raw": report.data,
-                          "stderr": report.stderr, "partial": report.partial})
 
     def _spawn_failed(self, report: reports.SpawnFailed) -> None:
         msg = (f"cluster launcher: host {report.host!r}: could not start rank {report.rank}: "
@@ -448,6 +568,17 @@ class Supervisor:
                         host=r.host, rank=r.rank, data=data)
             return
         msg = f"cluster launcher: {r.label} exited with {info.describe()}"
+        if info.signal is not None and info.signal in self._forwarded and not r.stop_requested \
+                and r.declared_dead is None:
+            self._forward_ended(r, info, data)
+            return
+        if r.declared_dead is not None and self.failure is None and not r.stop_requested:
+            self._end(r, info, RankState.TOLERATED)
+            self.tolerated += 1
+            self.events(Kind.TOLERATED, f"cluster launcher: {r.label}, declared dead by the "
+                        f"coordinator ({r.declared_dead}), was stopped ({info.describe()})",
+                        host=r.host, rank=r.rank, data=data)
+            return
         if r.stop_requested:
             # A rank being stopped that reports no status is lost, not known stopped.
             lost = info.lost is not None
@@ -467,6 +598,32 @@ class Supervisor:
         self._end(r, info, RankState.LOST if info.lost is not None else RankState.FAILED)
         self.events(Kind.DEATH, msg, host=r.host, rank=r.rank, data=data)
         self._fail(msg, announce=True)
+
+    def _forward_ended(self, r: Rank, info: RankExit, data: dict[str, object]) -> None:
+        """A signal the launcher forwarded (USR1, USR2) killed a rank that has no handler
+        for it: the operator's signal stopped the run, the program did not fail."""
+        assert info.signal is not None
+        name = signal.Signals(info.signal).name
+        r.stopped_by = f"{name} (forwarded)"
+        self._end(r, info, RankState.STOPPED)
+        self.events(Kind.EXIT, f"cluster launcher: {r.label} was stopped by {name}, which the "
+                    "launcher forwarded (the program has no handler for it)", host=r.host,
+                    rank=r.rank, data={**data, "forwarded": name})
+        if self._stopped_by_forward is None and self._interrupt is None \
+                and self.failure is None:
+            self._stopped_by_forward = (info.signal, r)
+            self._stop_all()
+
+    def _declared_dead(self, report: reports.DeclaredDead) -> None:
+        """The coordinator heard nothing from a joined rank for its heartbeat timeout: its
+        agent stops it (TERM, KILL after the kill grace), so its exit comes."""
+        r = self.by_rank.get(report.rank)
+        if r is None or r.state.terminal or r.declared_dead is not None:
+            return
+        r.declared_dead = report.reason
+        host = self.hosts[r.host]
+        if not host.gone:
+            host.handle.stop("TERM", r.rank)
 
     def _end(self, r: Rank, info: RankExit, state: RankState) -> None:
         r.exit = info
@@ -489,24 +646,130 @@ class Supervisor:
         host = self.hosts.get(report.host)
         if host is None or host.gone:
             return
+        reason = f"agent lost: {report.reason}" if report.reason else "agent ended"
+        self._host_ended(report.host, reason, fault=None if report.clean else "lost",
+                         warn=not report.clean)
+
+    def _host_ended(self, name: str, reason: str, *, fault: Optional[str], warn: bool) -> None:
+        """A host's agent is gone or given up on: its ranks without an exit are lost."""
+        host = self.hosts[name]
         host.gone = True
+        host.fault = fault
         lost = [r for r in host.ranks if not r.state.terminal]
         if not lost:
+            self._maybe_start()
             return
-        reason = f"agent lost: {report.reason}" if report.reason else "agent ended"
-        if not report.clean:
-            self.events(Kind.WARNING, f"cluster launcher: host {report.host!r}: {reason}",
-                        host=report.host)
+        if warn:
+            self.events(Kind.WARNING, f"cluster launcher: host {name!r}: {reason}", host=name,
+                        data={"host_fault": fault})
         never = [r for r in lost if r.state is RankState.PENDING]
         for r in never:
-            self._end(r, RankExit(lost=reason), RankState.NOT_STARTED)
+            self._end(r, RankExit(lost=reason, host_fault=fault), RankState.NOT_STARTED)
         for r in lost:
             if r.state is not RankState.NOT_STARTED:
-                self._on_exit(r, RankExit(lost=reason))
+                self._on_exit(r, RankExit(lost=reason, host_fault=fault))
         if never and self._stop_started is None:
-            self._fail(f"cluster launcher: host {report.host!r}: {reason} before its ranks "
+            self._fail(f"cluster launcher: host {name!r}: {reason} before its ranks "
                        "started", announce=True)
         self._maybe_start()
+
+    # -- liveness, hangs, stacks ----------------------------------------------------------------
+    def _check_pause(self) -> None:
+        """A long gap between two turns: this process was stopped (Ctrl-Z, SIGSTOP, a
+        suspended VM). Nobody else was silent: every silence clock starts again."""
+        now = time.monotonic()
+        if now - self._last_turn > PAUSE_GAP:
+            self._restart_clocks(now)
+        self._last_turn = now
+
+    def _restart_clocks(self, now: float) -> None:
+        self._watch_from = self._last_activity = self._pinged = now
+        if self.elastic is not None:
+            self.elastic.resumed()
+        if self.on_resume is not None:
+            self.on_resume()
+
+    def _check_hosts(self) -> None:
+        """An agent that has said nothing for ``agent_timeout`` is unresponsive."""
+        if self.agent_timeout is None:
+            return
+        now = time.monotonic()
+        for name, host in self.hosts.items():
+            if host.gone:
+                continue
+            silent = now - max(host.handle.last_heard, self._watch_from)
+            if silent <= self.agent_timeout:
+                continue
+            reason = (f"unresponsive: no word from its agent for {silent:.1f}s (agent_timeout "
+                      f"{self.agent_timeout:g}s: a frozen agent or sshd, or a cut link)")
+            self.events(Kind.DEATH, f"cluster launcher: host {name!r} {reason}", host=name,
+                        data={"host_fault": "unresponsive", "silent": round(silent, 3)})
+            host.handle.abandon()
+            self._host_ended(name, f"host {reason}", fault="unresponsive", warn=False)
+
+    def _check_hang(self) -> None:
+        """No rank wrote a line, and no joined rank reported progress, for hang_timeout."""
+        if self.hang_timeout is None or self.phase is not RunPhase.RUNNING \
+                or self._stacks is not None or self._hung is not None or not self.live():
+            return
+        now = time.monotonic()
+        last = self._last_activity
+        if self.elastic is not None:
+            last = max(last, self.elastic.last_progress)
+        if now - max(last, self._watch_from) <= self.hang_timeout:
+            return
+        self._hung = (f"cluster launcher: run hung — no rank wrote a line or reported "
+                      f"progress for {now - last:.0f}s (hang_timeout {self.hang_timeout:g}s)")
+        self.events(Kind.HANG, f"{self._hung}; collecting every rank's stack",
+                    data={"silent": round(now - last, 3), "hang_timeout": self.hang_timeout})
+        self._ask_stacks("hang", hang=True)
+
+    def _ask_stacks(self, reason: str, *, hang: bool) -> None:
+        if self._stacks is not None:
+            return
+        pending = {name for name, h in self.hosts.items()
+                   if not h.gone and any(not r.state.terminal for r in h.ranks)}
+        request = _StackRequest(next(_request_ids), reason, pending,
+                                time.monotonic() + STACKS_TIMEOUT, hang)
+        self._stacks = request
+        for name in pending:
+            self.hosts[name].handle.stacks(request.id)
+        self._check_stacks()
+
+    def _stacks_report(self, report: reports.Stacks) -> None:
+        request = self._stacks
+        if request is None or report.request_id != request.id:
+            return
+        request.pending.discard(report.host)
+        request.py_spy[report.host] = report.py_spy
+        if report.error and not report.ranks:
+            request.problems[report.host] = report.error
+        for rank, entry in report.ranks.items():
+            if rank in self.by_rank:
+                request.found[rank] = entry
+        self._check_stacks()
+
+    def _check_stacks(self) -> None:
+        request = self._stacks
+        if request is None:
+            return
+        for name in list(request.pending):
+            if self.hosts[name].gone:
+                request.pending.discard(name)
+                request.problems[name] = "its agent is gone"
+        if request.pending and time.monotonic() < request.deadline:
+            return
+        for name in request.pending:
+            request.problems[name] = f"no answer within {STACKS_TIMEOUT:g}s"
+        self._stacks = None
+        labels = {r.rank: (r.host, r.plan.label) for r in self.ranks}
+        self.events(Kind.STACKS, "", data={
+            "reason": request.reason, "ranks": {str(k): v for k, v in request.found.items()},
+            "hosts": {str(r): labels[r][0] for r in request.found},
+            "labels": {str(r): labels[r][1] for r in request.found},
+            "problems": request.problems, "py_spy": request.py_spy})
+        if request.hang and self._hung is not None:
+            self._fail(self._hung, announce=False)
 
     def _signaled(self, report: reports.Signaled) -> None:
         """A signal from outside reached an agent: under Slurm, ``scancel`` or the time
@@ -521,6 +784,8 @@ class Supervisor:
         signum = int(getattr(signal, "SIG" + report.signal, signal.SIGTERM))
         if self._interrupt is not None:
             return
+        if report.by:
+            self._stopped_by = describe_stopper(report.by, report.host)
         if self.failure is not None:
             # The same signal may have reached a rank (Slurm signals every process of the
             # step) and been reported before its agent's own: then it is no failure.
@@ -529,28 +794,62 @@ class Supervisor:
                 return
         self._interrupt = signum
         self._interrupted_on = report.host
+        who = self._stopped_by or "from outside (scancel, a time limit, kill)"
         self.events(Kind.STOPPING, f"cluster launcher: host {report.host!r}: its agent received "
-                    f"SIG{report.signal} from outside (scancel, a time limit, kill) — stopping "
-                    "every rank", host=report.host)
+                    f"SIG{report.signal} {who} — stopping every rank", host=report.host)
         self._stop_all()
 
     # -- requests ------------------------------------------------------------------------------
     def _request(self, req: reports.Request) -> None:
         if req.kind == "interrupt" and self._interrupt is None:
             assert req.arg is not None
-            self._interrupt = int(req.arg)
-            self._stop_all()
+            signum = int(req.arg)
+            self._interrupt = signum
+            name = signal.Signals(signum).name
+            live = len(self.live())
+            how = (f"INT, TERM after {min(wire.INT_GRACE, self.kill_grace / 2):g}s, "
+                   if signum == signal.SIGINT else "TERM, ")
+            self.events(Kind.STOPPING, f"cluster launcher: {name} received — stopping {live} "
+                        f"running rank(s) ({how}KILL after {self.kill_grace:g}s); press Ctrl-C "
+                        "again to kill now", data={"signal": name, "live": live})
+            self._stop_all("INT" if signum == signal.SIGINT else "TERM")
         elif req.kind == "kill" or req.kind == "interrupt":
             self.events(Kind.STOPPING, "cluster launcher: second interrupt — killing every "
                         "rank's process group now")
             self._stop_all()
             self._kill_all()
         elif req.kind == "signal" and req.arg is not None:
+            self._forwarded.add(int(getattr(signal, "SIG" + req.arg)))
             for _name, host in self.hosts.items():
                 if not host.gone and any(not r.state.terminal for r in host.ranks):
                     host.handle.signal(req.arg)
         elif req.kind == "abort" and req.arg is not None:
             self._fail(req.arg, announce=False)
+        elif req.kind == "suspend":
+            self._suspend()
+        elif req.kind == "resume":
+            self._resume()
+        elif req.kind == "stacks" and self.phase is RunPhase.RUNNING and self.live():
+            self.events(Kind.INFO, "cluster launcher: SIGQUIT — collecting every rank's "
+                        "stack (the run goes on)")
+            self._ask_stacks("asked (SIGQUIT)", hang=False)
+
+    def _suspend(self) -> None:
+        """Ctrl-Z: the agents hold their leases (the ranks keep running, and block once
+        their output fills the pipes), then this process stops until ``fg``."""
+        for host in self.hosts.values():
+            if not host.gone:
+                host.handle.suspend()
+        self.events(Kind.INFO, "cluster launcher: suspended (Ctrl-Z); the ranks keep running "
+                    "— `fg` resumes supervision", data={"suspended": True})
+        os.kill(os.getpid(), signal.SIGSTOP)
+        self._resume()
+
+    def _resume(self) -> None:
+        for host in self.hosts.values():
+            if not host.gone:
+                host.handle.resume()
+        self._restart_clocks(time.monotonic())
 
     # -- stopping ------------------------------------------------------------------------------
     def _fail(self, msg: str, *, announce: bool) -> None:
@@ -560,14 +859,15 @@ class Supervisor:
         if not announce:
             self.events(Kind.STOPPING, msg)
         if self.started_any():
+            why = "hung run" if msg == self._hung else "peer failure"
             self.events(Kind.STOPPING,
-                        "cluster launcher: peer failure — terminating all still-running ranks")
+                        f"cluster launcher: {why} — terminating all still-running ranks")
         self._stop_all()
 
     def started_any(self) -> bool:
         return any(r.started is not None for r in self.ranks)
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, first: str = "TERM") -> None:
         if self._stop_started is None:
             self._stop_started = time.monotonic()
             self.phase = RunPhase.STOPPING
@@ -575,7 +875,7 @@ class Supervisor:
             r.stop_requested = True
         for host in self.hosts.values():
             if not host.gone:
-                host.handle.stop()
+                host.handle.stop(first)
 
     def _kill_all(self) -> None:
         self._forced = True
@@ -636,23 +936,49 @@ class Supervisor:
 
     # -- the verdict ---------------------------------------------------------------------------
     def _result(self) -> RunResult:
+        result = self._verdict()
+        faults = {name: h.fault for name, h in self.hosts.items() if h.fault}
+        return dataclasses.replace(result, faults=faults) if faults else result
+
+    def _verdict(self) -> RunResult:
         ranks = tuple(self.ranks)
         world = len(ranks)
         if self._interrupt is not None:
             code = 128 + self._interrupt
             name = signal.Signals(self._interrupt).name
+            if self._stopped_by is not None:
+                return RunResult(Verdict.INTERRUPTED, code,
+                                 f"cluster launcher: stopped by {self._stopped_by} — every "
+                                 "rank was stopped", ranks)
             where = f" on {self._interrupted_on}" if self._interrupted_on else ""
             return RunResult(Verdict.INTERRUPTED, code,
                              f"cluster launcher: interrupted by {name}{where} — every rank "
                              "was stopped", ranks)
+        if self._stopped_by_forward is not None and self.failure is None:
+            signum, rank = self._stopped_by_forward
+            name = signal.Signals(signum).name
+            return RunResult(Verdict.INTERRUPTED, 128 + signum,
+                             f"cluster launcher: interrupted by {name}, which the launcher "
+                             f"forwarded: {rank.label} has no handler for it — every rank "
+                             "was stopped", ranks)
         if self.failure is not None:
-            return RunResult(Verdict.FAILED, 1, self.failure, ranks, self.root_cause)
+            verdict = Verdict.HUNG if self.failure == self._hung else Verdict.FAILED
+            return RunResult(verdict, 1, self.failure, ranks, self.root_cause)
         if self.elastic is not None:
             verdict, message = self.elastic.verdict(world, self.tolerated)
             return RunResult(verdict, 0 if verdict in (Verdict.OK, Verdict.DEGRADED) else 1,
                              message, ranks, self.root_cause)
         return RunResult(Verdict.OK, 0,
                          f"cluster launcher: run completed — all {world} ranks exited 0", ranks)
+
+
+def describe_stopper(note: Mapping[str, object], host: str) -> str:
+    """Who stopped a live run, from the note a cleanup left for its agent."""
+    what = str(note.get("command") or "a cleanup")
+    where = note.get("host")
+    pid = note.get("pid")
+    by = f" (pid {pid} on {where})" if pid and where else ""
+    return f"{what}{by} on {host}"
 
 
 def summary_rows(ranks: Sequence[Rank]) -> list[tuple[int, str, str, str, str]]:

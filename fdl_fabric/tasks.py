@@ -49,7 +49,8 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
                    max_failure: Optional[str] = None, max_restarts: Optional[str] = None,
                    log_dir: Optional[str] = None, dry_run: bool = False,
                    preflight: bool = True, slurm: bool = False,
-                   nproc_per_node: Optional[str] = None) -> LaunchOptions:
+                   nproc_per_node: Optional[str] = None, agent_timeout: Optional[str] = None,
+                   hang_timeout: Optional[str] = None) -> LaunchOptions:
     """The launch's options from the flags as invoke gives them, every one checked: a bad
     value is a LaunchError (exit 2) naming its flag, before anything is read or started."""
     if max_failure is not None:
@@ -73,6 +74,8 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         preflight=preflight,
         slurm=slurm,
         nproc_per_node=flags.nproc_per_node("--nproc-per-node", nproc_per_node),
+        agent_timeout=flags.agent_timeout(agent_timeout),
+        hang_timeout=flags.seconds("--hang-timeout", hang_timeout),
     )
 
 
@@ -98,6 +101,11 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         "one agent per node started by srun; reads a cluster file only with --cluster",
         "nproc-per-node": "ranks on each Slurm node (default: nproc_per_node of the "
         "cluster file)",
+        "agent-timeout": "seconds without a word from a host's agent after which the host is "
+        "unresponsive and its ranks lost (default: agent_timeout, 10)",
+        "hang-timeout": "seconds without output or progress from any rank after which the "
+        "run is hung: every rank's stack is shown, exit 1 (default: hang_timeout, off; "
+        "0 turns it off)",
     },
     optional=["verbose"],
 )
@@ -115,6 +123,8 @@ def launch(
     preflight: bool = True,
     slurm: bool = False,
     nproc_per_node: Optional[str] = None,
+    agent_timeout: Optional[str] = None,
+    hang_timeout: Optional[str] = None,
 ) -> None:
     """Launch the job described by the cluster file and supervise it to a verdict.
 
@@ -125,7 +135,8 @@ def launch(
         opts = launch_options(_settings(c), cluster=cluster, cmd=cmd, kill_grace=kill_grace,
                               quiet=quiet, verbose=verbose, max_failure=max_failure,
                               max_restarts=max_restarts, log_dir=log_dir, dry_run=dry_run,
-                              preflight=preflight, slurm=slurm, nproc_per_node=nproc_per_node)
+                              preflight=preflight, slurm=slurm, nproc_per_node=nproc_per_node,
+                              agent_timeout=agent_timeout, hang_timeout=hang_timeout)
     except LaunchError as exc:
         raise Exit(str(exc), code=exc.exit_code) from None
     code = run_launch(opts)
@@ -142,6 +153,8 @@ def launch(
         "`pkill -f` (TERM, 1 s, KILL); may hit processes fdl-fabric did not start",
         "slurm": "sweep every node of the Slurm allocation this runs in, for this job's "
         "runs only, and cancel this job's leftover agent steps",
+        "force": "also stop runs whose launcher is alive (without it they are left alone, "
+        "unless named with --run-id)",
     },
     name="cleanup",
 )
@@ -152,17 +165,40 @@ def cleanup(
     all: bool = False,
     pattern: Optional[str] = None,
     slurm: bool = False,
+    force: bool = False,
 ) -> None:
     """Stop leftover ranks on every host of the cluster, then verify none remains.
 
     Only processes of runs recorded by fdl-fabric's agents are stopped: a rank's
     process group while its leader is the one the agent started, and processes that
-    carry the run's id. Exit 1 if anything survives.
+    carry the run's id. A run whose launcher is alive is left alone unless named with
+    --run-id or --force is given. Exit 1 if anything survives.
     """
     from .cleanup import run_cleanup
 
     file = cluster if slurm else flags.cluster_file(cluster, _settings(c)["cluster"])
-    code = run_cleanup(file, run_id=run_id, all_runs=all, pattern=pattern, slurm=slurm)
+    code = run_cleanup(file, run_id=run_id, all_runs=all, pattern=pattern, slurm=slurm,
+                       force=force)
+    if code:
+        raise Exit(code=code)
+
+
+@task(
+    help={
+        "cluster": "cluster file whose hosts hold the run (default: cluster.yml)",
+        "run-id": "the run to look at (default: the newest live run of the cluster file)",
+    },
+)
+def stacks(c: Context, cluster: Optional[str] = None, run_id: Optional[str] = None) -> None:
+    """Show where every rank of a live run is: its Python stack, grouped by place.
+
+    Reaches the hosts itself, like cleanup (nothing is asked of the launcher, and the
+    run goes on). With py-spy on a host (`pip install fdl-fabric[stacks]`), every
+    thread's Python stack; without it, what /proc says.
+    """
+    from .query import run_stacks
+
+    code = run_stacks(flags.cluster_file(cluster, _settings(c)["cluster"]), run_id=run_id)
     if code:
         raise Exit(code=code)
 
@@ -239,7 +275,7 @@ def _usage_errors_exit_2() -> None:
 
 
 #: This collection's tasks, by their command-line names.
-TASK_NAMES = frozenset({"launch", "cleanup", "prebuild-check", "plot-run"})
+TASK_NAMES = frozenset({"launch", "cleanup", "prebuild-check", "plot-run", "stacks"})
 _usage_errors_exit_2()
 
 ns = Collection("fdl")
@@ -247,4 +283,5 @@ ns.add_task(launch)
 ns.add_task(cleanup)
 ns.add_task(prebuild_check)
 ns.add_task(plot_run, name="plot-run")
+ns.add_task(stacks)
 ns.configure({"fdl": dict(CONFIG_DEFAULTS)})

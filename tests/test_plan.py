@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from fdl_fabric.agent import wire
 from fdl_fabric.config import parse_cluster
 from fdl_fabric.envelope import PrebuiltBinary, SlimEnvelope
 from fdl_fabric.plan import build_plan
@@ -133,7 +134,7 @@ def test_prefix_labels_name_host_device_and_rank() -> None:
 def test_an_agent_spec_holds_the_hosts_shared_env_once_and_each_ranks_own() -> None:
     plan = _plan()
     spec = plan.agent_spec("gpu-a", start_now=True)
-    assert spec["version"] == 1 and spec["host"] == "gpu-a" and spec["start_now"]
+    assert spec["version"] == wire.VERSION and spec["host"] == "gpu-a" and spec["start_now"]
     assert [r["rank"] for r in spec["ranks"]] == [2, 3]
     assert spec["env"]["WORLD_SIZE"] == "5" and "RANK" not in spec["env"]
     assert [r["env"]["RANK"] for r in spec["ranks"]] == ["2", "3"]

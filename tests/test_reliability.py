@@ -683,7 +683,7 @@ def _watch_gone(pids: Sequence[int], until: Callable[[], bool]) -> dict[int, flo
     return gone
 
 
-def test_first_sigint_terms_every_rank_group_kills_a_term_ignoring_rank_after_the_grace_and_exits_130(  # noqa: E501
+def test_first_sigint_reaches_every_rank_group_as_sigint_then_term_then_kill_and_exits_130(
         sshd_lab, launches, tmp_path: Path) -> None:
     lab = private_lab(sshd_lab, 1)
     cluster = cluster_file(lab, local=2, kill_grace=1.5)
@@ -697,12 +697,17 @@ def test_first_sigint_terms_every_rank_group_kills_a_term_ignoring_rank_after_th
     assert run_launch.wait(20) == 130, run_launch.err
     status = [line for line in run_launch.err_lines() if "SIGINT received" in line]
     assert len(status) == 1, run_launch.err
-    assert "stopping 3 running rank(s)" in status[0] and "KILL after 1.5s" in status[0], status
+    assert "stopping 3 running rank(s) (INT, TERM after 0.75s, KILL after 1.5s)" in status[0], \
+        status
     assert run_launch.err_lines()[-1] == \
         "cluster launcher: interrupted by SIGINT — every rank was stopped"
-    for r in range(3):  # TERM went to the group: the rank and its forked child got it
-        got = {(role, name) for role, _, name, _ in signals(d, r)}
-        assert {("rank", "SIGTERM"), ("child", "SIGTERM")} <= got, (r, got)
+    for r in range(3):  # INT went to the group first: the rank and its forked child got it
+        got = [(role, name) for role, _, name, _ in signals(d, r)]
+        assert {("rank", "SIGINT"), ("child", "SIGINT")} <= set(got), (r, got)
+    # The TERM-ignoring rank then got TERM, half the grace after the INT, and KILL.
+    stubborn_signals = [(name, when) for role, _pid, name, when in signals(d, 2)
+                        if role == "rank"]
+    assert [name for name, _ in stubborn_signals] == ["SIGINT", "SIGTERM"], stubborn_signals
     stubborn = gone[ranks[2]["pid"]] - t0
     print(f"\nTERM-ignoring rank killed {stubborn:.2f}s after SIGINT (kill_grace 1.5)")
     assert 1.5 - 0.2 <= stubborn <= 1.5 + 2.0

@@ -8,6 +8,7 @@ kill the way an agent does (a stubborn host ignores them).
 from __future__ import annotations
 
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -18,6 +19,7 @@ from fdl_fabric import reports
 from fdl_fabric.config import parse_cluster
 from fdl_fabric.events import EventBus, EventLog, Kind
 from fdl_fabric.plan import RankPlan, build_plan
+from fdl_fabric.rankoutput import RankOutput
 from fdl_fabric.supervisor import RankState, Supervisor, Verdict
 
 #: A script entry: (exit code, signal) the rank reports as soon as it starts, or None
@@ -38,6 +40,27 @@ class FakeHost:
     signals: list[str] = field(default_factory=list)
     running: set[int] = field(default_factory=set)
     gone: bool = False
+    #: The signal each whole-host stop began with; the ranks stopped one by one.
+    stops: list[str] = field(default_factory=list)
+    rank_stops: list[int] = field(default_factory=list)
+    suspended: int = 0
+    resumed: int = 0
+    stack_requests: list[int] = field(default_factory=list)
+    #: None: heard all the time (a healthy agent); a number: silent since then.
+    silent_since: Optional[float] = None
+
+    @property
+    def last_heard(self) -> float:
+        return time.monotonic() if self.silent_since is None else self.silent_since
+
+    def suspend(self) -> None:
+        self.suspended += 1
+
+    def resume(self) -> None:
+        self.resumed += 1
+
+    def stacks(self, request_id: int) -> None:
+        self.stack_requests.append(request_id)
 
     def post(self, report: reports.Report) -> None:
         assert self.sup is not None
@@ -68,12 +91,20 @@ class FakeHost:
             self.post(reports.AgentDone(self.name))
             self.post(reports.AgentGone(self.name, True, ""))
 
-    def stop(self) -> None:
+    def stop(self, signal_name: str = "TERM", rank: Optional[int] = None) -> None:
+        if rank is not None:
+            self.rank_stops.append(rank)
+            if not self.stubborn and rank in self.running:
+                self.running.discard(rank)
+                self.post(reports.Exited(self.name, rank, None, signal.SIGTERM))
+                self._maybe_gone()
+            return
         self.stopped = True
+        self.stops.append(signal_name)
         if not self.started:
             self._maybe_gone()
         elif not self.stubborn:
-            self._end(signal.SIGTERM)
+            self._end(signal.SIGINT if signal_name == "INT" else signal.SIGTERM)
 
     def kill(self) -> None:
         self.killed = True
@@ -275,12 +306,21 @@ def test_every_host_starts_once_all_preflights_passed() -> None:
     assert sup.run().exit_code == 0 and h0.started and h1.started
 
 
-def test_output_sets_the_last_line_and_reaches_the_renderer_with_the_rank_label() -> None:
+def test_output_sets_the_last_line_of_its_rank() -> None:
     sup, (h0,), log = supervise({0: None})
     sup.post(reports.Output("h0", 0, False, b"first\nsecond \xff\n", False))
     sup.request_interrupt(signal.SIGTERM)
     result = sup.run()
     assert result.ranks[0].last_line == "second \ufffd"
+
+
+def test_rank_output_reaches_the_renderer_with_the_rank_label() -> None:
+    log = EventLog()
+    router = RankOutput(EventBus(log))
+    cluster = parse_cluster("workers:\n  - host: h0\n    path: /srv\n    nproc: 1\n",
+                            local_hostname="controller")
+    router.attempt(build_plan(cluster, argv=["true"], run_id="r1", salt=b"\0" * 16))
+    router(reports.Output("h0", 0, False, b"first\nsecond \xff\n", False))
     event = log.of(Kind.OUTPUT)[0]
     assert event.data["label"] == "h0:cpu:r0" and event.data["text"] == "first\nsecond \ufffd"
     assert event.data["raw"] == b"first\nsecond \xff\n"
@@ -306,6 +346,11 @@ class FormedCohort:
 
     def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]:
         return Verdict.DEGRADED, f"degraded {len(self.dead)}/{world_size}"
+
+    last_progress = 0.0
+
+    def resumed(self) -> None:
+        pass
 
 
 def test_after_formation_a_death_is_tolerated_and_reported() -> None:

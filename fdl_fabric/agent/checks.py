@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from fdl_fabric import rank
 
@@ -56,12 +56,15 @@ def resolve_program(program: str, cwd: str, path_env: Optional[str]) -> str:
 
 def dial(host: str, port: int, salt: bytes, run_id: str, me: str) -> str:
     """``ok`` when this run's coordinator answers; ``!reason`` when it cannot be reached."""
+    import time
+
+    deadline = time.monotonic() + DIAL_TIMEOUT  # connect and reply together
     try:
         sock = socket.create_connection((host, port), timeout=DIAL_TIMEOUT)
     except OSError as exc:
         return "!" + (exc.strerror or str(exc) or type(exc).__name__)
     try:
-        sock.settimeout(DIAL_TIMEOUT)
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
         sock.sendall(rank.encode_frame(salt, run_id, 0, {"type": "probe", "host": me}))
         buf = bytearray()
         reply = rank.receive(sock, buf, salt, run_id, 0)
@@ -108,8 +111,10 @@ def gpu_indices() -> Dict[str, Any]:
     return {"gpus": found}
 
 
-def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str) -> Dict[str, str]:
-    """Every fact the spec asks for, as ``name -> value`` strings."""
+def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str,
+           beat: Optional[Callable[[float], None]] = None) -> Dict[str, str]:
+    """Every fact the spec asks for, as ``name -> value`` strings. ``beat`` keeps the
+    agent heard by its launcher before the one step that may wait (the dial)."""
     values: Dict[str, str] = {}
     path = os.path.expanduser(str(checks["path"]))
     values["path"] = dir_state(path)
@@ -132,6 +137,8 @@ def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str) -> Dict[
             values["pyscript"] = "ok" if os.path.isfile(os.path.join(cwd, script)) else "missing"
     target = checks.get("dial")
     if target:
+        if beat is not None:
+            beat(0.0)
         values["dial"] = dial(str(target["host"]), int(target["port"]), salt, run_id, host)
     values["end"] = "1"
     return values

@@ -15,6 +15,12 @@ The leash: when its input reaches EOF (the launcher is gone, or the connection
 dropped), or it receives HUP, TERM or INT, the agent sends TERM to every rank's process
 group, KILL after the kill grace, then verifies and exits. If the agent itself is
 SIGKILLed, its watchdog does the same (see `watchdog`).
+
+Liveness, both ways: the launcher pings (the lease), and the agent sends a heartbeat
+whenever it has sent nothing else for `wire.HEARTBEAT_INTERVAL`, so a frozen agent, a
+frozen sshd or a cut link is noticed by the launcher within its ``agent_timeout``. The
+agent also touches its registry record, which is how a cleanup tells a live run (left
+alone) from a leftover.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from fdl_fabric.agent import children, lines, procs, watchdog, wire
+from fdl_fabric.agent import children, lines, procs, stacks, watchdog, wire
 from fdl_fabric.rank import ENV_CLUSTER_JSON, ENV_ERROR_FILE
 
 #: Frames waiting for the launcher beyond this many bytes pause reading rank output,
@@ -67,10 +73,10 @@ class RankProc:
     rank: int
     pid: int
     start: int
-    open_streams: int = 2
     status: Optional[int] = None
-    reported: bool = False
     error_file: str = ""
+    #: When a stop of this rank alone (a rank the coordinator declared dead) turns to KILL.
+    kill_at: Optional[float] = None
 
     @property
     def running(self) -> bool:
@@ -111,6 +117,16 @@ class Agent:
         #: agent acts as on EOF (None: only EOF counts).
         self.lease: Optional[float] = None
         self.last_input = time.monotonic()
+        #: The launcher said it is suspended (Ctrl-Z): its silence is no absence.
+        self.suspended = False
+        #: After an INT-first stop: when the TERM follows.
+        self.term_at: Optional[float] = None
+        #: When a frame last went into ``out`` (a heartbeat is due when this gets old).
+        self.last_sent = time.monotonic()
+        self.record_written = False
+        self.last_touch = 0.0
+        #: Stack collectors running: pid -> (read fd, request id, run id).
+        self.collectors: Dict[int, Any] = {}
         self.watchdog: Optional[watchdog.Watchdog] = None
         self.exit_code = EXIT_OK
         self._wake_r, self._wake_w = os.pipe()
@@ -124,6 +140,12 @@ class Agent:
                     signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, _noop)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        if not _IN_SLURM_STEP:
+            # A local agent leaves the launcher's session, so a terminal's Ctrl-C, Ctrl-Z
+            # and Ctrl-\ reach the launcher alone, which decides what its agents do. (Over
+            # SSH the agent already leads a session of its own: this fails harmlessly.)
+            with contextlib.suppress(OSError):
+                os.setsid()
         _become_subreaper()
         self.sel.register(self.rfd, selectors.EVENT_READ, "in")
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -153,15 +175,24 @@ class Agent:
         self._flush_blocking()
         return self.exit_code
 
-    def _step(self) -> None:
-        self._update_registrations()
-        timeout: Optional[float] = None
+    def _deadlines(self) -> List[float]:
+        """Every moment the loop must wake for, whatever arrives meanwhile."""
+        due = [self.last_sent + wire.HEARTBEAT_INTERVAL]
         if self.kill_at is not None and not self.killed:
-            timeout = max(0.0, self.kill_at - time.monotonic())
+            due.append(self.kill_at)
+        if self.term_at is not None:
+            due.append(self.term_at)
         lease_end = self._lease_end()
         if lease_end is not None:
-            left = max(0.0, lease_end - time.monotonic())
-            timeout = left if timeout is None else min(timeout, left)
+            due.append(lease_end)
+        due += [p.kill_at for p in self.ranks.values() if p.kill_at is not None and p.running]
+        if self.record_written:
+            due.append(self.last_touch + procs.RECORD_TOUCH)
+        return due
+
+    def _step(self) -> None:
+        self._update_registrations()
+        timeout = max(0.0, min(self._deadlines()) - time.monotonic())
         for key, _ in self.sel.select(timeout):
             what = key.data
             if what == "in":
@@ -170,17 +201,36 @@ class Agent:
                 self._read_signals()
             elif what == "out":
                 self._write_output()
+            elif what == "stacks":
+                self._read_collector(key.fd)
             else:
                 self._read_rank(key.fd)
         self._reap()
+        now = time.monotonic()
         lease_end = self._lease_end()
-        if lease_end is not None and time.monotonic() >= lease_end:
+        if lease_end is not None and now >= lease_end:
             self._error(f"no word from the launcher for {self.lease:g}s (its host, its link or "
                         "the srun carrying this agent is gone): stopping every rank")
             self._leash()
-        if self.kill_at is not None and not self.killed and time.monotonic() >= self.kill_at:
+        if self.term_at is not None and now >= self.term_at:
+            self.term_at = None
+            self._signal(signal.SIGTERM, None)
+            procs.signal_pids(self._strays(), signal.SIGTERM)
+        if self.kill_at is not None and not self.killed and now >= self.kill_at:
             self._kill_all()
+        for proc in self.ranks.values():
+            if proc.kill_at is not None and proc.running and now >= proc.kill_at:
+                proc.kill_at = None
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        if self.record_written and now - self.last_touch >= procs.RECORD_TOUCH:
+            self.last_touch = now
+            spec = self.spec
+            assert spec is not None
+            procs.touch_record(str(spec["run_id"]), str(spec["host"]))
         self._maybe_finish()
+        if not self.finished and now - self.last_sent >= wire.HEARTBEAT_INTERVAL:
+            self.send(wire.HEARTBEAT)
         if self.out and self.output_open:
             self._write_output()  # most writes fit the pipe: no need to wait for select
 
@@ -188,7 +238,7 @@ class Agent:
         """When the launcher's silence becomes its absence: a stream that stalls without an
         EOF (a Slurm node whose srun is gone, a link cut behind an sshd that never probes
         its clients) must not keep ranks running for ever."""
-        if self.lease is None or self.stopping or not self.input_open:
+        if self.lease is None or self.stopping or not self.input_open or self.suspended:
             return None
         return self.last_input + self.lease
 
@@ -212,6 +262,16 @@ class Agent:
     def send(self, kind: int, obj: Optional[Dict[str, Any]] = None) -> None:
         if self.output_open:
             self.out += wire.message(kind, obj)
+            self.last_sent = time.monotonic()
+
+    def _pump(self, seconds: float) -> None:
+        """Wait ``seconds`` inside a blocking step (a sweep, a stop) while staying heard:
+        a heartbeat goes out, and what is queued for the launcher is written."""
+        if time.monotonic() - self.last_sent >= wire.HEARTBEAT_INTERVAL:
+            self.send(wire.HEARTBEAT)
+        if self.out and self.output_open:
+            self._write_output()
+        time.sleep(seconds)
 
     def _error(self, text: str, rank: Optional[int] = None) -> None:
         self.send(wire.ERROR, {"message": text, "rank": rank})
@@ -289,7 +349,7 @@ class Agent:
                 raise wire.ProtocolError(f"cannot forward signal {name!r}")
             self._signal(getattr(signal, "SIG" + str(name)), obj.get("rank"))
         elif kind == wire.STOP:
-            self._leash()
+            self._on_stop(wire.parse_json(body) if body else {})
         elif kind == wire.KILL:
             self.stopping = True
             self._kill_all()
@@ -297,6 +357,34 @@ class Agent:
             self._on_sweep(wire.parse_json(body))
         elif kind == wire.PING:
             pass  # reading it renewed the lease
+        elif kind == wire.SUSPEND:
+            self.suspended = True
+        elif kind == wire.RESUME:
+            self.suspended = False  # reading it renewed the lease
+        elif kind == wire.STACKS:
+            self._on_stacks(wire.parse_json(body))
+        elif kind == wire.LIST:
+            request = wire.parse_json(body)
+            cluster = request.get("cluster")
+            self.send(wire.RUNS, procs.list_runs(str(cluster) if cluster else None))
+
+    def _on_stop(self, request: Dict[str, Any]) -> None:
+        name = request.get("signal") or "TERM"
+        if name not in ("TERM", "INT"):
+            raise wire.ProtocolError(f"cannot stop with signal {name!r}")
+        rank = request.get("rank")
+        if rank is None:
+            self._leash(first=signal.SIGINT if name == "INT" else signal.SIGTERM)
+            return
+        proc = self.ranks.get(int(rank))
+        if proc is None or not proc.running or proc.kill_at is not None:
+            return
+        # One rank (declared dead by the coordinator, so frozen or cut off): TERM, then
+        # KILL after the kill grace; the others carry on.
+        grace = float(self.spec["kill_grace"]) if self.spec else 0.0
+        proc.kill_at = time.monotonic() + grace
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
 
     # -- spec, probe, pre-flight, sweep -----------------------------------------------------
     def _on_spec(self, spec: Dict[str, Any]) -> None:
@@ -316,13 +404,64 @@ class Agent:
             from fdl_fabric.agent import checks  # only with a pre-flight: keeps starts light
 
             values = checks.gather(spec["checks"], bytes.fromhex(envelope.get("salt", "00" * 16)),
-                                   str(spec["run_id"]), str(spec["host"]))
+                                   str(spec["run_id"]), str(spec["host"]), beat=self._pump)
             self.send(wire.PREFLIGHT, {"values": values})
         if spec.get("cluster"):
             self.send(wire.SWEPT, procs.sweep(cluster=str(spec["cluster"]),
-                                              keep=str(spec["run_id"])))
+                                              keep=str(spec["run_id"]), wait=self._pump))
         if spec.get("start_now"):
             self._spawn_all()
+
+    def _on_stacks(self, request: Dict[str, Any]) -> None:
+        """Start a collector for the stacks of this run's ranks, or (no spec: ``fdl-fabric
+        stacks`` from another terminal) of a recorded run's ranks on this host."""
+        req_id, run = request.get("id"), request.get("run")
+        pids: Dict[int, int] = {}
+        error = ""
+        if self.spec is not None and run in (None, self.spec["run_id"]):
+            run = self.spec["run_id"]
+            pids = {p.rank: p.pid for p in self.ranks.values() if p.running}
+        else:
+            host = request.get("host")
+            try:
+                records, _ = procs.read_records()
+            except procs.RegistryError as exc:
+                records, error = [], str(exc)
+            for rec in records:
+                if rec["run"] == run and host in (None, rec["host"]):
+                    pids.update({int(r["rank"]): int(r["pid"]) for r in rec["ranks"]
+                                 if procs.group_members(int(r["pid"]), int(r["start"]))})
+        if not pids:
+            self.send(wire.STACKS_REPORT, {"id": req_id, "run": run, "ranks": {},
+                                           "error": error or "no running rank here"})
+            return
+        started = stacks.start(pids)
+        if started is None:
+            self.send(wire.STACKS_REPORT, {"id": req_id, "run": run, "ranks": {},
+                                           "error": "cannot start the stack collector"})
+            return
+        pid, fd = started
+        os.set_blocking(fd, False)
+        self.collectors[pid] = {"fd": fd, "id": req_id, "run": run, "buf": bytearray()}
+        self.sel.register(fd, selectors.EVENT_READ, "stacks")
+
+    def _read_collector(self, fd: int) -> None:
+        pid = next((p for p, c in self.collectors.items() if c["fd"] == fd), None)
+        if pid is None:
+            return
+        job = self.collectors[pid]
+        while True:
+            data = _read_ready(fd)
+            if data is None:
+                return
+            if not data:
+                break
+            job["buf"] += data
+        self.sel.unregister(fd)
+        os.close(fd)
+        del self.collectors[pid]
+        result = stacks.read_result(bytes(job["buf"]))
+        self.send(wire.STACKS_REPORT, {"id": job["id"], "run": job["run"], **result})
 
     def _on_probe(self, request: Dict[str, Any]) -> None:
         facts: Dict[str, Any] = {}
@@ -333,9 +472,12 @@ class Agent:
         self.send(wire.FACTS, facts)
 
     def _on_sweep(self, request: Dict[str, Any]) -> None:
+        by = request.get("by")
         report = procs.sweep(runs=[str(r) for r in request.get("runs") or []],
                              cluster=request.get("cluster"), all_runs=bool(request.get("all")),
-                             pattern=request.get("pattern"), scope=request.get("scope"))
+                             pattern=request.get("pattern"), scope=request.get("scope"),
+                             force=bool(request.get("force")),
+                             by=by if isinstance(by, dict) else None, wait=self._pump)
         self.send(wire.SWEPT, report)
         self.send(wire.DONE)
         self.finished = True
@@ -394,12 +536,18 @@ class Agent:
     def _write_record(self) -> None:
         spec = self.spec
         assert spec is not None
+        launcher = spec.get("launcher")
         record = {"version": procs.RECORD_VERSION, "run": spec["run_id"],
                   "cluster": spec["cluster"], "host": spec["host"], "agent": os.getpid(),
+                  "agent_start": procs.start_time(os.getpid()),
+                  "launcher": launcher if isinstance(launcher, dict) else None,
+                  "started": time.time(),
                   "ranks": [{"rank": p.rank, "pid": p.pid, "start": p.start}
                             for p in self.ranks.values()]}
         try:
             procs.write_record(record)
+            self.record_written = True
+            self.last_touch = time.monotonic()
         except (OSError, procs.RegistryError, ValueError) as exc:
             self._error(f"cannot write the run registry ({exc}); `inv cleanup` will not know "
                         "this run")
@@ -431,7 +579,6 @@ class Agent:
             self.sel.unregister(fd)
         del self.streams[fd]
         os.close(fd)
-        stream.rank.open_streams -= 1
 
     def _drain_rank(self, proc: RankProc) -> None:
         """Forward what the rank wrote before it exited, so its output precedes its exit."""
@@ -460,7 +607,6 @@ class Agent:
                 sig = os.WTERMSIG(status)
             else:
                 code = os.WEXITSTATUS(status)
-            proc.reported = True
             exited: Dict[str, Any] = {"rank": proc.rank, "code": code, "signal": sig}
             if code != 0 and proc.error_file:
                 error = procs.read_error_file(proc.error_file)
@@ -475,18 +621,22 @@ class Agent:
                     os.killpg(proc.pid, sig)
 
     # -- stopping ---------------------------------------------------------------------------
-    def _leash(self, signal_ranks: bool = True) -> None:
-        """Graceful stop of everything: TERM now (unless the ranks already have it), KILL
-        after the kill grace."""
+    def _leash(self, signal_ranks: bool = True, first: int = signal.SIGTERM) -> None:
+        """Graceful stop of everything: ``first`` now (unless the ranks already have it),
+        KILL after the kill grace. A first SIGINT (Ctrl-C: Python ranks print where they
+        were) is followed by TERM `wire.INT_GRACE` seconds later, or at half the grace."""
         if self.stopping:
             return
         self.stopping = True
         grace = float(self.spec["kill_grace"]) if self.spec else 0.0
+        now = time.monotonic()
         if signal_ranks:
-            self._signal(signal.SIGTERM, None)
+            self._signal(first, None)
             if self.spec is not None:
-                procs.signal_pids(self._strays(), signal.SIGTERM)
-        self.kill_at = time.monotonic() + grace
+                procs.signal_pids(self._strays(), first)
+            if first != signal.SIGTERM:
+                self.term_at = now + min(wire.INT_GRACE, grace / 2)
+        self.kill_at = now + grace
 
     def _leash_now(self) -> None:
         self.stopping = True
@@ -499,13 +649,22 @@ class Agent:
             procs.signal_pids(self._strays(), signal.SIGKILL)
 
     def _strays(self) -> List[int]:
-        """Processes of the run on this host outside the live ranks' groups."""
+        """Processes of the run on this host outside the live ranks' groups: those that
+        carry its id, and those reparented to this agent (a subreaper), whatever their
+        environment."""
+        return [pid for pid in self._run_processes() if _pgid(pid) not in
+                {p.pid for p in self.ranks.values() if p.running}]
+
+    def _run_processes(self) -> List[int]:
         spec = self.spec
         if spec is None or not self.started:
             return []
-        live = {p.pid for p in self.ranks.values() if p.running}
-        found = procs.carriers(str(spec["run_id"]), str(spec["host"]))
-        return [pid for pid in found if _pgid(pid) not in live]
+        found = set(procs.carriers(str(spec["run_id"]), str(spec["host"])))
+        keep = {p.pid for p in self.ranks.values()} | set(self.collectors)
+        if self.watchdog is not None:
+            keep.add(self.watchdog.pid)
+        found.update(procs.adopted(os.getpid(), keep))
+        return sorted(found)
 
     def _read_signals(self) -> None:
         try:
@@ -519,8 +678,13 @@ class Agent:
                 # Said before the ranks' exits, which it causes: the launcher then knows
                 # the run was stopped from outside (scancel, a time limit), not that it failed.
                 if not self.stopping:
-                    self.send(wire.SIGNALED, {"signal": signal.Signals(signum).name[3:],
-                                              "stopping": True})
+                    told: Dict[str, Any] = {"signal": signal.Signals(signum).name[3:],
+                                            "stopping": True}
+                    note = procs.take_stop_note(str(self.spec["run_id"]),
+                                                str(self.spec["host"])) if self.spec else None
+                    if note:
+                        told["by"] = note
+                    self.send(wire.SIGNALED, told)
                 if self.stopping and self.interrupts >= 2:
                     self._kill_all()
                 # Under Slurm the same TERM reached every process of the step (scancel, the
@@ -557,12 +721,13 @@ class Agent:
         spec = self.spec
         assert spec is not None
         run_id, host = str(spec["run_id"]), str(spec["host"])
-        left = procs.carriers(run_id, host)
+        left = self._run_processes()
         remaining: List[int] = []
         stopped = procs.describe(left)
         if left:
             grace = min(float(spec["kill_grace"]), procs.SWEEP_GRACE) if not self.killed else 0.0
-            remaining = procs.stop(lambda: procs.carriers(run_id, host), grace)
+            remaining = procs.stop(self._run_processes, grace, self._pump)
+        self.record_written = False
         if not remaining:
             procs.remove_record(run_id, host)
         procs.remove_error_files(run_id, host)

@@ -19,6 +19,11 @@ The registry is one JSON file per run and host, ``/tmp/fdl-fabric-<uid>/<run>@<h
 ``key=value`` text: no field value, such as a host name, can forge another field.
 ``inv cleanup`` and the agent's pre-spawn sweep read it to find runs that outlived their
 launcher.
+
+A run is *live* while its agent is: the record names the agent (pid and start time),
+and the agent touches the record every `RECORD_TOUCH` seconds while its loop runs. A
+sweep never stops a live run unless it is named (``--run-id``) or forced; then it leaves
+a note (`write_stop_note`) so the run's verdict can say who stopped it.
 """
 
 from __future__ import annotations
@@ -40,7 +45,13 @@ SWEEP_GRACE = 1.0
 KILL_WAIT = 2.0
 #: How often a stop looks again at what is left.
 STOP_POLL = 0.02
-RECORD_VERSION = 1
+#: 2: the record names its agent (pid, start time) and launcher, and is kept touched.
+RECORD_VERSION = 2
+#: Seconds between an agent's touches of its record while its loop runs.
+RECORD_TOUCH = 2.0
+#: A record untouched for this long belongs to an agent that stopped working (frozen,
+#: wedged): its run is no longer live, whatever the agent's pid says.
+LIVE_WINDOW = 5 * RECORD_TOUCH
 
 
 def registry_dir() -> str:
@@ -158,6 +169,40 @@ def group_members(pgid: int, leader_start: int) -> List[int]:
         if st is not None and st[0] == pgid and st[2] not in ("Z", "X"):
             found.append(pid)
     return found
+
+
+def descendants(roots: Iterable[int]) -> List[int]:
+    """Live processes of this user below ``roots`` (the roots included), found through
+    their parent pids: what a daemon started, whatever its group or environment."""
+    parent: Dict[int, int] = {}
+    for pid in _own_pids():
+        st = stat_fields(pid)
+        if st is not None and st[0] not in (b"Z", b"X"):
+            parent[pid] = int(st[1])
+    wanted = set(roots)
+    found: Set[int] = {p for p in wanted if p in parent}
+    grew = True
+    while grew:
+        grew = False
+        for pid, ppid in parent.items():
+            if ppid in found and pid not in found:
+                found.add(pid)
+                grew = True
+    return sorted(found)
+
+
+def adopted(agent: int, keep: Iterable[int]) -> List[int]:
+    """Processes reparented to ``agent`` (a child subreaper) and everything below them,
+    except ``keep`` (its ranks, its watchdog, its helpers): a daemon that left its rank's
+    group and cleared its environment still ends up here once its parent exits."""
+    skip = set(keep)
+    children = []
+    for pid in _own_pids():
+        st = stat_fields(pid)
+        if st is not None and int(st[1]) == agent and pid not in skip \
+                and st[0] not in (b"Z", b"X"):
+            children.append(pid)
+    return descendants(children) if children else []
 
 
 # -- stopping -------------------------------------------------------------------------------
@@ -347,26 +392,127 @@ def record_members(record: Dict[str, Any]) -> List[int]:
     return sorted(found)
 
 
+def touch_record(run_id: str, host: str, folder: Optional[str] = None) -> None:
+    """The agent's sign of life on its record (see `record_live`)."""
+    with contextlib.suppress(OSError, ValueError):
+        os.utime(record_path(run_id, host, folder))
+
+
+def record_agent(record: Dict[str, Any]) -> Optional[int]:
+    """The pid of the record's agent while that very process (same start time) lives."""
+    agent, started = record.get("agent"), record.get("agent_start")
+    if not isinstance(agent, int) or not isinstance(started, int) or isinstance(agent, bool):
+        return None
+    st = proc_stat(agent)
+    if st is None or st[1] != started or st[2] in ("Z", "X"):
+        return None
+    return agent
+
+
+def record_live(record: Dict[str, Any], now: Optional[float] = None) -> bool:
+    """True while the record's agent runs its loop: the run's launcher still holds it.
+
+    A record of the first version (no agent), a dead or recycled agent pid, a stopped
+    agent (SIGSTOP) or a record untouched for `LIVE_WINDOW` seconds is not live.
+    """
+    agent = record_agent(record)
+    if agent is None:
+        return False
+    st = proc_stat(agent)
+    if st is None or st[2] in ("T", "t"):
+        return False
+    try:
+        touched = os.stat(str(record.get("path") or record_path(record["run"],
+                                                                  record["host"]))).st_mtime
+    except (OSError, ValueError):
+        return False
+    return (time.time() if now is None else now) - touched <= LIVE_WINDOW
+
+
+def launcher_of(record: Dict[str, Any]) -> str:
+    """``launcher pid P on H`` for messages, from what the agent recorded."""
+    launcher = record.get("launcher")
+    if isinstance(launcher, dict) and launcher.get("pid"):
+        return f"launcher pid {launcher.get('pid')} on {launcher.get('host', '?')}"
+    return f"agent pid {record.get('agent', '?')}"
+
+
+def _note_path(run_id: str, host: str, folder: Optional[str] = None) -> str:
+    return _run_folder(run_id, host, folder) + ".stop"
+
+
+def write_stop_note(run_id: str, host: str, note: Dict[str, Any],
+                    folder: Optional[str] = None) -> None:
+    """Who is about to stop a live run: its agent reads this when the TERM arrives."""
+    with contextlib.suppress(OSError, ValueError):
+        path = _note_path(run_id, host, folder)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, json.dumps(note, sort_keys=True).encode("utf-8"))
+        finally:
+            os.close(fd)
+
+
+def take_stop_note(run_id: str, host: str, folder: Optional[str] = None) -> Optional[Dict[str,
+                                                                                         Any]]:
+    """The note a cleanup left before stopping this run (removed once read), if any."""
+    try:
+        path = _note_path(run_id, host, folder)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            data = json.loads(fh.read(1 << 16).decode("utf-8"))
+        os.unlink(path)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def describe(pids: Sequence[int]) -> List[Dict[str, Any]]:
     return [{"pid": p, "cmdline": cmdline(p)[:200]} for p in pids]
+
+
+def summary(record: Dict[str, Any]) -> Dict[str, Any]:
+    """What ``status`` and ``stacks`` need of a record: who, where, since when, live or not."""
+    return {"run": record["run"], "cluster": record["cluster"], "host": record["host"],
+            "live": record_live(record), "launcher": record.get("launcher"),
+            "started": record.get("started"), "agent": record.get("agent"),
+            "ranks": [{"rank": r["rank"], "pid": r["pid"],
+                       "alive": bool(group_members(int(r["pid"]), int(r["start"])))}
+                      for r in record["ranks"]]}
+
+
+def list_runs(cluster: Optional[str] = None, folder: Optional[str] = None) -> Dict[str, Any]:
+    """Every recorded run on this host (of one cluster, if given), newest first."""
+    try:
+        records, problems = read_records(folder)
+    except RegistryError as exc:
+        return {"runs": [], "errors": [str(exc)]}
+    runs = [summary(r) for r in records if cluster is None or r["cluster"] == cluster]
+    runs.sort(key=lambda r: -(r["started"] or 0) if isinstance(r["started"], (int, float))
+              else 0)
+    return {"runs": runs, "errors": problems}
 
 
 def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: bool = False,
           pattern: Optional[str] = None, grace: float = SWEEP_GRACE,
           folder: Optional[str] = None, keep: Optional[str] = None,
-          scope: Optional[str] = None,
+          scope: Optional[str] = None, force: bool = False,
+          by: Optional[Dict[str, Any]] = None,
           wait: Callable[[float], None] = time.sleep) -> Dict[str, Any]:
     """Stop the recorded runs selected by id, cluster key or ``all_runs``; verify; report.
 
     A record whose processes are all gone is removed. ``keep`` is a run never selected:
     the run the sweeping agent belongs to, whose other hosts may share this machine's
-    registry and be starting right now. With ``pattern``, processes whose command line
-    matches the regex are stopped too, like ``pkill -f``: an explicit opt-in, since it
-    can hit processes fdl-fabric did not start. ``scope`` is a cluster key every selected
-    run must have, whatever else selects it: a Slurm job's cleanup never reaches a run of
-    another job on the same node.
+    registry and be starting right now. A live run (`record_live`) is left alone and
+    reported under ``live``, unless it is named in ``runs`` or ``force`` is set; then its
+    agent first gets a note saying who stops it (``by``) and a TERM. With ``pattern``,
+    processes whose command line matches the regex are stopped too, like ``pkill -f``:
+    an explicit opt-in, since it can hit processes fdl-fabric did not start. ``scope`` is
+    a cluster key every selected run must have, whatever else selects it: a Slurm job's
+    cleanup never reaches a run of another job on the same node.
     """
-    report: Dict[str, Any] = {"stopped": [], "leftovers": [], "stale": 0, "errors": []}
+    report: Dict[str, Any] = {"stopped": [], "leftovers": [], "stale": 0, "errors": [],
+                              "live": []}
     try:
         records, problems = read_records(folder)
     except RegistryError as exc:
@@ -378,8 +524,16 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
                                                              r["cluster"] == scope) and (
         all_runs or r["run"] in wanted or (cluster and r["cluster"] == cluster))]
     targets = []
-    for rec in selected:
+    for rec in list(selected):
+        live = record_live(rec)
+        if live and not (force or rec["run"] in wanted):
+            report["live"].append({"run": rec["run"], "host": rec["host"],
+                                   "launcher": launcher_of(rec)})
+            selected.remove(rec)
+            continue
         pids = record_members(rec)
+        if live:
+            _stop_live_agent(rec, by or {}, folder)
         if pids:
             targets.append(rec)
             report["stopped"].append({"run": rec["run"], "host": rec["host"],
@@ -414,3 +568,15 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
     if left_hits:
         report["leftovers"].append({"pattern": pattern, "processes": describe(left_hits)})
     return report
+
+
+def _stop_live_agent(record: Dict[str, Any], by: Dict[str, Any],
+                     folder: Optional[str]) -> None:
+    """A live run named for stopping: tell its agent who does it, then TERM the agent,
+    which stops its ranks and reports the stop to its launcher."""
+    agent = record_agent(record)
+    if agent is None:
+        return
+    write_stop_note(record["run"], record["host"], by, folder)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(agent, signal.SIGTERM)

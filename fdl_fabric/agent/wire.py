@@ -27,8 +27,9 @@ import json
 import struct
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
-#: Protocol version; the handshake carries it and the spec repeats it.
-VERSION = 1
+#: Protocol version; the handshake carries it and the spec repeats it. 2: agent
+#: heartbeats, targeted and INT-first stops, suspend/resume, stacks, run listing.
+VERSION = 2
 #: What the agent writes first. The NUL bytes keep it from ever matching rc-file text.
 HANDSHAKE_PREFIX = b"\x00\x00FDL-AGENT/"
 HANDSHAKE = HANDSHAKE_PREFIX + str(VERSION).encode() + b"\n"
@@ -46,16 +47,32 @@ _OUTPUT_HEAD = struct.Struct(">IBB")
 SPEC = 1  #: the run: ranks, env, envelope, kill grace, ... (JSON)
 START = 2  #: pre-flight passed everywhere: spawn the ranks
 SIGNAL = 3  #: {"signal": "USR1", "rank": null | int}: forward to one rank's group or all
-STOP = 4  #: graceful stop of every rank: TERM, KILL after the kill grace
+#: {"signal": "TERM" | "INT", "rank": null | int}: graceful stop of every rank (or one):
+#: the signal now (INT: TERM `INT_GRACE` later), KILL after the kill grace
+STOP = 4
 KILL = 5  #: KILL every rank's group now
 PROBE = 6  #: {"gpus": true}: report facts needed before the plan exists
 SWEEP = 7  #: {"runs": [...], "cluster": k, "all": bool, "pattern": p}: cleanup only
 PING = 8  #: {}: the launcher is alive (renews the spec's ``lease``)
+SUSPEND = 9  #: {}: the launcher is suspended (Ctrl-Z): the lease waits until RESUME
+RESUME = 10  #: {}: the launcher runs again: the lease counts again from now
+#: {"id": n, "run": null | id}: every rank's stack (the run's, or a recorded run's)
+STACKS = 11
+LIST = 12  #: {"cluster": null | key}: the runs recorded on this host
 
 #: Seconds between the launcher's pings to each agent during a run.
 PING_INTERVAL = 2.0
 #: The shortest lease an agent accepts: a few pings may be late without stopping a run.
 LEASE_MIN = 3 * PING_INTERVAL
+#: Seconds between an agent's heartbeats when it sends nothing else: the launcher calls
+#: an agent unresponsive after ``agent_timeout`` seconds without a frame.
+HEARTBEAT_INTERVAL = 1.0
+#: The shortest ``agent_timeout``: several heartbeats may be late without losing a host,
+#: and the agent's longest blocking step (the pre-flight's 3 s dial) fits well inside it.
+AGENT_TIMEOUT_MIN = 5 * HEARTBEAT_INTERVAL
+#: Seconds between the SIGINT of a first Ctrl-C and the TERM that follows it (or half the
+#: kill grace, if that is shorter): long enough for Python to print where each rank was.
+INT_GRACE = 1.0
 
 # -- frame types, agent -> launcher ---------------------------------------------------------
 HELLO = 64  #: {"version", "pid", "python", "system", "machine"}
@@ -74,10 +91,16 @@ DONE = 74  #: {}: the agent is about to exit normally
 #: its ranks; forwarded: it passed a USR1/USR2 on to them (not under Slurm, which
 #: delivers it to every process of the step itself)
 SIGNALED = 75
+HEARTBEAT = 76  #: {}: the agent is alive (sent when it had nothing else to send)
+#: {"id", "run", "ranks": {rank: {"pid", "host", "py_spy", "error", "proc"}}}
+STACKS_REPORT = 77
+RUNS = 78  #: {"runs": [{"run", "cluster", "host", "live", "launcher", "ranks", ...}]}
 
-DOWN_TYPES: FrozenSet[int] = frozenset({SPEC, START, SIGNAL, STOP, KILL, PROBE, SWEEP, PING})
+DOWN_TYPES: FrozenSet[int] = frozenset({SPEC, START, SIGNAL, STOP, KILL, PROBE, SWEEP, PING,
+                                        SUSPEND, RESUME, STACKS, LIST})
 UP_TYPES: FrozenSet[int] = frozenset({HELLO, FACTS, PREFLIGHT, SWEPT, SPAWNED, OUTPUT, EXITED,
-                                      VERIFIED, ERROR, SPAWN_FAILED, DONE, SIGNALED})
+                                      VERIFIED, ERROR, SPAWN_FAILED, DONE, SIGNALED, HEARTBEAT,
+                                      STACKS_REPORT, RUNS})
 
 STDOUT = 1
 STDERR = 2
