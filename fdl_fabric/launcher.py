@@ -621,8 +621,9 @@ class Launch:
             return
         from .cleanup import sweep_request, sweep_with_agents
 
-        settings = {w.host: r.settings[w.host] for w in hosts if w.host in r.settings and
-                    not getattr(self.connections.get(w.host), "is_connected", False)}
+        # A connection to a host that stopped answering is not to be trusted, whatever
+        # paramiko thinks of it: every faulted host gets a fresh one.
+        settings = {w.host: r.settings[w.host] for w in hosts if w.host in r.settings}
         close_all([self.connections.pop(h) for h in settings if h in self.connections])
         opened, errors = connect_each(settings)
         self.connections.update(opened)
@@ -751,9 +752,9 @@ def root_cause_text(result: RunResult) -> str:
     if rank is None or result.verdict is Verdict.OK or rank.exit is None:
         return ""
     head = f"root cause: {rank.label} ({rank.plan.label}) exited with {rank.exit.describe()}"
-    if rank.exit.host_fault is not None:
-        return f"root cause: {rank.label} ({rank.plan.label}): host {rank.exit.host_fault} " \
-            f"({rank.exit.lost})"
+    if rank.exit.host_fault is not None:  # no error file can come from a lost host
+        return f"root cause: {rank.label} ({rank.plan.label}) has no exit status: " \
+            f"{rank.exit.lost}"
     error = rank.exit.error
     if error is None:
         return head + " (no error file: decorate the entry point with torch's @record to " \

@@ -47,6 +47,8 @@ MESSAGES_MAX = 10_000
 REFRESH = 0.25
 #: Seconds the launcher's last lines may wait for a stalled console at exit.
 FINAL_DRAIN = 10.0
+#: Bytes handed to one write: a pipe or pty takes this much without a long wait.
+WRITE_SLICE = 4096
 
 OUT = "out"
 ERR = "err"
@@ -84,7 +86,9 @@ class _Stream:
         view = memoryview(data)
         while view:
             try:
-                n = os.write(self.fd, view)
+                # Bounded slices: each completed one is progress, so a console that reads
+                # slowly but steadily is never taken for a stalled one.
+                n = os.write(self.fd, view[:WRITE_SLICE])
             except BlockingIOError:  # someone made the fd non-blocking: wait for room
                 with contextlib.suppress(OSError, ValueError):
                     select.select([], [self.fd], [], 1.0)
@@ -250,10 +254,10 @@ class Screen:
         if self._status_lines and (items or status is None) and out.dead is None:
             out.write(_erase(self._status_lines))
             self._status_lines = 0
-        for _kind, stream, data, _lines in items:
-            target = self._streams[stream]
-            if not target.write(data) and stream == ERR and out.dead is None:
-                pass  # stderr gone: nothing else to tell anyone
+        for kind, stream, data, lines in items:
+            if not self._streams[stream].write(data) and kind == "output" and stream == OUT:
+                with self._cond:
+                    self._closed_out_lines += lines  # refused by a stdout that just closed
         if status is not None and out.dead is None:
             size = shutil.get_terminal_size((100, 24))
             with contextlib.suppress(Exception):  # a rendering problem must not end output

@@ -6,7 +6,7 @@ view groups ranks by the innermost frame of their main thread and prints the sma
 groups first: the odd ones out are the suspects::
 
     rank 1 (node1): stuck_here (hang.py:3)
-    ranks 0, 2-3 (node0, node1): all_reduce (distributed_c10d.py:2801)
+    ranks 0, 2, 3 (node0, node1): all_reduce (distributed_c10d.py:2801)
 
 The data comes from each host's agent (`fdl_fabric.agent.stacks`): py-spy's threads
 when the host has py-spy, and always what /proc says (state, wchan, system call, CPU
@@ -28,15 +28,19 @@ def main_thread(entry: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return threads[0] if threads else None  # type: ignore[no-any-return]
 
 
-def frame_text(frame: Mapping[str, Any]) -> str:
-    return f"{frame.get('name', '?')} ({frame.get('file', '?')}:{frame.get('line', 0)})"
+def frame_text(frame: Mapping[str, Any], *, short: bool = False) -> str:
+    """``name (file:line)``; ``short`` keeps only the file's base name (the grouped view)."""
+    file = str(frame.get("file", "?"))
+    if short:
+        file = file.rsplit("/", 1)[-1]
+    return f"{frame.get('name', '?')} ({file}:{frame.get('line', 0)})"
 
 
 def where(entry: Mapping[str, Any]) -> str:
     """One rank's place: its main thread's innermost Python frame, or what /proc says."""
     thread = main_thread(entry)
     if thread is not None and thread.get("frames"):
-        return frame_text(thread["frames"][0])
+        return frame_text(thread["frames"][0], short=True)
     proc = entry.get("proc") or {}
     parts = [f"state {proc.get('state', '?')}"]
     for key in ("wchan", "syscall"):

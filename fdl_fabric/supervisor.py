@@ -402,6 +402,7 @@ class Supervisor:
                 self._handle(report)
                 report = self._next()
             self._check_elastic()
+            self._check_pause()  # a stop while handling reports must blame no host
             self._check_hosts()
             self._check_hang()
             self._check_stacks()
@@ -700,12 +701,14 @@ class Supervisor:
             silent = now - max(host.handle.last_heard, self._watch_from)
             if silent <= self.agent_timeout:
                 continue
-            reason = (f"unresponsive: no word from its agent for {silent:.1f}s (agent_timeout "
-                      f"{self.agent_timeout:g}s: a frozen agent or sshd, or a cut link)")
-            self.events(Kind.DEATH, f"cluster launcher: host {name!r} {reason}", host=name,
+            reason = f"no word from its agent for {silent:.1f}s"
+            self.events(Kind.DEATH, f"cluster launcher: host {name!r} unresponsive: {reason} "
+                        f"(agent_timeout {self.agent_timeout:g}s: a frozen agent or sshd, or a "
+                        "cut link)", host=name,
                         data={"host_fault": "unresponsive", "silent": round(silent, 3)})
             host.handle.abandon()
-            self._host_ended(name, f"host {reason}", fault="unresponsive", warn=False)
+            self._host_ended(name, f"host unresponsive: {reason}", fault="unresponsive",
+                             warn=False)
 
     def _check_hang(self) -> None:
         """No rank wrote a line, and no joined rank reported progress, for hang_timeout."""
@@ -769,7 +772,7 @@ class Supervisor:
             "labels": {str(r): labels[r][1] for r in request.found},
             "problems": request.problems, "py_spy": request.py_spy})
         if request.hang and self._hung is not None:
-            self._fail(self._hung, announce=False)
+            self._fail(self._hung, announce=True)
 
     def _signaled(self, report: reports.Signaled) -> None:
         """A signal from outside reached an agent: under Slurm, ``scancel`` or the time

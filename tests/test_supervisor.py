@@ -7,7 +7,9 @@ kill the way an agent does (a stubborn host ignores them).
 
 from __future__ import annotations
 
+import queue
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,7 +17,7 @@ from typing import Optional
 import pytest
 
 import fdl_fabric.supervisor as sup_module
-from fdl_fabric import reports
+from fdl_fabric import reports, stacks
 from fdl_fabric.config import parse_cluster
 from fdl_fabric.events import EventBus, EventLog, Kind
 from fdl_fabric.plan import RankPlan, build_plan
@@ -363,3 +365,329 @@ def test_after_formation_a_death_is_tolerated_and_reported() -> None:
     assert "tolerating (elastic membership): reporting rank(s) [0] dead" in \
         log.of(Kind.TOLERATED)[0].message
 
+
+
+# -- liveness: unresponsive hosts, declared-dead ranks, forwarded signals, hangs, stacks ----------
+
+def supervise_live(*scripts: dict[int, Script], grace: float = 0.05, elastic: object = None,
+                   agent_timeout: Optional[float] = None, hang_timeout: Optional[float] = None,
+                   on_resume: object = None, inbox: object = None,
+                   ) -> tuple[Supervisor, list[FakeHost], EventLog]:
+    """`supervise`, with the liveness settings of a launch."""
+    log = EventLog()
+    hosts = [FakeHost(f"h{i}", s) for i, s in enumerate(scripts)]
+    sup = Supervisor(plans(*(len(s) for s in scripts)), {h.name: h for h in hosts},
+                     kill_grace=grace, events=EventBus(log), elastic=elastic,  # type: ignore[arg-type]
+                     tick=0.001, agent_timeout=agent_timeout, hang_timeout=hang_timeout,
+                     on_resume=on_resume, inbox=inbox)  # type: ignore[arg-type]
+    for h in hosts:
+        h.sup = sup
+    return sup, hosts, log
+
+
+def answers_stacks(host: FakeHost, entries: dict[int, dict[str, object]]) -> None:
+    """Make ``host`` answer a request for stacks at once, the way its agent does."""
+    def stacks(request_id: int) -> None:
+        host.stack_requests.append(request_id)
+        host.post(reports.Stacks(host.name, request_id, "r1", dict(entries), py_spy=True))
+
+    host.stacks = stacks  # type: ignore[method-assign]
+
+
+def in_frame(name: str, file: str, line: int) -> dict[str, object]:
+    return {"pid": 1, "proc": {"state": "S"}, "threads": [
+        {"name": "MainThread", "id": 1, "frames": [{"name": name, "file": file, "line": line}]}]}
+
+
+def index_of(log: EventLog, kind: Kind, contains: str = "") -> int:
+    return next(i for i, e in enumerate(log.events) if e.kind is kind and contains in e.message)
+
+
+def test_a_silent_host_is_unresponsive_its_ranks_are_lost_and_every_other_rank_stopped(
+        ) -> None:
+    sup, (h0, h1), log = supervise_live({0: None}, {1: None, 2: None}, agent_timeout=0.05)
+    h1.silent_since = time.monotonic() - 100
+    result = sup.run()
+    assert h1.abandoned and not h0.abandoned
+    assert h0.stops == ["TERM"]  # before the cohort forms: kill-all
+    assert result.verdict is Verdict.FAILED and result.exit_code == 1
+    assert "unresponsive" in result.message
+    assert result.message.startswith("cluster launcher: rank 1 of h1 exited with no exit status")
+    assert result.faults == {"h1": "unresponsive"}
+    assert [r.state for r in result.ranks] == [RankState.STOPPED, RankState.LOST,
+                                              RankState.LOST]
+    for r in result.ranks[1:]:
+        assert r.exit is not None and r.exit.host_fault == "unresponsive"
+        assert r.cause == "host unresponsive"
+    assert result.ranks[0].exit is not None and result.ranks[0].exit.host_fault is None
+    death = log.of(Kind.DEATH)[0]
+    assert death.host == "h1" and death.data["host_fault"] == "unresponsive"
+    assert "agent_timeout 0.05s" in death.message
+    assert result.restartable
+
+
+def test_after_formation_an_unresponsive_hosts_ranks_are_reported_dead_and_the_run_goes_on(
+        ) -> None:
+    cohort = FormedCohort()
+    sup, (h0, h1), _ = supervise_live({0: (0, None)}, {1: None}, elastic=cohort,
+                                      agent_timeout=0.05)
+    h1.silent_since = time.monotonic() - 100
+    result = sup.run()
+    assert h1.abandoned and not h0.stopped
+    assert cohort.dead == [1]
+    assert result.ranks[1].state is RankState.TOLERATED
+    assert result.ranks[1].cause == "host unresponsive"
+    assert result.verdict is Verdict.DEGRADED and result.exit_code == 0
+    assert result.faults == {"h1": "unresponsive"}
+
+
+def test_a_host_that_keeps_talking_is_never_unresponsive() -> None:
+    sup, (h0,), log = supervise_live({0: None}, agent_timeout=0.02)
+    start = h0.start_ranks
+    h0.start_ranks = lambda: (start(),  # type: ignore[method-assign]
+                              threading.Timer(0.2, sup.request_interrupt,
+                                              (signal.SIGTERM,)).start())
+    result = sup.run()
+    assert not h0.abandoned and not log.of(Kind.DEATH)
+    assert result.verdict is Verdict.INTERRUPTED and result.exit_code == 143
+    assert result.faults == {}
+
+
+def test_a_rank_declared_dead_is_stopped_on_its_host_and_its_exit_is_tolerated() -> None:
+    sup, (h0, h1), log = supervise_live({0: (0, None)}, {1: None, 2: (0, None)},
+                                        elastic=FormedCohort())
+    start = h1.start_ranks
+    h1.start_ranks = lambda: (start(),  # type: ignore[method-assign]
+                              h1.post(reports.DeclaredDead(1, "no heartbeat for 30s")))
+    result = sup.run()
+    assert h1.rank_stops == [1] and h1.stops == []  # only that rank, TERM first
+    assert h0.rank_stops == [] and not h0.stopped
+    rank1 = result.ranks[1]
+    assert rank1.state is RankState.TOLERATED and rank1.cause == "declared dead"
+    assert rank1.exit is not None and rank1.exit.signal == signal.SIGTERM
+    assert [r.state for r in result.ranks] == [RankState.SUCCEEDED, RankState.TOLERATED,
+                                              RankState.SUCCEEDED]
+    assert result.verdict is Verdict.DEGRADED and result.exit_code == 0
+    tolerated = log.of(Kind.TOLERATED)[0]
+    assert tolerated.rank == 1 and "declared dead by the coordinator" in tolerated.message
+    assert "no heartbeat for 30s" in tolerated.message
+
+
+def test_a_rank_that_dies_of_a_forwarded_usr1_is_an_interruption_not_a_failure() -> None:
+    sup, (h0, h1), log = supervise_live({0: None}, {1: None})
+
+    def dies_of_it(name: str, rank: Optional[int] = None) -> None:
+        # Rank 1's program has no handler for SIGUSR1: the default action ends it.
+        h1.signals.append(name)
+        h1.running.discard(1)
+        h1.post(reports.Exited("h1", 1, None, signal.SIGUSR1))
+        h1._maybe_gone()
+
+    h1.signal = dies_of_it  # type: ignore[method-assign]
+    sup.request_signal("USR1")
+    result = sup.run()
+    assert h0.signals == ["USR1"] and h1.signals == ["USR1"]
+    assert result.verdict is Verdict.INTERRUPTED and result.exit_code == 128 + 10 == 138
+    assert "SIGUSR1" in result.message and "forwarded" in result.message
+    assert "rank 1 of h1" in result.message
+    assert not result.restartable
+    assert result.ranks[1].state is RankState.STOPPED
+    assert result.ranks[1].cause == "stopped by SIGUSR1 (forwarded)"
+    assert result.ranks[0].state is RankState.STOPPED and h0.stopped
+    assert result.root_cause is None
+    assert not log.of(Kind.DEATH)
+
+
+def test_a_rank_that_dies_of_a_usr1_nobody_forwarded_is_a_failure() -> None:
+    sup, _, _ = supervise_live({0: (None, signal.SIGUSR1), 1: None})
+    result = sup.run()
+    assert result.verdict is Verdict.FAILED and result.exit_code == 1
+    assert result.message == "cluster launcher: rank 0 of h0 exited with signal 10"
+
+
+def test_a_hung_run_collects_every_ranks_stack_then_ends_hung_and_restartable() -> None:
+    sup, (h0, h1), log = supervise_live({0: None, 1: None}, {2: None}, hang_timeout=0.05)
+    waiting = in_frame("all_reduce", "distributed_c10d.py", 2801)
+    answers_stacks(h0, {0: waiting, 1: in_frame("stuck_here", "hang.py", 3)})
+    answers_stacks(h1, {2: waiting})
+    result = sup.run()
+    # One request, asked of every host with live ranks.
+    assert len(h0.stack_requests) == 1 and h0.stack_requests == h1.stack_requests
+    assert result.verdict is Verdict.HUNG and result.exit_code == 1
+    assert result.restartable
+    assert result.message.startswith("cluster launcher: run hung")
+    assert "hang_timeout 0.05s" in result.message
+    assert all(r.state is RankState.STOPPED for r in result.ranks)
+    assert h0.stops == ["TERM"] and h1.stops == ["TERM"]
+    (event,) = log.of(Kind.STACKS)
+    assert event.data["reason"] == "hang"
+    assert event.data["hosts"] == {"0": "h0", "1": "h0", "2": "h1"}
+    assert set(event.data["ranks"]) == {"0", "1", "2"}
+    assert event.data["problems"] == {}
+    assert stacks.stacks_text(event.data).splitlines()[1:] == [
+        "  rank 1 (h0): stuck_here (hang.py:3)",
+        "  ranks 0, 2 (h0, h1): all_reduce (distributed_c10d.py:2801)"]
+    # First the hang is said, then where everyone is, and only then are the ranks stopped.
+    hang = index_of(log, Kind.HANG)
+    shown = index_of(log, Kind.STACKS)
+    stopping = index_of(log, Kind.STOPPING, "hung run — terminating all still-running ranks")
+    assert hang < shown < stopping
+
+
+def test_a_host_that_does_not_answer_for_stacks_does_not_hold_the_hung_verdict_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sup_module, "STACKS_TIMEOUT", 0.05)
+    sup, (h0, h1), log = supervise_live({0: None}, {1: None}, hang_timeout=0.05)
+    answers_stacks(h0, {0: in_frame("stuck_here", "hang.py", 3)})
+    result = sup.run()  # h1 only records the request
+    assert h1.stack_requests and result.verdict is Verdict.HUNG
+    (event,) = log.of(Kind.STACKS)
+    assert event.data["problems"] == {"h1": "no answer within 0.05s"}
+    assert set(event.data["ranks"]) == {"0"}
+
+
+def test_rank_output_keeps_a_run_from_being_declared_hung() -> None:
+    sup, (h0,), log = supervise_live({0: None}, hang_timeout=0.4)
+    answers_stacks(h0, {0: in_frame("stuck_here", "hang.py", 3)})
+    asked: list[float] = []
+    answer = h0.stacks
+    h0.stacks = lambda rid: (asked.append(time.monotonic()),  # type: ignore[method-assign]
+                             answer(rid))
+    last_output: list[float] = []
+
+    def talk() -> None:
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            last_output.append(time.monotonic())
+            sup.post(reports.Output("h0", 0, False, b"step\n", False))
+            time.sleep(0.02)
+
+    start = h0.start_ranks
+    h0.start_ranks = lambda: (start(),  # type: ignore[method-assign]
+                              threading.Thread(target=talk, daemon=True).start())
+    result = sup.run()
+    assert result.verdict is Verdict.HUNG
+    assert len(asked) == 1 and asked[0] - last_output[-1] >= 0.4 * 0.95
+
+
+def test_joined_ranks_reporting_progress_are_not_hung_even_when_silent() -> None:
+    class Progressing(FormedCohort):
+        @property
+        def last_progress(self) -> float:  # type: ignore[override]
+            return time.monotonic()
+
+    sup, (h0,), log = supervise_live({0: None}, elastic=Progressing(), hang_timeout=0.05)
+    start = h0.start_ranks
+    h0.start_ranks = lambda: (start(),  # type: ignore[method-assign]
+                              threading.Timer(0.3, sup.request_interrupt,
+                                              (signal.SIGTERM,)).start())
+    result = sup.run()
+    assert result.verdict is Verdict.INTERRUPTED
+    assert not h0.stack_requests and not log.of(Kind.HANG)
+
+
+def test_sigquit_shows_where_every_rank_is_and_the_run_goes_on() -> None:
+    sup, (h0,), log = supervise_live({0: None})
+
+    def answer_then_finish(request_id: int) -> None:
+        h0.stack_requests.append(request_id)
+        h0.post(reports.Stacks("h0", request_id, "r1", {0: in_frame("train", "t.py", 9)}))
+        h0.running.discard(0)  # the rank then finishes its work
+        h0.post(reports.Exited("h0", 0, 0, None))
+        h0._maybe_gone()
+
+    h0.stacks = answer_then_finish  # type: ignore[method-assign]
+    sup.request_stacks()
+    result = sup.run()
+    assert h0.stack_requests and not h0.stopped
+    (event,) = log.of(Kind.STACKS)
+    assert event.data["reason"] == "asked (SIGQUIT)"
+    assert event.data["py_spy"] == {"h0": False}
+    assert "(no py-spy on h0:" in stacks.stacks_text(event.data)
+    assert result.verdict is Verdict.OK and result.exit_code == 0
+    assert any("SIGQUIT" in e.message for e in log.of(Kind.INFO))
+
+
+def test_a_first_ctrl_c_reaches_every_host_as_int() -> None:
+    sup, hosts, log = supervise_live({0: None, 1: None}, {2: None})
+    sup.request_interrupt(signal.SIGINT)
+    result = sup.run()
+    assert [h.stops for h in hosts] == [["INT"], ["INT"]]
+    assert result.verdict is Verdict.INTERRUPTED and result.exit_code == 130
+    assert result.message == "cluster launcher: interrupted by SIGINT — every rank was stopped"
+    assert all(r.state is RankState.STOPPED for r in result.ranks)
+    assert "INT, TERM after" in log.of(Kind.STOPPING)[0].message
+
+
+def test_a_sigterm_reaches_every_host_as_term() -> None:
+    sup, hosts, _ = supervise_live({0: None}, {1: None})
+    sup.request_interrupt(signal.SIGTERM)
+    assert sup.run().exit_code == 143
+    assert [h.stops for h in hosts] == [["TERM"], ["TERM"]]
+
+
+def test_a_death_reported_with_the_last_hosts_end_counts_in_the_verdict() -> None:
+    sup, (h0, h1), _ = supervise_live({0: (0, None)}, {1: None})
+
+    def ends_at_once() -> None:
+        # The last agent's final frames arrive together: its rank's death, then its end.
+        h1.started = True
+        h1.post(reports.Spawned("h1", 1, 1001))
+        h1.post(reports.Exited("h1", 1, 3, None))
+        h1.post(reports.AgentDone("h1"))
+        h1.post(reports.AgentGone("h1", True, ""))
+
+    h1.start_ranks = ends_at_once  # type: ignore[method-assign]
+    result = sup.run()
+    assert result.verdict is Verdict.FAILED and result.exit_code == 1
+    assert result.message == "cluster launcher: rank 1 of h1 exited with status 3"
+    assert result.ranks[1].state is RankState.FAILED and result.root_cause is result.ranks[1]
+    assert result.faults == {}
+
+
+class PausingInbox:
+    """The supervisor's inbox; its next wait lasts ``pause`` seconds, as if the launcher
+    had been stopped (SIGSTOP, a suspended VM) while it waited for reports."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
+        self.pause = 0.0
+
+    def put(self, report: reports.Report) -> None:
+        self.queue.put(report)
+
+    def get_nowait(self) -> reports.Report:
+        return self.queue.get_nowait()
+
+    def get(self, timeout: Optional[float] = None) -> reports.Report:
+        if self.pause:
+            time.sleep(self.pause)
+            self.pause = 0.0
+        return self.queue.get(timeout=timeout)
+
+
+def test_a_pause_of_the_launcher_restarts_every_silence_clock_and_blames_no_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sup_module, "PAUSE_GAP", 0.1)
+
+    class Resumable(FormedCohort):
+        resumes = 0
+
+        def resumed(self) -> None:
+            self.resumes += 1
+
+    cohort = Resumable()
+    inbox = PausingInbox()
+    resumed: list[float] = []
+    sup, (h0,), log = supervise_live(
+        {0: None}, elastic=cohort, agent_timeout=0.2, hang_timeout=0.2, inbox=inbox,
+        on_resume=lambda: (resumed.append(time.monotonic()),
+                           sup.request_interrupt(signal.SIGTERM)))
+    h0.silent_since = time.monotonic()  # its agent said nothing since the start
+    start = h0.start_ranks
+    h0.start_ranks = lambda: (start(), setattr(inbox, "pause", 0.5))  # type: ignore[method-assign]
+    result = sup.run()
+    assert len(resumed) == 1 and cohort.resumes == 1
+    assert not h0.abandoned and not h0.stack_requests
+    assert not log.of(Kind.DEATH) and not log.of(Kind.HANG)
+    assert result.verdict is Verdict.INTERRUPTED and result.exit_code == 143
