@@ -46,7 +46,7 @@ MESSAGES_MAX = 10_000
 #: Seconds between redraws of the live table.
 REFRESH = 0.25
 #: Seconds the launcher's last lines may wait for a stalled console at exit.
-FINAL_DRAIN = 10.0
+FINAL_DRAIN = 30.0
 #: Bytes handed to one write: a pipe or pty takes this much without a long wait.
 WRITE_SLICE = 4096
 
