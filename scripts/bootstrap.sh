@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what fdl-fabric needs: Python packages, and with --test also the test
-# tools, an OpenSSH server (the sshd lab), Slurm and munge (the Slurm lab).
+# tools (py-spy through the [stacks] extra), an OpenSSH server (the sshd lab), Slurm
+# and munge (the Slurm lab), and tmux (a real terminal with job control).
 # Idempotent and quiet when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +10,7 @@ want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
 
 if [ "$want_test" = 1 ]; then
-  "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r requirements-torch.txt -e . 2>&1 \
+  "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r requirements-torch.txt -e ".[stacks]" 2>&1 \
     | grep -v -e "Running pip as the 'root' user" -e "is ignored: it is neither" || true
   # Debian packages the labs need: sshd (the sshd lab), Slurm's daemons and clients and
   # munge (the Slurm lab). Installed only when missing, and only as root.
@@ -18,6 +19,7 @@ if [ "$want_test" = 1 ]; then
   { command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ]; } \
     && command -v srun >/dev/null 2>&1 || missing+=(slurm-wlm)
   { command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ]; } || missing+=(munge)
+  command -v tmux >/dev/null 2>&1 || missing+=(tmux)
   if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
       echo "bootstrap: installing ${missing[*]} (apt-get)"

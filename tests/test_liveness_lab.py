@@ -439,3 +439,168 @@ def test_a_black_holed_host_is_unresponsive_within_the_agent_timeout(
         lab.link_up(host)
     # Behind the cut, sshd's ClientAlive ended the session: the agent stopped its rank.
     wait_run_gone(run.run_id, 15)
+
+
+# --------------------------------------------------------------------------------------
+# Attribution and leftovers
+# --------------------------------------------------------------------------------------
+
+
+def test_a_forwarded_usr1_that_kills_a_rank_without_a_handler_is_an_interruption(
+        sshd_lab, launches, tmp_path: Path) -> None:
+    lab = private_lab(sshd_lab, 1)
+    cluster = cluster_file(lab, local=1)
+    run = launches(cluster, "--", "python3", "-c",
+                   "import time; print('up', flush=True); time.sleep(60)")
+    run.wait_line(r"lab1:cpu:r1\] up")
+    run.wait_line(r"localhost:cpu:r0\] up")
+    run.signal(signal.SIGUSR1)
+    assert run.finish(30) == 128 + signal.SIGUSR1, run.err
+    assert last_line(run).startswith("cluster launcher: interrupted by SIGUSR1, which the "
+                                     "launcher forwarded: rank "), run.err
+    assert "failed" not in "\n".join(line for line in run.err_lines()
+                                     if line.startswith(("0 ", "1 ")))
+    assert "stopped by SIGUSR1 (forwarded)" in run.err
+
+
+RECORDED_BOOM = '''\
+import os, time
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise RuntimeError("boom at epoch 3")
+    time.sleep(0.3)
+
+main()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_the_restart_line_and_the_attempts_table_carry_the_exception_text(
+        sshd_lab, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    lab = sshd_lab(n_hosts=1)
+    script = Path(lab.hosts[0].path) / "boom.py"
+    script.write_text(RECORDED_BOOM)
+    cluster = lab.write_cluster([lab.worker(lab.hosts[0], nproc=2)], kill_grace=1)
+    run = LiveLaunch(cluster, "--max-restarts", "1", "--cmd", "python3 boom.py")
+    try:
+        assert run.finish(110) == 0, run.err
+    finally:
+        run.kill()
+    (restart,) = [line for line in run.err_lines() if "restarting every rank" in line]
+    assert "rank 1 of lab1 exited with status 1: RuntimeError: boom at epoch 3" in restart
+    err = run.err_lines()
+    row = err[err.index("attempt  verdict  cause") + 1]
+    assert row.split()[:2] == ["0", "failed"] and row.endswith("RuntimeError: boom at epoch 3")
+
+
+def test_a_sigkilled_hosts_leftovers_and_records_are_cleared_at_the_end_of_the_launch(
+        sshd_lab, launches, tmp_path: Path) -> None:
+    lab = private_lab(sshd_lab, 2)
+    cluster = cluster_file(lab)
+    run = launches(cluster, "--", "python3", "-c",
+                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "print('up', flush=True); time.sleep(120)")
+    run.wait_line(r"lab2:cpu:r1\] up")
+    ranks = wait_for(lambda: len(rank_pids(run.run_id)) == 2 and rank_pids(run.run_id), 20,
+                     "both ranks")
+    agent = agent_of(ranks[1])
+    # The machine of lab2 "crashes" for the agent and its watchdog: nobody is left there
+    # to stop the rank, which ignores TERM anyway.
+    watchdogs = [c.pid for c in psutil.Process(agent).children()
+                 if c.pid not in (r.pid for r in ranks.values())]
+    for pid in [*watchdogs, agent]:
+        os.kill(pid, signal.SIGKILL)
+    assert run.finish(30) == 1, run.err
+    assert "stopped what run" in run.err and "lab2" in run.err
+    assert not alive(ranks[1].pid), "the launch's final sweep stopped the orphaned rank"
+    registry = lab.hosts[1].registry
+    left = [name for name in os.listdir(registry) if name.startswith(run.run_id)]
+    assert left == [], left
+    assert processes_of_run(run.run_id) == []
+
+
+def test_a_daemon_that_cleared_its_environment_is_stopped_when_its_run_ends(
+        sshd_lab, launches, tmp_path: Path) -> None:
+    lab = private_lab(sshd_lab, 1)
+    cluster = cluster_file(lab)
+    pidfile = tmp_path / "daemon.pid"
+    daemon = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+        "        os.execve('/bin/sleep', ['sleep', '300'], {})\n"
+        "    os._exit(0)\n"
+        "time.sleep(1)\n"
+    )
+    run = launches(cluster, "--", "python3", "-c", daemon)
+    assert run.finish(30) == 0, run.err
+    pid = int(pidfile.read_text())
+    assert not alive(pid), "the env-less setsid daemon outlived its run"
+    assert f"{pid} (sleep 300)" in run.err  # named by the agent that stopped it
+
+
+def test_a_quiet_rank_that_reports_progress_is_not_hung(sshd_lab, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=1)
+    script = tmp_path / "quiet.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from fdl_fabric import rank\n"
+        "rank.join()\n"
+        "for step in range(12):\n"
+        "    time.sleep(0.5)\n"
+        "    rank.progress(step)\n")
+    cluster = lab.write_cluster([lab.worker(lab.hosts[0], nproc=2)], kill_grace=1,
+                                hang_timeout=3, command=f"python3 -u {script}")
+    run = LiveLaunch(cluster)
+    try:
+        assert run.finish(60) == 0, run.err
+    finally:
+        run.kill()
+    assert "hung" not in run.err
+
+
+def test_a_server_that_resets_the_connection_gets_one_line_and_no_third_party_traceback(
+        tmp_path: Path) -> None:
+    import socket
+    import struct
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+
+    def reset_everyone() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")  # then the banner exchange is cut
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=reset_everyone, daemon=True).start()
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(f"workers:\n  - host: resetter\n    nproc: 1\n    path: /tmp\n"
+                       f"    ssh: {{target: 127.0.0.1, port: {port}, options: "
+                       f"[StrictHostKeyChecking=no, UserKnownHostsFile=/dev/null]}}\n")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "invoke", "--search-root", str(ROOT), "launch",
+             "--cluster", str(cluster), "--cmd", "true"],
+            capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    finally:
+        server.close()
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr and "paramiko" not in out.stderr, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[-1].startswith("cluster launcher: cannot connect to host 'resetter': "), lines
+    assert len(lines) <= 2, lines

@@ -62,7 +62,7 @@ def _values(**overrides: str) -> dict[str, str]:
     """What a healthy host prints."""
     v = {"clock": "1000.5", "python": "3.11", "path": "ok", "disk_kb": str(50 * 1024 * 1024),
          "prog": "/usr/bin/python3", "pyscript": "ok", "arch": "x86_64", "libc": GLIBC,
-         "end": "1"}
+         "pyspy": "/usr/local/bin/py-spy", "end": "1"}
     v.update(overrides)
     return {k: val for k, val in v.items() if val is not None}
 
@@ -107,7 +107,8 @@ def test_a_healthy_host_is_all_ok_and_fast_mode_keeps_only_the_launch_checks() -
     facts = HostFacts(_values(dial="fdl-preflight tok"), shell_ms=12, clock_ref=1000.4,
                       clock_error=0.001)
     rows = evaluate(_plan(dial=dial), facts, CTL)
-    assert [r.name for r in rows] == ["shell", "paths", "program", "platform", "clock", "port"]
+    assert [r.name for r in rows] == ["shell", "paths", "program", "platform", "stacks", "clock",
+                                     "port"]
     assert all(r.status is Status.OK for r in rows), rows
     fast = evaluate(_plan(fast=True, dial=dial), facts, CTL)
     assert [r.name for r in fast] == ["paths", "program", "port"]
@@ -365,7 +366,7 @@ def test_a_healthy_local_worker(tmp_path: Path) -> None:
     assert report.exit_code() == 0, check_table(report, color=False)
     names = [(c.host, c.name) for c in report.checks]
     assert names == [(CONTROLLER, "port"), *(("localhost", n) for n in (
-        "shell", "paths", "program", "platform", "data_path", "port"))]
+        "shell", "paths", "program", "platform", "stacks", "data_path", "port"))]
 
 
 def test_a_busy_controller_port_fails_and_workers_dial_a_stand_in(tmp_path: Path) -> None:
@@ -453,3 +454,10 @@ def test_check_cluster_exit_codes_and_json(tmp_path: Path) -> None:
                          console=c) == 1
     assert "`nosuchprog-xyz` not found" in out.getvalue()
     assert "prebuild-check: FAILED: 1 FAIL" in out.getvalue()
+
+
+def test_a_host_without_py_spy_gets_a_warning_naming_the_extra_to_install() -> None:
+    row = _row(evaluate(_plan(), HostFacts(_values(pyspy=""), shell_ms=5), CTL), "stacks")
+    assert row.status is Status.WARN and "pip install fdl-fabric[stacks]" in row.reason
+    ok = _row(evaluate(_plan(), HostFacts(_values(), shell_ms=5), CTL), "stacks")
+    assert ok.status is Status.OK and "/usr/local/bin/py-spy" in ok.reason

@@ -64,8 +64,8 @@ def test_a_healthy_cluster_passes_with_every_check_on_every_host(sshd_lab, tmp_p
     assert all(c.status is Status.OK for c in report.checks if c.name != "shell"), table
     for h in lab.hosts:
         names = [c.name for c in report.checks if c.host == h.name]
-        assert names == ["ssh", "shell", "paths", "program", "platform", "data_path", "clock",
-                         "port"]
+        assert names == ["ssh", "shell", "paths", "program", "platform", "stacks", "data_path",
+                         "clock", "port"]
         assert "new host key recorded" in _check(report, h.name, "ssh").reason
         assert "reached the controller" in _check(report, h.name, "port").reason
     assert _check(report, CONTROLLER, "port").status is Status.OK

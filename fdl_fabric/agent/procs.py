@@ -564,6 +564,10 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
             continue
         with contextlib.suppress(OSError):
             os.unlink(rec["path"])
+        # Its error files and a cleanup's note go with it: nothing of the run is left.
+        remove_error_files(rec["run"], rec["host"], folder)
+        with contextlib.suppress(OSError, ValueError):
+            os.unlink(_note_path(rec["run"], rec["host"], folder))
     left_hits = [p for p in hits if alive(p)]
     if left_hits:
         report["leftovers"].append({"pattern": pattern, "processes": describe(left_hits)})

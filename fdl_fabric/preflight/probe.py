@@ -193,6 +193,10 @@ def probe_script(plan: HostPlan) -> str:
         s.append('e cwd "$(dir_state "$C")"\n')
     s.append(_program_section(plan))
     if not plan.fast:
+        # Where the agent would find py-spy for stack dumps (agent/stacks.find_py_spy).
+        s.append('e pyspy "$(if [ -n "${FLODL_PY_SPY:-}" ]; then echo "$FLODL_PY_SPY"; else '
+                 'command -v py-spy 2>/dev/null || for f in "$HOME/.local/bin/py-spy" '
+                 '/usr/local/bin/py-spy; do [ -x "$f" ] && { echo "$f"; break; }; done; fi)"\n')
         s.append('e arch "$(uname -m 2>/dev/null)"\n')
         s.append('e libc "$(ldd --version 2>&1 | head -n 1)"\n')
         if w.local_devices is not None:

@@ -35,7 +35,7 @@ from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate
 PROBE_TIMEOUT = 60.0
 
 _ROW_ORDER = ("command", "prebuild", "ssh", "probe", "shell", "paths", "program", "platform",
-              "gpus", "data_path", "clock", "port")
+              "stacks", "gpus", "data_path", "clock", "port")
 
 
 

@@ -73,6 +73,7 @@ def evaluate(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> list[Che
         rows.append(program)
     if not plan.fast:
         rows.append(_platform_row(plan, v, ctl))
+        rows.append(_stacks_row(plan, v))
         if plan.worker.local_devices is not None:
             rows.append(_gpus_row(plan, v))
         if plan.worker.data_path is not None:
@@ -105,6 +106,17 @@ def _shell_row(plan: HostPlan, facts: HostFacts) -> Check:
     if python_ok:
         parts.append(f"python3 {python} for the agent")
     return Check(plan.host, "shell", worst(statuses), "; ".join(parts))
+
+
+def _stacks_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
+    """py-spy, for the stacks of a hung run and of ``fdl-fabric stacks`` (optional)."""
+    found = v.get("pyspy", "").strip()
+    if found and found.lower() != "none":
+        return Check(plan.host, "stacks", Status.OK,
+                     f"py-spy {found}: a hung run shows every rank's Python stack")
+    return Check(plan.host, "stacks", Status.WARN,
+                 "py-spy not found: a hung run shows only what /proc says of each rank; "
+                 "`pip install fdl-fabric[stacks]` (or py-spy) on this host")
 
 
 def _dir_problem(label: str, path: str, state: str) -> str:
