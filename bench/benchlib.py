@@ -1,4 +1,5 @@
-"""Small helpers shared by the newer benchmark scripts (idle.py, output.py, detect.py).
+"""Small helpers shared by the newer benchmark scripts (idle.py, output.py, detect.py,
+liveness.py).
 
 Only the benchmark scripts import this (they run as ``python3 bench/<script>.py``, so
 ``bench/`` is on ``sys.path``). It uses the public lab from ``fdl_fabric.testing`` and
@@ -36,6 +37,15 @@ def start(argv: Sequence[str], *, stdout: Any = subprocess.PIPE, stderr: Any = s
     proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                             env=env, cwd=cwd or str(ROOT), start_new_session=True,
                             bufsize=bufsize)
+    _LIVE[proc.pid] = proc
+    return proc
+
+
+def adopt(proc: subprocess.Popen[Any]) -> subprocess.Popen[Any]:
+    """Remember for `stop_all` a process started elsewhere in a session of its own
+    (``start_new_session=True``: its pid is its process group), e.g. by
+    ``fdl_fabric.testing.LiveProcess`` or on a pty."""
+    assert os.getpgid(proc.pid) == proc.pid or proc.poll() is not None
     _LIVE[proc.pid] = proc
     return proc
 
@@ -87,13 +97,16 @@ def terminate_gracefully() -> Iterator[None]:
 
 
 # -- the lab --------------------------------------------------------------------------------
-def start_lab(root: Path, n_hosts: int, out: TextIO) -> Any:
-    """An sshd lab of ``n_hosts`` with known_hosts pre-seeded (no run pays first contact)."""
+def start_lab(root: Path, n_hosts: int, out: TextIO, **options: Any) -> Any:
+    """An sshd lab of ``n_hosts`` with known_hosts pre-seeded (no run pays first contact).
+
+    ``options`` go to `SshdLab` (``login_shell_rc=...``)."""
     from fdl_fabric.testing import SshdLab
 
     out.write(f"starting {n_hosts} sshd lab hosts... ")
     out.flush()
-    lab = SshdLab(root, n_hosts, extra_sshd_config=["MaxStartups 100:30:300"]).start()
+    options.setdefault("extra_sshd_config", ["MaxStartups 100:30:300"])
+    lab = SshdLab(root, n_hosts, **options).start()
     Path(lab.known_hosts).write_text("".join(h.known_hosts_line() + "\n" for h in lab.hosts))
     out.write("ok\n")
     out.flush()
