@@ -6,7 +6,7 @@ measured in the same run where there is one, and never asserts a timing. Scenari
 (``--only NAME``, repeatable; default all four, in this order):
 
 * ``detect``: a frozen agent and a black-holed host against ``agent_timeout`` (``--agent-
-  timeout``, 5 s). *Frozen agent*: 2 lab hosts x 1 rank (``print('up')``, then sleep);
+  timeout``, 5 s). *Frozen agent*: 2 lab hosts x 1 rank (it writes ``up``, then sleeps);
   once both ranks are up, plus 0.5 s and a random 0-1 s (one heartbeat period: a random
   phase of the agent's heartbeats), the agent of rank 1 (the rank's parent) gets
   SIGSTOP. Measured from just before the SIGSTOP: the launcher's ``unresponsive`` line,
@@ -39,18 +39,23 @@ measured in the same run where there is one, and never asserts a timing. Scenari
   ``--window`` s (20) of steady state, 2 s after the last ``up``; shapes ``--idle-shapes``
   (``8x8,32x8``), round-robin. The measurement is `idle.measure` (bench/idle.py), reused
   as is: the agents (which now send a heartbeat every second when idle) and the
-  per-session sshd processes are reported beside it. Target: <= 2 % at 32 x 8 (1.6 %
-  before heartbeats, bench/README.md).
+  per-session sshd processes are reported beside it. Peer, interleaved: the same
+  launch by ``--baseline`` (b8c4ced, the last commit before heartbeats; ``git archive``
+  into the temporary folder and imported first through PYTHONPATH, so its agents are
+  the old ones too). Target: <= 2 % at 32 x 8 (1.6 % before heartbeats, measured by
+  idle.py at another moment).
 
 * ``ctrlc``: Ctrl-C on a real pty (80x24, the launcher's controlling terminal, a thread
-  draining the master as fast as it can): localhost x 1 + 2 lab hosts x 1, each rank
-  printing ``rN line i`` as fast as it can; once every rank's lines showed, plus 0.5 s
-  and a random 0-0.2 s, ``\\x03`` is written to the master. Measured: the key to the
-  launcher's exit (a pidfd), its exit status, its last line, and anything of the run
-  left 5 s later. Peer, interleaved: ``torchrun --standalone --nproc-per-node 3`` with
-  the same program on the same pty set-up, capped at ``--ctrlc-cap`` s (60; then its
-  process group is killed and the run reported as not exited). Default 20 runs each.
-  The issue saw 0.18 s vs 29.5 s (tmux, whose reader is slower than this one).
+  draining the master as fast as it can, or at ``--pty-rate`` MB/s): localhost x 1 + 2
+  lab hosts x 1, each rank writing ``rN line i`` (one write per line) as fast as it
+  can; once every rank's lines showed, plus 0.5 s and a random 0-0.2 s, ``\\x03`` is
+  written to the master. Measured: the key to the launcher's exit and to every rank
+  process gone (pidfds), its exit status, the terminal's last line, and anything of
+  the run left 5 s later. Peer, interleaved: ``torchrun --standalone --nproc-per-node
+  3`` with the same program on the same pty set-up, capped at ``--ctrlc-cap`` s (60;
+  then its process group is killed and the run reported as not exited). Default 20
+  runs each. The issue saw 0.18 s vs 29.5 s (tmux, whose reader is slower than this
+  one).
 
 Everything the script starts runs in a process group of its own (benchlib) and is
 stopped by pid or group at exit; frozen processes get SIGCONT first; links taken down
@@ -91,10 +96,11 @@ ROOT = benchlib.ROOT
 SCENARIOS = ("detect", "hang", "idle", "ctrlc")
 FDL, TORCHRUN = "fdl-fabric", "torchrun"
 
-#: ``print('up')`` then sleep (bounded, so nothing we missed outlives us by long).
+#: ``up`` (one write: torchrun's workers share one pipe) then sleep (bounded, so nothing
+#: we missed outlives us by long).
 UP_SLEEP = """\
-import sys, time
-print("up", flush=True)
+import os, sys, time
+os.write(1, b"up\\n")
 time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 300.0)
 """
 
@@ -107,20 +113,25 @@ print("up", flush=True)
 stuck_here()
 """
 
-#: ``rN line i`` as fast as Python prints, for argv[1] seconds.
+#: ``rN line i`` as fast as Python prints, for argv[1] seconds; one write per line
+#: (torchrun's workers share the terminal).
 FLOOD = """\
 import os, sys, time
 tag = "r" + os.environ.get("RANK", "?")
 end = time.time() + float(sys.argv[1])
+out = sys.stdout
 i = 0
 while time.time() < end:
-    print(tag, "line", i, flush=True)
+    out.write("%s line %d\\n" % (tag, i))
+    out.flush()
     i += 1
 """
 
 UP_LINE = re.compile(r"^\[[^\]]*:r(\d+)\] up$")
 RUN_ID = re.compile(r"cluster launcher: run (\S+): ")
 STEP_TIMEOUT = 120.0
+#: The last commit before agent heartbeats (3fa206e): the idle scenario's peer.
+BASELINE = "b8c4ced"
 
 # -- what must be undone at exit ----------------------------------------------------------
 _FROZEN: list[psutil.Process] = []  # SIGSTOPped by us: SIGCONT before anything else
@@ -313,9 +324,6 @@ class Launch(LiveProcess):
                  env: Optional[dict[str, str]] = None) -> None:
         super().__init__(argv, cwd=cwd, env=env)
         benchlib.adopt(self.proc)
-
-    def err_after(self, t0: float) -> list[tuple[float, str]]:
-        return [(t, line) for t, line in self._of("err") if t >= t0]
 
     def first(self, needle: str, after: float = 0.0, stream: Optional[str] = "err"
               ) -> Optional[float]:
@@ -559,8 +567,16 @@ class Detect:
         worker: Optional[psutil.Process] = None
         workers: list[psutil.Process] = []
         try:
-            wait_until(lambda: sum(1 for line in run.stdout_lines if line == "up") >= 2,
-                       "2 up lines from torchrun's workers", 60)
+            try:
+                wait_until(lambda: sum(line.count("up") for line in run.stdout_lines) >= 2
+                           or run.proc.poll() is not None, "2 up lines from torchrun's workers",
+                           60)
+            except BenchError as exc:
+                raise BenchError(f"{exc}; torchrun said: "
+                                 + " | ".join(line for _, _, line in run.lines[-6:])) from None
+            if run.proc.poll() is not None:
+                raise BenchError(f"torchrun exited {run.proc.returncode} early: "
+                                 + " | ".join(line for _, _, line in run.lines[-6:]))
             workers = [p for p in psutil.Process(run.pid).children(recursive=True)
                        if "LOCAL_RANK" in _environ(p)]
             by_rank = {int(_environ(p).get("RANK", -1)): p for p in workers}
@@ -797,22 +813,52 @@ class Idle:
         script.write_text(idle.RANK_SCRIPT)
         sleep = args.timeout + 2 + args.window + 120
         cmd = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {sleep:g}"
-        self.plans: dict[str, tuple[list[str], int, int]] = {}
+        #: tool -> the command that starts `inv launch` (the baseline: an older tree of
+        #: this repository, imported first through PYTHONPATH; its agents come from it too)
+        launchers = {FDL: [sys.executable, "-m", "invoke", "--search-root", str(ROOT),
+                           "launch"]}
+        self.remark = ""
+        if args.baseline and args.baseline != "none":
+            tree = tmp / "baseline"
+            tree.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline],
+                                     capture_output=True, timeout=60)
+            if archive.returncode == 0:
+                subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout,
+                               check=True, timeout=60)
+                # From the old tree's folder: ``python -m`` puts the working directory
+                # first on sys.path, so from this repository's root the current fdl_fabric
+                # would be imported instead.
+                head = ["env", "-C", str(tree), f"PYTHONPATH={tree}", sys.executable]
+                where = subprocess.run([*head, "-c", "import fdl_fabric; "
+                                        "print(fdl_fabric.__file__)"], capture_output=True,
+                                       text=True, timeout=60).stdout.strip()
+                if where.startswith(str(tree)):
+                    launchers[f"{FDL} @{args.baseline}"] = [
+                        *head, "-m", "invoke", "--search-root", str(tree), "launch"]
+                else:
+                    self.remark = (f"  baseline {args.baseline} skipped: it imports "
+                                   f"fdl_fabric from {where or '?'}, not {tree}\n")
+            else:
+                self.remark = (f"  baseline {args.baseline} skipped: git archive: "
+                               f"{archive.stderr.decode(errors='replace').strip()[:200]}\n")
+        self.tools = list(launchers)
+        self.plans: dict[tuple[str, str], tuple[list[str], int, int]] = {}
         for hosts, per in args.idle_shape_list:
             shape = f"{hosts}x{per}"
             cluster = lab.write_cluster([lab.worker(h, nproc=per) for h in lab.hosts[:hosts]],
                                         filename=f"idle-{shape}.yml")
-            self.plans[shape] = (benchlib.inv_launch_argv(cluster, cmd), hosts * per, hosts)
-        self.measured: list[Any] = []
+            for tool, head in launchers.items():
+                self.plans[shape, tool] = ([*head, "--cluster", str(cluster), "--cmd", cmd],
+                                           hosts * per, hosts)
 
     def cases(self) -> list[tuple[str, str]]:
-        return [(shape, FDL) for shape in self.plans]
+        return list(self.plans)
 
     def run(self, case: str, tool: str, rep: int) -> Sample:
-        argv, world, _hosts = self.plans[case]
+        argv, world, _hosts = self.plans[case, tool]
         ns = argparse.Namespace(timeout=self.args.timeout, settle=2.0, window=self.args.window)
         got = self.idle.measure(self.lab, case, FDL, rep, argv, world, ns)
-        self.measured.append(got)
         sample = Sample("idle", case, tool, rep, ok=got.ok, error=got.error)
         sample.s = {"cpu": got.cpu_pct, "threads": got.threads,
                     "slice": max(got.slices) if got.slices else None,
@@ -820,12 +866,12 @@ class Idle:
         return sample
 
     def report(self, samples: Sequence[Sample], out: TextIO) -> None:
-        rows = [["shape (hosts x ranks)", "launcher CPU %", "min-max", "max 1 s slice %",
-                 "threads", "agents % (all)", "agents % per host", "sshd sessions %",
-                 "all up s", "runs"]]
-        for shape, (_argv, _world, hosts) in self.plans.items():
-            got = [s for s in samples if s.case == shape and s.ok]
-            bad = [s for s in samples if s.case == shape and not s.ok]
+        rows = [["shape (hosts x ranks)", "tool", "launcher CPU %", "min-max",
+                 "max 1 s slice %", "threads", "agents % (all)", "agents % per host",
+                 "sshd sessions %", "all up s", "runs"]]
+        for (shape, tool), (_argv, _world, hosts) in self.plans.items():
+            got = [s for s in samples if s.case == shape and s.tool == tool and s.ok]
+            bad = [s for s in samples if s.case == shape and s.tool == tool and not s.ok]
 
             def med(key: str, got: list[Sample] = got) -> Optional[float]:
                 vals = [v for s in got for v in [s.s.get(key)] if v is not None]
@@ -833,7 +879,7 @@ class Idle:
 
             cpus = [s.s["cpu"] for s in got if s.s.get("cpu") is not None]
             agents = med("agents")
-            rows.append([shape, _fmt(med("cpu")),
+            rows.append([shape, tool, _fmt(med("cpu")),
                          f"{_fmt(min(cpus))}-{_fmt(max(cpus))}" if cpus else "-",
                          _fmt(max((s.s["slice"] for s in got if s.s.get("slice") is not None),
                                   default=None)),
@@ -844,15 +890,19 @@ class Idle:
         out.write(f"\nidle: every rank asleep; CPU over a {self.args.window:g} s window, % of "
                   "one core (medians); agents heartbeat every 1 s when idle, the launcher "
                   "pings every 2 s\n\n")
-        out.write(benchlib.table(rows, [False] + [True] * 9) + "\n")
-        big = [s for s in samples if s.case == "32x8" and s.ok]
-        if big:
-            cpu = statistics.median(s.s["cpu"] for s in big if s.s.get("cpu") is not None)
-            out.write(f"\ntarget: launcher CPU <= 2 % of one core at 32x8: {cpu:.2f} % -> "
-                      f"{'met' if cpu <= 2.0 else 'NOT met'} (1.60 % before heartbeats)\n")
+        out.write(benchlib.table(rows, [False, False] + [True] * 9) + "\n")
+        for tool in self.tools:
+            big = [s for s in samples if s.case == "32x8" and s.tool == tool and s.ok
+                   and s.s.get("cpu") is not None]
+            if big:
+                cpu = statistics.median(s.s["cpu"] for s in big)  # type: ignore[misc]
+                out.write(f"\ntarget: launcher CPU <= 2 % of one core at 32x8, {tool}: "
+                          f"{cpu:.2f} % -> {'met' if cpu <= 2.0 else 'NOT met'} (1.60 % "
+                          "before heartbeats, bench/README.md)\n")
+        out.write(self.remark)
         for s in samples:
             if not s.ok:
-                out.write(f"  ! {s.case} run {s.rep + 1}: {s.error}\n")
+                out.write(f"  ! {s.case} {s.tool} run {s.rep + 1}: {s.error}\n")
 
 
 # ==========================================================================================
@@ -1083,6 +1133,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--idle-shapes", default="8x8,32x8",
                     help="idle: comma-separated HOSTSxRANKS (8x8,32x8)")
     ap.add_argument("--window", type=float, default=20.0, help="idle: sampling window, s (20)")
+    ap.add_argument("--baseline", metavar="REV", default=BASELINE,
+                    help="idle: also measure the launcher of this git revision (`git archive "
+                    "REV`, imported through PYTHONPATH; its agents too), interleaved "
+                    f"(default {BASELINE}, the last commit before agent heartbeats; 'none': "
+                    "skip)")
     ap.add_argument("--ctrlc-cap", type=float, default=60.0,
                     help="ctrlc: longest wait for an exit after Ctrl-C, s (60)")
     ap.add_argument("--pty-rate", type=float, default=0.0, metavar="MB/S",
@@ -1194,7 +1249,8 @@ def _bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
                 headline = {"detect": "unresponsive" if tool == FDL else "exit",
                             "hang": "grouped", "idle": "cpu", "ctrlc": "exit"}[name]
                 value = s.s.get(headline)
-                status = ("FAILED: " + s.error if not s.ok else
+                status = ("FAILED: " + s.error if not s.ok else f"{headline}: not seen"
+                          if value is None else
                           f"{headline} {_fmt(value)}" + (" %" if name == "idle" else " s"))
                 if s.ok and (s.notes or s.info):
                     status += "  [" + "; ".join(s.info + s.notes) + "]"
@@ -1204,6 +1260,7 @@ def _bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
                 if not s.ok and not s.warmup:
                     failed += 1
         bench.report(samples, out)
+        mode_file.write_text("\n")  # FLODL_PY_SPY unset again for what follows
         out.write(f"  ({name}: {time.monotonic() - t_scn:.0f} s)\n")
     out.write("\nmachine and method:\n")
     notes = benchlib.machine_notes()
