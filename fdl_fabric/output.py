@@ -121,6 +121,13 @@ class Console:
             if self.verbosity >= 0:
                 self.message(stacks_text(event.data))
             return
+        if event.kind is Kind.STOPPING and event.data.get("signal") and self.screen is not None:
+            # Ctrl-C or TERM: the verdict must show within the grace, whatever the
+            # terminal still has to take of the ranks' output.
+            self.screen.give_up_output(f"the run was interrupted "
+                                       f"({event.data['signal']})")
+        if event.kind is Kind.VERDICT and self.screen is not None:
+            self.screen.seal()
         if self.verbosity <= 0 and event.kind not in (Kind.VERDICT, Kind.WARNING, Kind.DEATH):
             return
         if self.verbosity < 2 and (

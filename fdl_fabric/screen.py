@@ -127,6 +127,10 @@ class Screen:
         self._status: Optional[StatusRender] = None
         self._status_lines = 0
         self._closing = False
+        #: Set by `give_up_output`: rank output is no longer shown, for good.
+        self._given_up: Optional[str] = None
+        #: Set by `seal`: the launcher's last line is queued; nothing may follow it.
+        self._sealed = False
         self._thread = threading.Thread(target=self._run, name="fdl-screen", daemon=True)
         self._thread.start()
 
@@ -144,7 +148,7 @@ class Screen:
                     if stream == OUT and self._streams[OUT].dead is not None:
                         self._closed_out_lines += lines
                     return False
-                if self._dropping:
+                if self._dropping or self._given_up is not None:
                     self.dropped_lines += lines
                     return False
                 if self._queued_bytes + len(data) <= self._limit or not self._queued_bytes:
@@ -168,6 +172,30 @@ class Screen:
             self._items.append(("message", stream, data, 0))
             self._queued_messages += 1
             self._cond.notify_all()
+
+    def give_up_output(self, why: str) -> None:
+        """Stop showing rank output, queued or to come, and count it instead: the operator
+        asked the run to stop (Ctrl-C), and the verdict must reach a slow terminal now,
+        not after megabytes of output it is still taking in."""
+        with self._cond:
+            if self._given_up is not None:
+                return
+            self._given_up = why
+            kept: deque[tuple[str, str, bytes, int]] = deque()
+            for item in self._items:
+                if item[0] == "output":
+                    self.dropped_lines += item[3]
+                else:
+                    kept.append(item)
+            self._items = kept
+            self._queued_bytes = 0
+            self._cond.notify_all()
+
+    def seal(self) -> None:
+        """The verdict comes next: from here on the writer adds no line of its own, so
+        the verdict stays the last line (the launcher counts what was not shown)."""
+        with self._cond:
+            self._sealed = True
 
     def set_status(self, render: Optional[StatusRender]) -> None:
         """Show (or, with None, erase for good) the live table below the output."""
@@ -231,6 +259,8 @@ class Screen:
 
     def _after_batch(self) -> None:
         """Under the lock: leave drop mode once the queue drained, and say what was lost."""
+        if self._given_up is not None or self._sealed:
+            return  # the launcher's last lines count what was not shown: nothing after them
         if self._dropping and self._queued_bytes <= self._limit // 4:
             self._dropping = False
             if self.dropped_lines:

@@ -238,6 +238,10 @@ def test_a_frozen_agents_run_is_not_live(agent: AgentPipe) -> None:
     (record,) = [r for r in procs.read_records()[0] if r["run"] == s["run_id"]]
     os.kill(record["agent"], signal.SIGSTOP)
     try:
+        deadline = time.monotonic() + 5
+        while psutil.Process(record["agent"]).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, "the agent did not stop"
+            time.sleep(0.01)
         assert not procs.record_live(record)
     finally:
         os.kill(record["agent"], signal.SIGCONT)

@@ -330,3 +330,22 @@ def test_switching_the_live_table_off_erases_it_for_good(
     assert out.data == seen
     assert screen.close(5)
     assert out.everything() == seen
+
+
+def test_an_interrupt_gives_up_queued_rank_output_so_the_verdict_shows_at_once() -> None:
+    term = Terminal(chunk=1024, delay=0.01)  # about 100 KB/s: a slow terminal
+    screen = Screen(term.file, term.file, buffer_bytes=1 << 20, stall_after=5.0)
+    line = b"x" * 99 + b"\n"
+    for _ in range(5000):  # 500 KB queued: seconds of work for this terminal
+        screen.put_output(OUT, line, 1)
+    started = time.monotonic()
+    screen.give_up_output("the run was interrupted (SIGINT)")
+    assert not screen.put_output(OUT, line, 1)  # nothing more is shown
+    screen.seal()
+    screen.put_message(ERR, b"cluster launcher: interrupted by SIGINT\n")
+    assert screen.close(timeout=5.0)
+    took = time.monotonic() - started
+    data = term.everything()
+    assert data.endswith(b"cluster launcher: interrupted by SIGINT\n")
+    assert took < 2.0, took
+    assert screen.dropped > 4000  # counted, for the launcher's line before its verdict

@@ -53,7 +53,7 @@ def find_py_spy() -> Optional[str]:
         return None if chosen.lower() == "none" else chosen
     found = shutil.which("py-spy")
     if found:
-        return found
+        return _past_shim(found)
     import sys
 
     for folder in (os.path.expanduser("~/.local/bin"), os.path.dirname(sys.executable),
@@ -62,6 +62,27 @@ def find_py_spy() -> Optional[str]:
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None
+
+
+def _past_shim(path: str) -> str:
+    """The py-spy binary behind a pyenv shim (a shell script that costs ~0.1 s of start-up
+    per call, times every rank on a busy host), else ``path`` itself."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(512)
+    except OSError:
+        return path
+    if not head.startswith(b"#!") or b"pyenv" not in head:
+        return path
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.realpath(path)))
+    for candidate in sorted(glob.glob(os.path.join(root, "versions", "*", "bin", "py-spy")),
+                            reverse=True):
+        with contextlib.suppress(OSError), open(candidate, "rb") as fh:
+            if fh.read(4) == b"\x7fELF" and os.access(candidate, os.X_OK):
+                return candidate
+    return path
 
 
 def _read(path: str) -> str:
