@@ -1118,7 +1118,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                     "(default: detect 5, hang 5, idle 1, ctrlc 20)")
     ap.add_argument("--warmup", type=int, default=1, help="discarded warm-up rounds for "
                     "hang and ctrlc (default 1; detect and idle have none)")
-    ap.add_argument("--agent-timeout", type=float, default=5.0,
+    ap.add_argument("--agent-timeout", type=float, default=6.0,
                     help="detect: agent_timeout in the cluster files, s (5)")
     ap.add_argument("--torchrun-cap", type=float, default=30.0,
                     help="detect: how long a torchrun with a frozen worker is watched, s (30)")

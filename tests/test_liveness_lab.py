@@ -36,7 +36,7 @@ from labutil import PROBE, ROOT, LiveLaunch, alive, processes_of_run, wait_for
 
 pytestmark = pytest.mark.lab
 
-AGENT_TIMEOUT = 5.0
+AGENT_TIMEOUT = 6.0
 #: The bound of issue 18: a silent host is declared within agent_timeout + 1 s.
 DETECT_BOUND = AGENT_TIMEOUT + 1.0
 

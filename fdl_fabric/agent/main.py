@@ -16,9 +16,10 @@ dropped), or it receives HUP, TERM or INT, the agent sends TERM to every rank's 
 group, KILL after the kill grace, then verifies and exits. If the agent itself is
 SIGKILLed, its watchdog does the same (see `watchdog`).
 
-Liveness, both ways: the launcher pings (the lease), and the agent sends a heartbeat
-whenever it has sent nothing else for `wire.HEARTBEAT_INTERVAL`, so a frozen agent, a
-frozen sshd or a cut link is noticed by the launcher within its ``agent_timeout``. The
+Liveness, both ways: the launcher pings (the lease), and the agent answers a ping with
+a heartbeat when it has sent nothing else for `wire.HEARTBEAT_INTERVAL`, so a frozen
+agent, a frozen sshd or a cut link is noticed by the launcher within its
+``agent_timeout``. An idle agent wakes only for what arrives: no timer of its own. The
 agent also touches its registry record, which is how a cleanup tells a live run (left
 alone) from a leftover.
 """
@@ -177,7 +178,7 @@ class Agent:
 
     def _deadlines(self) -> List[float]:
         """Every moment the loop must wake for, whatever arrives meanwhile."""
-        due = [self.last_sent + wire.HEARTBEAT_INTERVAL]
+        due: List[float] = []
         if self.kill_at is not None and not self.killed:
             due.append(self.kill_at)
         if self.term_at is not None:
@@ -192,7 +193,8 @@ class Agent:
 
     def _step(self) -> None:
         self._update_registrations()
-        timeout = max(0.0, min(self._deadlines()) - time.monotonic())
+        due = self._deadlines()
+        timeout = max(0.0, min(due) - time.monotonic()) if due else None
         for key, _ in self.sel.select(timeout):
             what = key.data
             if what == "in":
@@ -229,8 +231,6 @@ class Agent:
             assert spec is not None
             procs.touch_record(str(spec["run_id"]), str(spec["host"]))
         self._maybe_finish()
-        if not self.finished and now - self.last_sent >= wire.HEARTBEAT_INTERVAL:
-            self.send(wire.HEARTBEAT)
         if self.out and self.output_open:
             self._write_output()  # most writes fit the pipe: no need to wait for select
 
@@ -355,8 +355,9 @@ class Agent:
             self._kill_all()
         elif kind == wire.SWEEP:
             self._on_sweep(wire.parse_json(body))
-        elif kind == wire.PING:
-            pass  # reading it renewed the lease
+        elif kind == wire.PING:  # reading it renewed the lease; answer if quiet of late
+            if time.monotonic() - self.last_sent >= wire.HEARTBEAT_INTERVAL:
+                self.send(wire.HEARTBEAT)
         elif kind == wire.SUSPEND:
             self.suspended = True
         elif kind == wire.RESUME:

@@ -64,12 +64,14 @@ LIST = 12  #: {"cluster": null | key}: the runs recorded on this host
 PING_INTERVAL = 2.0
 #: The shortest lease an agent accepts: a few pings may be late without stopping a run.
 LEASE_MIN = 3 * PING_INTERVAL
-#: Seconds between an agent's heartbeats when it sends nothing else: the launcher calls
-#: an agent unresponsive after ``agent_timeout`` seconds without a frame.
+#: An agent answers a ping with a heartbeat when it sent nothing else for this long (a
+#: busy agent's output already says it is alive), and sends one this often inside its
+#: blocking steps. The launcher calls an agent unresponsive after ``agent_timeout``
+#: seconds without a frame.
 HEARTBEAT_INTERVAL = 1.0
-#: The shortest ``agent_timeout``: several heartbeats may be late without losing a host,
+#: The shortest ``agent_timeout``: three pings may go unanswered without losing a host,
 #: and the agent's longest blocking step (the pre-flight's 3 s dial) fits well inside it.
-AGENT_TIMEOUT_MIN = 5 * HEARTBEAT_INTERVAL
+AGENT_TIMEOUT_MIN = 3 * PING_INTERVAL
 #: Seconds between the SIGINT of a first Ctrl-C and the TERM that follows it (or half the
 #: kill grace, if that is shorter): long enough for Python to print where each rank was.
 INT_GRACE = 1.0
@@ -91,7 +93,7 @@ DONE = 74  #: {}: the agent is about to exit normally
 #: its ranks; forwarded: it passed a USR1/USR2 on to them (not under Slurm, which
 #: delivers it to every process of the step itself)
 SIGNALED = 75
-HEARTBEAT = 76  #: {}: the agent is alive (sent when it had nothing else to send)
+HEARTBEAT = 76  #: {}: the agent is alive (the answer to a ping, when it had sent nothing else)
 #: {"id", "run", "ranks": {rank: {"pid", "host", "py_spy", "error", "proc"}}}
 STACKS_REPORT = 77
 RUNS = 78  #: {"runs": [{"run", "cluster", "host", "live", "launcher", "ranks", ...}]}
