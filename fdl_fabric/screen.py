@@ -70,9 +70,12 @@ class _Stream:
                 target.flush()
             self.fd = fd
         self.dead: Optional[str] = None
+        #: The last write was cut mid-way (a line may be unfinished on the terminal).
+        self.cut = False
 
-    def write(self, data: bytes) -> bool:
-        """Write everything; False (and the stream dead) when it cannot take more."""
+    def write(self, data: bytes, stop: Optional[Callable[[], bool]] = None) -> bool:
+        """Write everything, or up to the slice where ``stop()`` turned true; False (and
+        the stream dead) when it cannot take more."""
         if self.dead is not None:
             return False
         if self.fd is None:
@@ -100,6 +103,9 @@ class _Stream:
                 return False
             view = view[n:]
             self.progress()
+            if view and stop is not None and stop():
+                self.cut = True
+                return True
         return True
 
 
@@ -190,6 +196,9 @@ class Screen:
             self._items = kept
             self._queued_bytes = 0
             self._cond.notify_all()
+
+    def _gave_up(self) -> bool:
+        return self._given_up is not None
 
     def seal(self) -> None:
         """The verdict comes next: from here on the writer adds no line of its own, so
@@ -285,9 +294,20 @@ class Screen:
             out.write(_erase(self._status_lines))
             self._status_lines = 0
         for kind, stream, data, lines in items:
-            if not self._streams[stream].write(data) and kind == "output" and stream == OUT:
-                with self._cond:
-                    self._closed_out_lines += lines  # refused by a stdout that just closed
+            target = self._streams[stream]
+            if kind == "output":
+                if self._given_up is not None:  # taken off the queue before the Ctrl-C
+                    with self._cond:
+                        self.dropped_lines += lines
+                    continue
+                if not target.write(data, self._gave_up) and stream == OUT:
+                    with self._cond:
+                        self._closed_out_lines += lines  # refused by a stdout that closed
+                continue
+            if target.cut:  # finish the line the interrupt cut, then the launcher's words
+                target.cut = False
+                target.write(b"\n")
+            target.write(data)
         if status is not None and out.dead is None:
             size = shutil.get_terminal_size((100, 24))
             with contextlib.suppress(Exception):  # a rendering problem must not end output
