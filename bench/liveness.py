@@ -888,8 +888,8 @@ class Idle:
                          _fmt(med("sshd")), _fmt(med("up"), 1),
                          f"{len(got)}" + (f" ({len(bad)} failed)" if bad else "")])
         out.write(f"\nidle: every rank asleep; CPU over a {self.args.window:g} s window, % of "
-                  "one core (medians); agents answer the launcher's pings (every 2 s) with a heartbeat when idle, "
-                  "pings every 2 s\n\n")
+                  "one core (medians); idle agents answer the launcher's pings (every 2 s) "
+                  "with a heartbeat\n\n")
         out.write(benchlib.table(rows, [False, False] + [True] * 9) + "\n")
         for tool in self.tools:
             big = [s for s in samples if s.case == "32x8" and s.tool == tool and s.ok
