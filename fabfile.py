@@ -16,7 +16,7 @@ from typing import Optional
 
 from fabric import Connection, task
 
-from fdl_fabric.cleanup import adhoc_cleanup_hosts
+from fdl_fabric.commands.cleanup import adhoc_cleanup_hosts
 
 _done = False
 

@@ -630,7 +630,7 @@ def machine_notes(load_before: str) -> list[str]:
     notes.append(f"torch {torch_version}")
     intervals = []
     with contextlib.suppress(Exception):
-        from fdl_fabric import coordinator, supervisor
+        from fdl_fabric.supervision import coordinator, supervisor
 
         intervals.append(f"supervisor tick {getattr(supervisor, 'TICK', float('nan')) * 1000:g}"
                          " ms (an inbox wait: reports wake it at once)")

@@ -128,8 +128,8 @@ def importtime(n: int) -> str:
 
 def agent_boot(lab: object, repeat: int) -> str:
     """Seconds from ssh Popen to the agent's handshake, over one plain ssh session."""
-    from fdl_fabric import bundle
     from fdl_fabric.agent import wire
+    from fdl_fabric.transport import bundle
 
     host = lab.hosts[0]  # type: ignore[attr-defined]
     times = []
@@ -179,9 +179,10 @@ def timeline(cluster: Path, cmd: str, repeat: int, extra: Sequence[str] = ()) ->
     import contextlib
     import statistics
 
-    from fdl_fabric import launcher, supervisor
-    from fdl_fabric.coordinator import Coordinator
-    from fdl_fabric.output import Console
+    from fdl_fabric.commands import launch as launcher
+    from fdl_fabric.presentation.output import Console
+    from fdl_fabric.supervision import supervisor
+    from fdl_fabric.supervision.coordinator import Coordinator
 
     runs: list[dict[str, float]] = []
     current: dict[str, float] = {}

@@ -15,11 +15,11 @@ from invoke.context import Context
 from invoke.exceptions import Exit
 from invoke.tasks import task
 
-from . import flags
-from .config import parse_max_failure
-from .errors import LaunchError
-from .launcher import LaunchOptions
-from .launcher import launch as run_launch
+from .clusterfile import parse_max_failure
+from .commands import flags
+from .commands.launch import LaunchOptions
+from .commands.launch import launch as run_launch
+from .errors import FdlError
 
 #: Defaults for the ``fdl`` config section: set them in invoke.yaml / fabric.yaml
 #: (``fdl: {cluster: lab.yml, log_dir: runs/logs}``) or the environment
@@ -52,7 +52,7 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
                    nproc_per_node: Optional[str] = None, agent_timeout: Optional[str] = None,
                    hang_timeout: Optional[str] = None) -> LaunchOptions:
     """The launch's options from the flags as invoke gives them, every one checked: a bad
-    value is a LaunchError (exit 2) naming its flag, before anything is read or started."""
+    value is a FdlError (exit 2) naming its flag, before anything is read or started."""
     if max_failure is not None:
         try:
             parse_max_failure(max_failure)
@@ -137,7 +137,7 @@ def launch(
                               max_restarts=max_restarts, log_dir=log_dir, dry_run=dry_run,
                               preflight=preflight, slurm=slurm, nproc_per_node=nproc_per_node,
                               agent_timeout=agent_timeout, hang_timeout=hang_timeout)
-    except LaunchError as exc:
+    except FdlError as exc:
         raise Exit(str(exc), code=exc.exit_code) from None
     code = run_launch(opts)
     if code:
@@ -174,7 +174,7 @@ def cleanup(
     carry the run's id. A run whose launcher is alive is left alone unless named with
     --run-id or --force is given. Exit 1 if anything survives.
     """
-    from .cleanup import run_cleanup
+    from .commands.cleanup import run_cleanup
 
     file = cluster if slurm else flags.cluster_file(cluster, _settings(c)["cluster"])
     code = run_cleanup(file, run_id=run_id, all_runs=all, pattern=pattern, slurm=slurm,
@@ -196,7 +196,7 @@ def stacks(c: Context, cluster: Optional[str] = None, run_id: Optional[str] = No
     run goes on). With py-spy on a host (`pip install fdl-fabric[stacks]`), every
     thread's Python stack; without it, what /proc says.
     """
-    from .query import run_stacks
+    from .commands.stacks import run_stacks
 
     code = run_stacks(flags.cluster_file(cluster, _settings(c)["cluster"]), run_id=run_id)
     if code:
@@ -238,8 +238,8 @@ def prebuild_check(
             "output": "SVG file to write (default: <run-dir>/timeline.svg)"})
 def plot_run(c: Context, run_dir: str, output: str = "") -> None:
     """Draw a run's timeline (ranks against time, deaths, cohort formation) as SVG."""
-    from .output import Console
-    from .plot import plot_run as draw
+    from .presentation.output import Console
+    from .presentation.plot import plot_run as draw
 
     console = Console()
     try:

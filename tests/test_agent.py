@@ -21,8 +21,8 @@ from typing import Any, Optional
 import psutil
 import pytest
 
-from fdl_fabric import bundle
 from fdl_fabric.agent import lines, procs, wire
+from fdl_fabric.transport import bundle
 
 RUN_ENV = "FLODL_INTERNAL_RUN_ID"
 

@@ -136,9 +136,9 @@ def test_a_million_lines_from_a_remote_rank_arrive_none_lost_none_merged(
 def test_connecting_32_hosts_20_times_never_fails(tmp_path: Path) -> None:
     """No mutable configuration shared between connection threads (it once made one
     connect in 26 fail at 32 hosts with "No attribute or config key found")."""
-    from fdl_fabric.config import load_cluster
-    from fdl_fabric.hosts import close_all, connect_each
-    from fdl_fabric.sshopts import resolve_all_settings
+    from fdl_fabric.clusterfile import load_cluster
+    from fdl_fabric.transport.fanout import close_all, connect_each
+    from fdl_fabric.transport.sshconfig import resolve_all_settings
 
     with SshdLab(tmp_path, n_hosts=32) as lab:
         cluster = load_cluster(str(lab.write_cluster([lab.worker(h) for h in lab.hosts])))

@@ -157,7 +157,7 @@ def test_without_py_spy_stacks_report_what_proc_says(tmp_path: Path) -> None:
     agent.proc.kill()  # restart it with py-spy switched off
     agent.proc.wait()
     env = {**os.environ, "FLODL_PY_SPY": "none"}
-    from fdl_fabric import bundle
+    from fdl_fabric.transport import bundle
 
     agent.proc = subprocess.Popen(["/bin/sh", "-c", bundle.local_command(sys.executable)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,

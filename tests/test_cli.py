@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fdl_fabric.config import parse_cluster
-from fdl_fabric.plan import build_plan
+from fdl_fabric.clusterfile import parse_cluster
+from fdl_fabric.planning.plan import build_plan
 from labutil import ROOT, dumps, run_launch
 
 PROBE = f"python3 {ROOT}/tests/progs/rankprobe.py"
@@ -130,8 +130,8 @@ def test_a_dry_run_of_six_ranks_fits_one_screen_and_names_how_each_host_is_reach
 def test_the_live_table_stays_readable_at_80_columns() -> None:
     from rich.console import Console as RichConsole
 
-    from fdl_fabric.output import status_table
-    from fdl_fabric.supervisor import Rank, RankState
+    from fdl_fabric.presentation.output import status_table
+    from fdl_fabric.supervision.supervisor import Rank, RankState
 
     cluster = parse_cluster("workers:\n  - host: localhost\n    nproc: 3\n    path: /srv\n",
                             local_hostname="x")
@@ -164,7 +164,7 @@ def test_max_failure_on_a_script_that_never_joins_the_cohort_warns_at_the_end(
 
 
 def test_a_loopback_master_addr_with_a_remote_worker_on_a_real_address_warns() -> None:
-    from fdl_fabric.launcher import plan_warnings
+    from fdl_fabric.commands.launch import plan_warnings
 
     cluster = parse_cluster(textwrap.dedent("""\
         workers:

@@ -21,8 +21,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fdl_fabric import yamlread
-from fdl_fabric.config import (
+from fdl_fabric.clusterfile import (
     ENV_NAME_RE,
     RESERVED_ENV_KEYS,
     ClusterSpec,
@@ -37,7 +36,9 @@ from fdl_fabric.config import (
     parse_cluster,
     parse_max_failure,
     this_host_name,
+    yamlread,
 )
+from fdl_fabric.clusterfile.names import host_name_problem
 from fdl_fabric.limits import (
     ARG_STRLEN_MAX,
     COMMAND_MAX_BYTES,
@@ -52,7 +53,6 @@ from fdl_fabric.limits import (
     SSH_OPTIONS_MAX,
     WORKERS_MAX,
 )
-from fdl_fabric.names import host_name_problem
 from fdl_fabric.shell import shell_words
 
 FOLDER = "/srv/cluster"

@@ -18,15 +18,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fdl_fabric.coordinator import (
-    PENDING_MAX,
-    PRE_AUTH_FRAME,
-    Coordinator,
-    CoordinatorError,
-    CoordinatorSpec,
-    DeadRanks,
-    max_failure_limit,
-)
 from fdl_fabric.events import EventBus, EventLog, Kind
 from fdl_fabric.rank import (
     MAX_FRAME,
@@ -36,7 +27,16 @@ from fdl_fabric.rank import (
     frame_tag,
     take_frame,
 )
-from fdl_fabric.supervisor import Verdict
+from fdl_fabric.supervision.coordinator import (
+    PENDING_MAX,
+    PRE_AUTH_FRAME,
+    Coordinator,
+    CoordinatorError,
+    CoordinatorSpec,
+    DeadRanks,
+    max_failure_limit,
+)
+from fdl_fabric.supervision.supervisor import Verdict
 
 SALT = bytes(range(16))
 RUN = "20250101-000000-abcd1234"

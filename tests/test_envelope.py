@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdl_fabric.envelope import (
+from fdl_fabric.planning.envelope import (
     EnvelopeError,
     PrebuiltBinary,
     SlimEnvelope,

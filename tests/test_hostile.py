@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fdl_fabric.errors import LaunchError
-from fdl_fabric.launcher import LaunchOptions
+from fdl_fabric.commands.launch import LaunchOptions
+from fdl_fabric.errors import FdlError
 from fdl_fabric.tasks import launch_options
 from labutil import ROOT, LiveLaunch
 
@@ -46,7 +46,7 @@ def test_any_flag_values_give_options_or_a_usage_error_naming_the_flag(
                               verbose=verbose, max_failure=max_failure,
                               max_restarts=max_restarts)
         assert isinstance(opts, LaunchOptions)
-    except LaunchError as exc:
+    except FdlError as exc:
         assert exc.exit_code == 2
         assert str(exc).startswith(("--cluster:", "--cmd:", "--kill-grace:", "--verbose:",
                                     "--max-failure:", "--max-restarts:")), str(exc)
@@ -60,7 +60,7 @@ def test_any_flag_values_give_options_or_a_usage_error_naming_the_flag(
 def _hostile_peers(port: int, count: int) -> list[socket.socket]:
     """Each announces a frame just under the pre-hello limit and sends all of it but the
     last byte: the most a peer without the salt can make the coordinator hold."""
-    from fdl_fabric.coordinator import PRE_AUTH_FRAME
+    from fdl_fabric.supervision.coordinator import PRE_AUTH_FRAME
 
     body = PRE_AUTH_FRAME - 1
     peers = []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fdl_fabric.envelope import SlimEnvelope
+from fdl_fabric.planning.envelope import SlimEnvelope
 from fdl_fabric.testing import SshdLab
 from labutil import PROBE, ROOT, LiveLaunch, alive, dumps, run_launch, wait_for
 

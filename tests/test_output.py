@@ -10,13 +10,7 @@ from pathlib import Path
 import pytest
 
 from fdl_fabric.events import Event, Kind
-from fdl_fabric.output import (
-    Console,
-    RunLog,
-    redact_env,
-    summary_table,
-    use_color,
-)
+from fdl_fabric.presentation.output import Console, RunLog, redact_env, summary_table, use_color
 
 
 def _console(**kw: object) -> tuple[Console, io.StringIO, io.StringIO]:
@@ -120,7 +114,7 @@ def test_summary_table_has_one_row_per_rank() -> None:
 
 
 def test_plot_run_draws_each_rank_the_formation_and_deaths(tmp_path: Path) -> None:
-    from fdl_fabric.plot import plot_run
+    from fdl_fabric.presentation.plot import plot_run
 
     run = tmp_path / "run1"
     run.mkdir()

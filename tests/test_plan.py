@@ -7,9 +7,9 @@ import textwrap
 import pytest
 
 from fdl_fabric.agent import wire
-from fdl_fabric.config import parse_cluster
-from fdl_fabric.envelope import PrebuiltBinary, SlimEnvelope
-from fdl_fabric.plan import build_plan
+from fdl_fabric.clusterfile import parse_cluster
+from fdl_fabric.planning.envelope import PrebuiltBinary, SlimEnvelope
+from fdl_fabric.planning.plan import build_plan
 
 SALT = bytes(range(16))
 

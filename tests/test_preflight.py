@@ -18,9 +18,8 @@ from typing import Any, Optional
 
 import pytest
 
-from fdl_fabric.config import WorkerSpec, load_cluster, parse_cluster
-from fdl_fabric.envelope import PrebuiltBinary
-from fdl_fabric.output import Console, check_table, use_color
+from fdl_fabric.clusterfile import WorkerSpec, load_cluster, parse_cluster
+from fdl_fabric.planning.envelope import PrebuiltBinary
 from fdl_fabric.preflight import (
     CONTROLLER,
     SENTINEL,
@@ -38,6 +37,7 @@ from fdl_fabric.preflight import (
     probe_script,
     run_checks,
 )
+from fdl_fabric.presentation.output import Console, check_table, use_color
 
 ROOT = Path(__file__).resolve().parent.parent
 GLIBC = "ldd (Debian GLIBC 2.36-9+deb12u4) 2.36"

@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from fdl_fabric.config import load_cluster
-from fdl_fabric.output import check_table
+from fdl_fabric.clusterfile import load_cluster
 from fdl_fabric.preflight import CONTROLLER, Check, Report, Status, run_checks
+from fdl_fabric.presentation.output import check_table
 from fdl_fabric.testing import SshdLab
 from fdl_fabric.testing.sshd import _find_sshd, _read_banner
 from labutil import PROBE, ROOT

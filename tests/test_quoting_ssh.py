@@ -19,13 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fdl_fabric import reports
-from fdl_fabric.config import parse_cluster
-from fdl_fabric.envelope import new_salt
-from fdl_fabric.plan import build_plan
-from fdl_fabric.sessions import AgentSession
-from fdl_fabric.ssh import open_connection
-from fdl_fabric.sshopts import resolve_settings
+from fdl_fabric.clusterfile import parse_cluster
+from fdl_fabric.planning.envelope import new_salt
+from fdl_fabric.planning.plan import build_plan
+from fdl_fabric.supervision import reports
+from fdl_fabric.transport.session import AgentSession
+from fdl_fabric.transport.ssh import open_connection
+from fdl_fabric.transport.sshconfig import resolve_settings
 
 pytestmark = pytest.mark.lab
 

@@ -30,10 +30,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fdl_fabric.rank as rank_mod
-from fdl_fabric.coordinator import Coordinator, CoordinatorSpec
-from fdl_fabric.envelope import ENV_CLUSTER_JSON, ENV_LOCAL_RANK, SlimEnvelope
 from fdl_fabric.events import EventBus, EventLog, Kind
+from fdl_fabric.planning.envelope import ENV_CLUSTER_JSON, ENV_LOCAL_RANK, SlimEnvelope
 from fdl_fabric.rank import encode_frame
+from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_PY = ROOT / "fdl_fabric" / "rank.py"
@@ -380,7 +380,7 @@ def test_a_frame_round_trips_through_a_socket(
 
 
 def test_the_coordinator_uses_the_rank_modules_framing() -> None:
-    import fdl_fabric.coordinator as coordinator
+    import fdl_fabric.supervision.coordinator as coordinator
 
     assert coordinator.encode_frame is rank_mod.encode_frame
     assert coordinator.take_frame is rank_mod.take_frame

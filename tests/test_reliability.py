@@ -32,13 +32,13 @@ import psutil
 import pytest
 
 from fdl_fabric.agent import procs
-from fdl_fabric.cleanup import sweep_request, sweep_with_agents
-from fdl_fabric.config import load_cluster
-from fdl_fabric.hosts import close_all, connect_all
-from fdl_fabric.plan import cluster_key
-from fdl_fabric.sessions import AgentSession
-from fdl_fabric.sshopts import resolve_all_settings
+from fdl_fabric.clusterfile import load_cluster
+from fdl_fabric.commands.cleanup import sweep_request, sweep_with_agents
+from fdl_fabric.planning.plan import cluster_key
 from fdl_fabric.testing import REGISTRY_MOUNTPOINT, LabHost, SshdLab
+from fdl_fabric.transport.fanout import close_all, connect_all
+from fdl_fabric.transport.session import AgentSession
+from fdl_fabric.transport.sshconfig import resolve_all_settings
 from labutil import (
     PROBE,
     ROOT,
@@ -275,8 +275,8 @@ def test_the_agent_creates_a_missing_registry_0700_and_its_record_0600_whatever_
         tmp_path: Path) -> None:
     """On a host that never ran a rank: a fresh /tmp (a tmpfs in a private mount
     namespace), umask 000. The rank program lists the registry while it runs."""
-    from fdl_fabric import bundle
     from fdl_fabric.agent import wire
+    from fdl_fabric.transport import bundle
 
     if os.geteuid() != 0:
         pytest.skip("needs root for a private mount namespace")

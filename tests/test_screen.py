@@ -1,8 +1,8 @@
-"""The one writer of the launcher's terminal (`fdl_fabric.screen.Screen`), with real pipes as
-the terminal: a reader that is slow, one that stops reading (a paused terminal), one that
-is gone (``| head -1``). What the operator relies on: a slow console loses nothing, a
-stalled one never stops the run and says how much it did not show, a closed one is said
-once, and the live table never tears the output nor stays behind."""
+"""The one writer of the launcher's terminal (`fdl_fabric.presentation.screen.Screen`), with
+real pipes as the terminal: a reader that is slow, one that stops reading (a paused
+terminal), one that is gone (``| head -1``). What the operator relies on: a slow console
+loses nothing, a stalled one never stops the run and says how much it did not show, a
+closed one is said once, and the live table never tears the output nor stays behind."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fdl_fabric.screen import ERR, OUT, Screen
+from fdl_fabric.presentation.screen import ERR, OUT, Screen
 
 #: The smallest pipe the kernel allows: the terminal's own buffer fills after 4 KiB.
 PIPE_SIZE = 4096

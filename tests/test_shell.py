@@ -47,8 +47,8 @@ def test_split_command_rejects_empty_and_unbalanced() -> None:
 @pytest.mark.parametrize("login_shell", ["sh", "bash"])
 def test_the_agent_command_line_starts_the_agent_under_any_login_shell(login_shell: str) -> None:
     """The bootstrap is quoted once as a whole, so it survives any POSIX login shell."""
-    from fdl_fabric import bundle
     from fdl_fabric.agent import wire
+    from fdl_fabric.transport import bundle
 
     proc = subprocess.run([login_shell, "-c", bundle.remote_command()],
                           input=bundle.payload(), capture_output=True, timeout=20)

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from fdl_fabric import slurm
-from fdl_fabric.config import ConfigError, parse_cluster
-from fdl_fabric.errors import EXIT_USAGE, LaunchError
-from fdl_fabric.hosts import agent_session
-from fdl_fabric.plan import build_plan, cluster_key
+from fdl_fabric.clusterfile import ConfigError, parse_cluster
+from fdl_fabric.errors import EXIT_USAGE, FdlError
+from fdl_fabric.planning.plan import build_plan, cluster_key
+from fdl_fabric.transport import slurm
+from fdl_fabric.transport.fanout import agent_session
 
 NODE_LINES = {
     "n1,n2,n3": "NodeName=n1 Arch=x86_64 NodeAddr=10.0.0.1 NodeHostName=n1\n"
@@ -45,14 +45,14 @@ def test_the_allocation_is_the_jobs_nodes_in_nodelist_order_with_their_addresses
 @pytest.mark.parametrize("env", [{}, {"SLURM_JOB_ID": ""}, {"SLURM_JOB_ID": "  "}])
 def test_outside_an_allocation_slurm_is_a_usage_error_naming_the_flag(
         env: dict[str, str]) -> None:
-    with pytest.raises(LaunchError) as err:
+    with pytest.raises(FdlError) as err:
         slurm.allocation(env, run=canned)
     assert err.value.exit_code == EXIT_USAGE
     assert str(err.value).startswith("--slurm: not inside a Slurm allocation")
 
 
 def test_a_job_id_that_is_not_a_number_is_refused_before_any_command_runs() -> None:
-    with pytest.raises(LaunchError) as err:
+    with pytest.raises(FdlError) as err:
         slurm.allocation({"SLURM_JOB_ID": "42; rm -rf /", "SLURM_JOB_NODELIST": "n1"},
                          run=canned)
     assert err.value.exit_code == EXIT_USAGE and "is not a job id" in str(err.value)
@@ -79,7 +79,7 @@ def test_the_flag_wins_over_the_files_ranks_per_node_and_a_missing_count_is_refu
     assert {w.local_devices for w in slurm.cluster_for(gpus, alloc).workers} == {(0, 1, 2)}
     flagged = slurm.cluster_for(gpus, alloc, nproc_per_node=4).workers
     assert {(w.nproc, w.local_devices) for w in flagged} == {(4, None)}
-    with pytest.raises(LaunchError) as err:
+    with pytest.raises(FdlError) as err:
         slurm.cluster_for(parse_cluster("scheduler: slurm\n"), alloc)
     assert err.value.exit_code == EXIT_USAGE and "--nproc-per-node N" in str(err.value)
 
@@ -165,8 +165,8 @@ def test_a_launch_of_512_nodes_raises_the_open_file_limit_it_needs() -> None:
     import subprocess
     import sys
 
-    code = ("import resource; from fdl_fabric.hosts import ensure_fd_limit, FDS_PER_HOST, "
-            "FDS_MARGIN; s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
+    code = ("import resource; from fdl_fabric.transport.fanout import ensure_fd_limit, "
+            "FDS_PER_HOST, FDS_MARGIN; s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
             "resource.setrlimit(resource.RLIMIT_NOFILE, (1024, h)); ensure_fd_limit(512); "
             "s2 = resource.getrlimit(resource.RLIMIT_NOFILE)[0]; "
             "need = 512 * FDS_PER_HOST + FDS_MARGIN; "

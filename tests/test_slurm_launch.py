@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 import yaml
 
-from fdl_fabric import slurm
 from fdl_fabric.agent import procs as procs_module
 from fdl_fabric.testing.fixtures import require_slurm
 from fdl_fabric.testing.slurm import SlurmLab
+from fdl_fabric.transport import slurm
 from labutil import (
     PROBE,
     ROOT,

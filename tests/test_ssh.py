@@ -10,9 +10,9 @@ from typing import Any
 import paramiko
 import pytest
 
-from fdl_fabric.config import ConfigError, SshSpec, WorkerSpec, parse_cluster
-from fdl_fabric.ssh import AcceptNewPolicy, make_connection
-from fdl_fabric.sshopts import (
+from fdl_fabric.clusterfile import ConfigError, SshSpec, WorkerSpec, parse_cluster
+from fdl_fabric.transport.ssh import AcceptNewPolicy, make_connection
+from fdl_fabric.transport.sshconfig import (
     SUPPORTED_OPTIONS,
     SshOptionError,
     batchmode_warning,

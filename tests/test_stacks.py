@@ -1,5 +1,6 @@
-"""Where the ranks are: grouping and rendering of per-rank stack reports (`fdl_fabric.stacks`),
-and the agent's collector (`fdl_fabric.agent.stacks`) against real sleeping processes."""
+"""Where the ranks are: grouping and rendering of per-rank stack reports
+(`fdl_fabric.presentation.stacks`), and the agent's collector (`fdl_fabric.agent.stacks`)
+against real sleeping processes."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from fdl_fabric import stacks
 from fdl_fabric.agent import stacks as agent_stacks
+from fdl_fabric.presentation import stacks
 
 
 def frame(name: str, file: str, line: int) -> dict[str, Any]:

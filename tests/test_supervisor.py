@@ -16,13 +16,14 @@ from typing import Optional
 
 import pytest
 
-import fdl_fabric.supervisor as sup_module
-from fdl_fabric import reports, stacks
-from fdl_fabric.config import parse_cluster
+import fdl_fabric.supervision.supervisor as sup_module
+from fdl_fabric.clusterfile import parse_cluster
 from fdl_fabric.events import EventBus, EventLog, Kind
-from fdl_fabric.plan import RankPlan, build_plan
-from fdl_fabric.rankoutput import RankOutput
-from fdl_fabric.supervisor import RankState, Supervisor, Verdict
+from fdl_fabric.planning.plan import RankPlan, build_plan
+from fdl_fabric.presentation import stacks
+from fdl_fabric.presentation.rankoutput import RankOutput
+from fdl_fabric.supervision import reports
+from fdl_fabric.supervision.supervisor import RankState, Supervisor, Verdict
 
 #: A script entry: (exit code, signal) the rank reports as soon as it starts, or None
 #: for a rank that runs until it is stopped.

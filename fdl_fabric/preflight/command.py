@@ -2,7 +2,7 @@
 
 The invoke task calls `check_cluster` with typed arguments; ``python -m
 fdl_fabric.preflight`` parses its own argv once and calls the same function. Either way the
-report goes through the one console (`fdl_fabric.output`).
+report goes through the one console (`fdl_fabric.presentation.output`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from ..config import ConfigError
+from ..clusterfile import ConfigError
 from ..errors import EXIT_USAGE
-from ..output import Console
+from ..presentation.output import Console
 from ..shell import command_words
-from ..sshopts import load_with_settings
+from ..transport.sshconfig import load_with_settings
 from .run import run_checks
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from ..config import ClusterSpec, WorkerSpec
-from ..envelope import PrebuiltBinary
-from ..plan import controller_dial_host, coordinator_bind_host
+from ..clusterfile import ClusterSpec, WorkerSpec
+from ..planning.envelope import PrebuiltBinary
+from ..planning.plan import controller_dial_host, coordinator_bind_host
 from .probe import Dial, HostPlan
 from .report import Check
 from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate

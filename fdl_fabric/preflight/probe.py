@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import WorkerSpec
-from ..envelope import PrebuiltBinary
+from ..clusterfile import WorkerSpec
+from ..planning.envelope import PrebuiltBinary
 from ..shell import quote
 
 #: Prefix of every value line the host script prints.

@@ -1,6 +1,6 @@
 """The pre-flight report: one row per host and check, ok / warn / FAIL and a one-line why.
 
-Rendering it (a table, or JSON) is `fdl_fabric.output`'s job.
+Rendering it (a table, or JSON) is `fdl_fabric.presentation.output`'s job.
 """
 
 from __future__ import annotations

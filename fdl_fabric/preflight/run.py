@@ -21,12 +21,12 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from ..config import ClusterSpec
-from ..coordinator import bind_listener
-from ..envelope import ENV_PREBUILD, EnvelopeError, PrebuiltBinary, parse_prebuilt
-from ..plan import controller_dial_host, coordinator_bind_host
+from ..clusterfile import ClusterSpec
+from ..planning.envelope import ENV_PREBUILD, EnvelopeError, PrebuiltBinary, parse_prebuilt
+from ..planning.plan import controller_dial_host, coordinator_bind_host
 from ..shell import quote
-from ..sshopts import SshSettings, resolve_all_settings
+from ..supervision.coordinator import bind_listener
+from ..transport.sshconfig import SshSettings, resolve_all_settings
 from .probe import SENTINEL, Dial, HostPlan, parse_sentinels, probe_script
 from .report import CONTROLLER, Check, Report, Status
 from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate
@@ -126,7 +126,7 @@ def _known_host_state(settings: SshSettings, config: Any) -> tuple[str, str]:
         return "unchecked", ""
     import paramiko
 
-    from ..ssh import make_connection
+    from ..transport.ssh import make_connection
 
     scratch = make_connection(settings, config)  # resolves aliases; opens no socket
     name = scratch.host if int(scratch.port) == 22 else f"[{scratch.host}]:{scratch.port}"
@@ -176,7 +176,7 @@ def _ms(start: float) -> float:
 
 def _check_remote(plan: HostPlan, settings: SshSettings, config: Any,
                   ctl: ControllerFacts) -> list[Check]:
-    from ..ssh import SshConnectError, open_connection
+    from ..transport.ssh import SshConnectError, open_connection
 
     host = plan.host
     state, key_name = _known_host_state(settings, config)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from ..envelope import ENV_PREBUILD
+from ..planning.envelope import ENV_PREBUILD
 from .probe import HostPlan, parse_libc, version_tuple
 from .report import Check, Status, worst
 

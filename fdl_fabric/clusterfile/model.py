@@ -1,0 +1,200 @@
+"""The cluster.yml model: frozen dataclasses with every default applied.
+
+No other module re-reads or re-checks YAML: `loading` turns a file into a `ClusterSpec`
+(through `schema`, `yamlread` and `names`), and everything downstream reads these.
+Also here: the environment names the launcher owns, and what ``max_failure`` means.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Union
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SshSpec:
+    """How to reach a remote worker; every field falls back to the user's ssh config."""
+
+    target: Optional[str] = None
+    user: Optional[str] = None
+    port: Optional[int] = None
+    identity_file: Optional[str] = None
+    options: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One host of the cluster, fully resolved so launchers never re-apply defaults."""
+
+    index: int
+    host: str
+    nproc: Optional[int]
+    local_devices: Union[tuple[int, ...], str, None]
+    path: str
+    addr: str
+    nccl_socket_ifname: Optional[str]
+    ssh: SshSpec
+    tunnel: bool
+    env: dict[str, str]
+    data_path: Optional[str]
+    is_local: bool
+    line: int
+    #: Names or globs of launcher variables carried to this worker's ranks.
+    env_forward: tuple[str, ...] = ()
+    #: The Slurm job whose allocation holds this node: its agent starts as an srun step
+    #: of that job, never over SSH (`fdl_fabric.transport.slurm`).
+    slurm_job: Optional[str] = None
+
+    @property
+    def ssh_target(self) -> str:
+        """``host`` doubles as the ssh destination unless the file says otherwise."""
+        return self.ssh.target or self.host
+
+
+@dataclass(frozen=True)
+class SlurmSpec:
+    """``scheduler: slurm``: the workers are the nodes of the Slurm allocation the launch
+    runs in, each with the same ranks; known only at launch (`fdl_fabric.transport.slurm`)."""
+
+    nproc_per_node: Optional[int] = None
+    local_devices: Union[tuple[int, ...], str, None] = None
+    #: The ranks' working directory on every node (nodes usually share a file system).
+    path: Optional[str] = None
+    #: The allocation's job id once the launch resolved it (SLURM_JOB_ID).
+    job_id: Optional[str] = None
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class ControllerSpec:
+    """Where every rank reports; loopback by default so a one-machine run needs no setup."""
+
+    host: str = "127.0.0.1"
+    port: int = 1337
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """Failure tolerance; timeouts are base values, later scaled by FLODL_NET_TIMEOUT_SCALE."""
+
+    max_failure: Union[int, float, None] = None
+    formation_timeout: float = 300.0
+    heartbeat_timeout: float = 30.0
+    #: Times the whole group is started again after a failed attempt (torchrun's
+    #: ``--max-restarts``).
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The whole file with defaults applied, so no other module re-reads or re-checks YAML."""
+
+    file: str
+    folder: str
+    controller: ControllerSpec
+    command: Optional[str]
+    env: dict[str, str]
+    kill_grace: float
+    master_port: int
+    elastic: ElasticSpec
+    workers: tuple[WorkerSpec, ...]
+    #: Names or globs of launcher variables carried to every rank (``env_forward``).
+    env_forward: tuple[str, ...] = ()
+    #: Set for ``scheduler: slurm``; ``workers`` is then empty until the launch fills it in.
+    slurm: Optional[SlurmSpec] = None
+    #: Seconds without a frame from a host's agent after which the host is unresponsive.
+    agent_timeout: float = 10.0
+    #: Seconds without output or progress from any rank after which the run is hung
+    #: (None: never).
+    hang_timeout: Optional[float] = None
+    #: The cluster key, when not derived from the file (`plan.cluster_key`): each
+    #: ``fdl-fabric run`` is a cluster of its own.
+    key: Optional[str] = None
+
+
+# --------------------------------------------------------------------------------------------
+# Environment variables
+# --------------------------------------------------------------------------------------------
+
+ENV_NAME_RE: re.Pattern[str] = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# The launcher sets these per rank. Letting the file set them too would either be silently
+# overwritten or, worse, win and break rank placement, so they are rejected up front.
+RESERVED_ENV_KEYS: frozenset[str] = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "GPU_DEVICE_ORDINAL",
+        "FLODL_HOST_NAME",
+        "FDL_ENV",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_NAME",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_ERROR_FILE",
+    }
+)
+_RESERVED_ENV_PREFIX = "FLODL_INTERNAL_"
+
+
+def is_reserved_env_key(key: str) -> bool:
+    """True for names the launcher owns; case-sensitive, like the environment itself."""
+    return key in RESERVED_ENV_KEYS or key.startswith(_RESERVED_ENV_PREFIX)
+
+
+_MAX_FAILURE_FORMAT = "a count like 3 or a percentage like '25%'"
+_COUNT_RE = re.compile(r"[0-9]+")
+_PERCENT_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*%")
+
+
+def parse_max_failure(value: object) -> Union[int, float, None]:
+    """Turn the user's ``max_failure`` into an int (absolute count) or a float fraction.
+
+    The int/float distinction *is* the meaning, so a percentage always comes back as a float
+    (``"100%"`` is ``1.0``, never the count ``1``) and a bare float is refused: ``0.25``
+    could mean a quarter of the workers or a typo, and we cannot tell which.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):  # bool is an int subclass; `true` is never a count
+        raise ValueError(f"expected {_MAX_FAILURE_FORMAT}, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if _COUNT_RE.fullmatch(text):
+            return int(text)
+        percent = _PERCENT_RE.fullmatch(text)
+        if percent:
+            number = float(percent.group(1))
+            if number > 100:
+                raise ValueError(f"a percentage must be between 0% and 100%, got {value!r}")
+            return number / 100
+        raise ValueError(f"expected {_MAX_FAILURE_FORMAT}, got {value!r}")
+    if isinstance(value, float):
+        raise ValueError(
+            f"expected {_MAX_FAILURE_FORMAT}, got {value!r} "
+            "(write a fraction as a percentage, e.g. '25%')"
+        )
+    raise ValueError(f"expected {_MAX_FAILURE_FORMAT}, got {type(value).__name__}")
+
+

@@ -1,0 +1,259 @@
+"""Cleanup on demand: every host's agent sweeps its run registry, all hosts at once.
+
+``inv cleanup`` (the hosts of a cluster file) and ``fab -H a,b cleanup`` (any hosts,
+no file) start one agent per host, exactly as a launch does, and send it a sweep
+instead of a spec. The agent stops the recorded runs that match (only processes that
+provably belong to them, see `fdl_fabric.agent.procs`), verifies that nothing of them
+remains, and reports. A host that cannot be reached, or where something survives,
+makes the cleanup fail loudly; every other host is still swept.
+
+A run whose launcher still holds its agents is *live* (`fdl_fabric.agent.procs`): no
+sweep stops it unless it is named (``--run-id``) or ``--force`` is given, and each
+sweep says what it left alone. A live run that is stopped is told who did it, and its
+verdict says so.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import EXIT_USAGE, FdlError
+from ..supervision import reports
+from ..transport.fanout import agent_session, close_all, connect_each
+from ..transport.session import AgentSession, Post
+from ..transport.slurm import CLEANUP_STEP
+
+#: Seconds a sweep may take on a host (TERM, the sweep grace, KILL, plus start-up).
+SWEEP_TIMEOUT = 60.0
+
+
+@dataclass
+class HostReport:
+    host: str
+    stopped: list[dict[str, Any]] = field(default_factory=list)
+    leftovers: list[dict[str, Any]] = field(default_factory=list)
+    error: Optional[str] = None
+    #: Live runs the sweep left alone: run, host, launcher.
+    live: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return self.error is None and not self.leftovers
+
+    def summary(self) -> str:
+        if self.error:
+            return f"{self.host}: cleanup FAILED: {self.error}"
+        parts = []
+        if self.stopped:
+            what = []
+            for s in self.stopped:
+                if "pattern" in s:
+                    what.append(f"{len(s['pids'])} process(es) matching {s['pattern']!r}")
+                else:
+                    what.append(f"run {s['run']} ranks {s.get('ranks')} (pids {s['pids']})")
+            parts.append("stopped " + ", ".join(what))
+        else:
+            parts.append("nothing to stop")
+        for item in self.live:
+            parts.append(f"run {item.get('run')} is live ({item.get('launcher')}): left alone "
+                         "(name it with --run-id, or --force, to stop it)")
+        if self.leftovers:
+            parts.append(f"LEFTOVER: {self.leftovers}")
+        return f"{self.host}: " + "; ".join(parts)
+
+
+def sweep_request(*, runs: Sequence[str] = (), cluster: Optional[str] = None,
+                  all_runs: bool = False, pattern: Optional[str] = None,
+                  scope: Optional[str] = None, force: bool = False,
+                  by: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """What an agent's sweep does (`fdl_fabric.agent.procs.sweep`); ``by`` says who
+    stops a live run (the note its verdict quotes)."""
+    return {"runs": list(runs), "cluster": cluster, "all": all_runs, "pattern": pattern,
+            "scope": scope, "force": force, "by": by or stopper("a cleanup")}
+
+
+def stopper(command: str) -> dict[str, Any]:
+    """The note a cleanup leaves for a live run it stops: the command, its pid and host."""
+    return {"command": command, "pid": os.getpid(), "host": socket.gethostname()}
+
+
+OpenSession = Callable[[str, Post], AgentSession]
+
+
+def sweep_with_agents(hosts: Sequence[str], open_session: OpenSession,
+                      request: Mapping[str, Any], *, timeout: float = SWEEP_TIMEOUT
+                      ) -> list[HostReport]:
+    """Start one agent per host (``open_session``) and sweep them all at once."""
+    inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
+    found: dict[str, HostReport] = {}
+    sessions: dict[str, AgentSession] = {}
+    for host in hosts:
+        session = open_session(host, inbox.put)
+        try:
+            session.start()
+        except Exception as exc:
+            found[host] = HostReport(host, error=f"cannot start its agent: {exc}")
+            continue
+        session.sweep(dict(request))
+        sessions[host] = session
+    pending = set(sessions)
+    deadline = time.monotonic() + timeout
+    while pending:
+        try:
+            report = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            for host in pending:
+                found[host] = HostReport(host, error=f"no answer within {timeout:g}s")
+                sessions[host].abandon()
+            break
+        if isinstance(report, reports.Swept):
+            data = report.report
+            errors = data.get("errors") or []
+            found[report.host] = HostReport(report.host, list(data.get("stopped", [])),
+                                            list(data.get("leftovers", [])),
+                                            "; ".join(errors) if errors else None,
+                                            list(data.get("live", [])))
+        elif isinstance(report, reports.AgentGone):
+            pending.discard(report.host)
+            if report.host not in found:
+                found[report.host] = HostReport(report.host, error=report.reason)
+    for session in sessions.values():
+        session.close_input()
+    return [found[h] for h in hosts if h in found]
+
+
+def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
+                all_runs: bool = False, pattern: Optional[str] = None, slurm: bool = False,
+                force: bool = False, console: Any = None) -> int:
+    """``inv cleanup``: sweep every host of a cluster (with ``slurm``: every node of this
+    allocation, for this job's runs only); 0 clean, 1 leftovers, 2 config or usage. Live
+    runs are left alone unless named by ``run_id`` or ``force``d."""
+    from ..clusterfile import ConfigError
+    from ..planning.plan import cluster_key
+    from ..presentation.output import Console
+    from ..transport.sshconfig import load_with_settings
+
+    console = console or Console()
+    try:
+        if slurm:
+            from ..transport import slurm as slurm_
+
+            for flag, given in (("--all", all_runs), ("--pattern", pattern)):
+                if given:
+                    raise FdlError(f"{flag}: not with --slurm, which sweeps this job's runs "
+                                      "only (another job may share the nodes)", EXIT_USAGE)
+            cluster = slurm_.load(cluster_file, nproc_per_node=1)
+            settings: dict[str, Any] = {}
+        else:
+            cluster, settings = load_with_settings(cluster_file or "cluster.yml",
+                                                   console.message)
+    except ConfigError as exc:
+        console.message(str(exc))
+        return EXIT_USAGE
+    except FdlError as exc:
+        console.message(str(exc))
+        return exc.exit_code
+    key = cluster_key(cluster)
+    connections, errors = connect_each(settings)
+    workers = {w.host: w for w in cluster.workers}
+    try:
+        command = "inv cleanup" + (f" --run-id {run_id}" if run_id else "") + \
+            (" --force" if force else "")
+        request = sweep_request(runs=[run_id] if run_id else [],
+                                cluster=None if (run_id or all_runs) else key,
+                                all_runs=all_runs, pattern=pattern,
+                                scope=key if slurm else None, force=force,
+                                by=stopper(command))
+        hosts = [w.host for w in cluster.workers if w.host not in errors]
+        found = {r.host: r for r in sweep_with_agents(
+            hosts, lambda host, post: agent_session(workers[host], connections, post,
+                                                    step_name=CLEANUP_STEP),
+            request)}
+    finally:
+        close_all(connections.values())
+    for host, reason in errors.items():
+        found[host] = HostReport(host, error=reason)
+    if slurm and cluster.slurm is not None and cluster.slurm.job_id is not None:
+        _cancel_agent_steps(cluster.slurm.job_id, console)
+    return report_and_verdict([found[w.host] for w in cluster.workers], console)
+
+
+def _cancel_agent_steps(job: str, console: Any) -> None:
+    """Agent steps of this job that outlived their launcher (the sweep stopped their
+    ranks): cancelled by step id, so nothing of another job is touched."""
+    from ..transport import slurm
+
+    try:
+        steps = slurm.agent_steps(job)
+        if steps:
+            slurm.cancel_steps(steps)
+            console.message(f"cleanup: cancelled agent steps {', '.join(steps)} of job {job}")
+    except FdlError as exc:
+        console.message(f"cleanup: could not list or cancel the agent steps of job {job}: "
+                        f"{exc}")
+
+
+def report_and_verdict(reports_: Sequence[HostReport], console: Any) -> int:
+    """Print one line per host and a verdict; non-zero when anything survived."""
+    for rep in reports_:
+        console.message(f"cleanup: {rep.summary()}")
+    bad = [r.host for r in reports_ if not r.clean]
+    if bad:
+        console.message(f"cleanup: FAILED — leftovers or errors on {', '.join(bad)}")
+        return 1
+    stopped = sum(len(r.stopped) for r in reports_)
+    console.message(f"cleanup: verified — nothing of the selected runs remains on "
+                    f"{len(reports_)} host(s) ({stopped} run(s) stopped)")
+    return 0
+
+
+def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
+                        pattern: Optional[str] = None, force: bool = False,
+                        console: Any = None) -> int:
+    """``fab -H a,b cleanup``: every host in parallel; a failing host never stops the others.
+    Runs whose launcher is alive are left alone, unless named (``run_id``) or ``force``d.
+
+    fab builds its Connections with Fabric's AutoAddPolicy; they get our accept-new
+    policy before they open, like every other connection we make.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..presentation.output import Console
+    from ..transport.ssh import apply_host_key_policy, describe_connect_error
+
+    console = console or Console()
+    errors: dict[str, str] = {}
+    by_host: dict[str, Any] = {}
+
+    def open_one(conn: Any) -> None:
+        try:
+            if not conn.is_connected:
+                apply_host_key_policy(conn.client)
+            conn.open()
+            by_host[conn.original_host] = conn
+        except Exception as exc:  # unreachable, refused, ...: a row, not an abort
+            errors[conn.original_host] = describe_connect_error(exc)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(conns)))) as pool:
+        list(pool.map(open_one, conns))
+    command = "fab cleanup" + (f" --run-id {run_id}" if run_id else "") + \
+        (" --force" if force else "")
+    request = sweep_request(runs=[run_id] if run_id else [], all_runs=not run_id,
+                            pattern=pattern, force=force, by=stopper(command))
+    hosts = [c.original_host for c in conns]
+    found = {r.host: r for r in sweep_with_agents(
+        [h for h in hosts if h in by_host],
+        lambda host, post: AgentSession(host, post, connection=by_host[host]), request)}
+    for host, reason in errors.items():
+        found[host] = HostReport(host, error=reason)
+    return report_and_verdict([found[h] for h in hosts], console)
+
+
+__all__ = ["HostReport", "FdlError", "adhoc_cleanup_hosts", "run_cleanup",
+           "sweep_with_agents"]

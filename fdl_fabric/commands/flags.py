@@ -1,0 +1,143 @@
+"""Command-line values: each flag checked before anything happens, each error naming it.
+
+A flag that is wrong must stop the command before any output, file, connection or
+process, with exit 2 and a message that names the flag (``--kill-grace: expected a
+number of seconds, got 'abc'``), not a traceback and not a late failure after hosts
+were contacted. invoke hands tasks strings (or booleans), so the tasks convert them
+here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional, Union
+
+from ..errors import EXIT_USAGE, FdlError
+from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
+
+
+def usage(flag: str, message: str) -> FdlError:
+    return FdlError(f"{flag}: {message}", EXIT_USAGE)
+
+
+def verbosity(value: Union[None, bool, str, int]) -> int:
+    """``-v`` -> 1, ``-vv`` -> 2, ``--verbose=N`` -> N; the console's level is 1 + this.
+
+    invoke gives an optional-value flag as True (``-v``), the rest of a short flag
+    cluster as its value (``-vv`` -> ``"v"``), or the value (``--verbose=2``).
+    """
+    if value is None or value is False:
+        return 0
+    if value is True:
+        return 1
+    if isinstance(value, int):
+        count = value
+    elif value and set(value) == {"v"}:
+        count = len(value) + 1
+    elif value.isdigit():
+        count = int(value)
+    else:
+        raise usage("--verbose", f"expected -v, -vv or a level such as --verbose=2, got "
+                    f"{value!r}")
+    if count > 3:
+        raise usage("--verbose", f"the highest level is 3, got {count}")
+    return count
+
+
+def seconds(flag: str, text: Optional[str]) -> Optional[float]:
+    """A finite number of seconds >= 0 (``nan``, ``inf`` and ``-1`` are refused)."""
+    if text is None:
+        return None
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise usage(flag, f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0 or value > SECONDS_MAX:
+        raise usage(flag, f"expected a number of seconds from 0 to {SECONDS_MAX:g}, got "
+                    f"{text!r}")
+    return value
+
+
+def agent_timeout(text: Optional[str]) -> Optional[float]:
+    """``--agent-timeout``: seconds, at least `wire.AGENT_TIMEOUT_MIN`."""
+    from ..agent.wire import AGENT_TIMEOUT_MIN
+
+    value = seconds("--agent-timeout", text)
+    if value is not None and value < AGENT_TIMEOUT_MIN:
+        raise usage("--agent-timeout", f"must be at least {AGENT_TIMEOUT_MIN:g} seconds (agents "
+                    f"send a heartbeat every second), got {text!r}")
+    return value
+
+
+def restarts(flag: str, text: Union[None, str, int]) -> Optional[int]:
+    if text is None:
+        return None
+    raw = str(text).strip()
+    if not raw.isdigit() or int(raw) > RESTARTS_MAX:
+        raise usage(flag, f"expected a whole number from 0 to {RESTARTS_MAX}, got {text!r}")
+    return int(raw)
+
+
+def nproc_per_node(flag: str, value: Optional[str]) -> Optional[int]:
+    """Ranks on each node of a Slurm launch: a whole number; None when not given."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if not text.isdigit() or not 1 <= int(text) <= RANKS_PER_WORKER_MAX:
+        raise usage(flag, f"expected a number of ranks per node, 1-{RANKS_PER_WORKER_MAX}, "
+                    f"got {value!r}")
+    return int(text)
+
+
+def cluster_file(value: Optional[str], default: str) -> str:
+    if value is None:
+        return default
+    if not value.strip():
+        raise usage("--cluster", "is empty (give a cluster file, or leave the flag out for "
+                    f"{default})")
+    return value
+
+
+def command(text: Optional[str]) -> Optional[str]:
+    if text is None:
+        return None
+    if not text.strip():
+        raise usage("--cmd", "the command is empty")
+    if len(text.encode("utf-8", "surrogatepass")) > COMMAND_MAX_BYTES:
+        raise usage("--cmd", f"the command is longer than {COMMAND_MAX_BYTES} bytes")
+    return text
+
+
+def log_dir(path: Optional[str]) -> Optional[str]:
+    """A folder that exists or can be created, and can be written; nothing is left behind."""
+    if path is None:
+        return None
+    if not path.strip():
+        raise usage("--log-dir", "is empty")
+    target = Path(path)
+    missing: list[Path] = []
+    probe = target
+    while not probe.exists():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise usage("--log-dir", f"{probe} is not a folder")
+    try:
+        if missing:
+            os.makedirs(target)
+        tempfile.TemporaryDirectory(dir=target).cleanup()
+    except OSError as exc:
+        raise usage("--log-dir", f"cannot create or write {path}: "
+                    f"{exc.strerror or exc}") from None
+    finally:
+        for folder in missing:  # leaf first: only what this check created
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+    return path

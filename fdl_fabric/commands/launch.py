@@ -1,0 +1,837 @@
+"""One launch, start to verdict: the sequence behind ``inv launch``.
+
+1. Load and validate cluster.yml, the SSH options and every flag (a mistake exits 2
+   before anything connects or any file is written).
+2. Connect every remote host in parallel and start one agent per host (`hosts`):
+   through Fabric for remote hosts, through invoke for local ones.
+3. Resolve ``local_devices: all`` through the agents and build the plan (`plan`).
+4. Bind the coordinator, open tunnels, send each agent its spec. Each agent runs the
+   fast pre-flight and sweeps this cluster's leftovers; the supervisor starts the
+   ranks once every host passed, then applies the failure policy to one verdict.
+5. Print the summary and the verdict as the last line; exit with its code.
+
+Every failure after an agent started goes through the supervisor or closes the
+agents' input, so whatever was started is stopped the same way. Whatever fails, and
+at whatever stage (connecting, starting agents, a restart), the launch ends the same
+way: the summary, the attempts, the root cause, and the verdict as the last line
+(`Launch._conclude`). Only bad input is refused earlier, with exit 2.
+
+Signal handlers only record and post (`Signals`); the supervisor's loop acts on them.
+Each restart starts from fresh connections to every host whose connection is gone or
+that stopped answering, and new agents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Optional, Union
+
+from .. import shell
+from ..clusterfile import ClusterSpec, ConfigError, load_cluster, parse_max_failure
+from ..errors import EXIT_FAILURE, EXIT_USAGE, FdlError
+from ..events import EventBus, Kind
+from ..limits import RANKS_MAX, RANKS_PER_WORKER_MAX
+from ..planning.envelope import (
+    ENV_NET_TIMEOUT_SCALE,
+    ENV_VERBOSITY,
+    EnvelopeError,
+    PrebuiltBinary,
+    new_run_id,
+    new_salt,
+    prebuilt_from_environ,
+)
+from ..planning.plan import OMP_NOTICE, LaunchPlan, build_plan, coordinator_bind_host
+from ..preflight import Status, agent_checks, judge, launch_plan
+from ..presentation.dryrun import describe_dry_run, dry_run_devices, plan_as_json
+from ..presentation.output import Console, RunLog, summary_table
+from ..presentation.rankoutput import RankOutput
+from ..supervision import reports
+from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
+from ..supervision.supervisor import RunResult, Supervisor, Verdict, summary_rows
+from ..transport.fanout import agent_session, close_all, connect_all, connect_each, start_agents
+from ..transport.session import AgentSession
+from ..transport.sshconfig import SshSettings, resolve_all_settings
+
+#: Seconds to wait for every agent's answer to a device probe.
+PROBE_TIMEOUT = 60.0
+#: Seconds the final sweep of lost hosts may take (it runs only after a fault).
+SWEEP_TIMEOUT = 30.0
+
+MaxFailure = Union[int, float, None]
+
+
+@dataclass
+class LaunchOptions:
+    cluster_file: Optional[str] = "cluster.yml"
+    command: Optional[str] = None
+    argv: Sequence[str] = ()
+    kill_grace: Optional[float] = None
+    verbosity: int = 1
+    quiet: bool = False
+    max_failure: Optional[str] = None
+    log_dir: Optional[str] = None
+    dry_run: bool = False
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    preflight: bool = True
+    max_restarts: Optional[int] = None
+    #: A cluster built in code (``fdl-fabric run``) instead of ``cluster_file``.
+    cluster: Optional[ClusterSpec] = None
+    #: ``--slurm``: the workers are the nodes of the allocation this runs in. Without a
+    #: ``cluster_file`` no file is read: the flags say everything.
+    slurm: bool = False
+    #: ``--nproc-per-node``: ranks on each Slurm node (wins over the file's).
+    nproc_per_node: Optional[int] = None
+    #: ``--agent-timeout``: seconds of silence after which a host is unresponsive.
+    agent_timeout: Optional[float] = None
+    #: ``--hang-timeout``: seconds without output or progress after which the run is
+    #: hung (0: never).
+    hang_timeout: Optional[float] = None
+
+
+def load_for(opts: LaunchOptions) -> ClusterSpec:
+    """The cluster a launch runs: ``opts.cluster``, the cluster file, or (``--slurm``)
+    the nodes of the allocation this runs in (`fdl_fabric.transport.slurm`)."""
+    if opts.slurm:
+        from ..transport import slurm
+
+        return slurm.load(opts.cluster_file, nproc_per_node=opts.nproc_per_node)
+    cluster = opts.cluster or load_cluster(opts.cluster_file or "cluster.yml")
+    if cluster.slurm is not None:
+        from ..transport import slurm
+
+        return slurm.resolve(cluster, flag=f"{cluster.file}: scheduler: slurm",
+                             nproc_per_node=opts.nproc_per_node)
+    if opts.nproc_per_node is not None:
+        raise FdlError("--nproc-per-node: only for a Slurm launch (--slurm, or "
+                          "`scheduler: slurm` in the cluster file); SSH workers set nproc "
+                          "in the cluster file", EXIT_USAGE)
+    return cluster
+
+
+def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
+    """The rank program's argv (see `shell.command_words`); a missing one is exit 2."""
+    try:
+        return shell.command_words(opts.argv, opts.command, cluster.command)
+    except ValueError as exc:
+        raise FdlError(f"{cluster.file}: {exc}" if "no command" in str(exc)
+                          else f"{cluster.file}: command: {exc}", EXIT_USAGE) from None
+
+
+def net_timeout_scale(environ: Mapping[str, str]) -> float:
+    """FLODL_NET_TIMEOUT_SCALE: a finite float >= 0.1 multiplying every network deadline."""
+    raw = environ.get(ENV_NET_TIMEOUT_SCALE, "").strip() or "1"
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not math.isfinite(scale) or scale < 0.1:
+        raise FdlError(f"{ENV_NET_TIMEOUT_SCALE}={raw!r} must be a number >= 0.1",
+                          EXIT_USAGE)
+    return scale
+
+
+def resolve_max_failure(opts: LaunchOptions, cluster: ClusterSpec) -> MaxFailure:
+    if opts.max_failure is None:
+        return cluster.elastic.max_failure
+    try:
+        return parse_max_failure(opts.max_failure)
+    except ValueError as exc:
+        raise FdlError(f"--max-failure: {exc}", EXIT_USAGE) from None
+
+
+def coordinator_spec(plan: LaunchPlan, max_failure: MaxFailure, scale: float) -> CoordinatorSpec:
+    """The coordinator for this plan: loopback when no worker dials it over the network."""
+    cluster = plan.cluster
+    return CoordinatorSpec(
+        run_id=plan.run_id,
+        salt=plan.salt,
+        world_size=plan.world_size,
+        bind_host=coordinator_bind_host(cluster),
+        port=cluster.controller.port,
+        formation_timeout=cluster.elastic.formation_timeout * scale,
+        heartbeat_timeout=cluster.elastic.heartbeat_timeout * scale,
+        max_failure=max_failure,
+        hello_timeout=10.0 * scale,
+    )
+
+
+class LaunchInterrupted(Exception):
+    """A stop signal arrived while no supervisor was running (connecting, between
+    attempts): the launch ends where it stands, with a verdict."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+#: Signals that stop a run: Ctrl-C, ``kill``, the terminal closing.
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Every signal a launch handles.
+_HANDLED = (*_STOPS, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTSTP,
+            signal.SIGCONT)
+
+
+class Signals:
+    """The launch's signal handlers. They only record what arrived and post it to the
+    running supervisor's inbox (`queue.SimpleQueue.put` is safe there): the supervisor's
+    loop prints and acts. A handler never takes a lock, so it can never wait on the
+    thread it interrupted.
+
+    With no supervisor running (connecting, starting agents, between attempts), a stop
+    signal raises `LaunchInterrupted` in the main thread, while ``raising``.
+
+    INT (Ctrl-C), TERM and HUP (the terminal closed) stop the run gracefully, a second
+    INT kills; QUIT (Ctrl-\\) shows every rank's stack and the run goes on; USR1 and
+    USR2 are forwarded; TSTP (Ctrl-Z) suspends supervision and CONT resumes it.
+    """
+
+    def __init__(self) -> None:
+        self.supervisor: Optional[Supervisor] = None
+        #: The first stop signal of the launch.
+        self.received: Optional[int] = None
+        self.raising = True
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in _HANDLED}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        sup = self.supervisor
+        if signum in _STOPS:
+            first = self.received is None
+            if first:
+                self.received = signum
+            if sup is None:
+                if self.raising:
+                    raise LaunchInterrupted(signum)
+                return
+            if first or signum != signal.SIGINT:
+                sup.request_interrupt(signum)
+            else:
+                sup.request_kill()
+        elif sup is None:
+            if signum == signal.SIGTSTP:  # nothing runs that must know: just stop
+                os.kill(os.getpid(), signal.SIGSTOP)
+        elif signum == signal.SIGQUIT:
+            sup.request_stacks()
+        elif signum in (signal.SIGUSR1, signal.SIGUSR2):
+            sup.request_signal(signal.Signals(signum).name[3:])
+        elif signum == signal.SIGTSTP:
+            sup.request_suspend()
+        elif signum == signal.SIGCONT:
+            sup.request_resume()
+
+
+def describe_plan(plan: LaunchPlan) -> str:
+    per_host: dict[str, list[int]] = {}
+    for r in plan.ranks:
+        per_host.setdefault(r.host, []).append(r.rank)
+    hosts = ", ".join(f"{h}: r{rs[0]}-r{rs[-1]}" if len(rs) > 1 else f"{h}: r{rs[0]}"
+                      for h, rs in per_host.items())
+    return (f"cluster launcher: run {plan.run_id}: {plan.world_size} rank(s) on "
+            f"{len(per_host)} host(s) ({hosts})")
+
+
+@dataclass
+class _Settings:
+    """What one launch resolved before contacting any host."""
+
+    cluster: ClusterSpec
+    argv: list[str]
+    settings: dict[str, SshSettings]
+    prebuilt: Mapping[str, PrebuiltBinary]
+    launcher_env: dict[str, str]
+    scale: float
+    max_failure: MaxFailure
+
+
+class Launch:
+    """State of one launch, so every exit path can tear down what was opened and end
+    with a verdict."""
+
+    def __init__(self, opts: LaunchOptions, console: Console, events: EventBus) -> None:
+        self.opts = opts
+        self.console = console
+        self.events = events
+        self.inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
+        self.sessions: dict[str, AgentSession] = {}
+        self.connections: dict[str, Any] = {}
+        self.stack = contextlib.ExitStack()
+        self.monitor: Optional[Any] = None
+        self.log: Optional[RunLog] = None
+        #: Seconds of silence from the launcher after which agents stop their ranks.
+        self.lease: Optional[float] = None
+        self.signals = Signals()
+        self.output = RankOutput(events)
+        self.results: list[RunResult] = []
+        self.run_id: Optional[str] = None
+        self.joined_any = False
+        #: Hosts that were lost or unresponsive in some attempt (their records are swept).
+        self.faulted: dict[str, str] = {}
+        self.launcher = {"host": socket.gethostname(), "pid": os.getpid(),
+                         "started": time.time()}
+        #: What the launch resolved before contacting any host.
+        self.resolved: Optional[_Settings] = None
+
+    def run(self) -> int:
+        """The launch; its exit code. Bad input is refused (exit 2, nothing started);
+        everything else ends with the summary and the verdict as the last line."""
+        with self.signals.installed():
+            try:
+                resolved = self._resolve()
+                if resolved is None:
+                    return 0
+                self._launch(resolved)
+            except ConfigError as exc:
+                self.console.message(str(exc))
+                return EXIT_USAGE
+            except FdlError as exc:
+                if exc.exit_code == EXIT_USAGE and not self.run_id:
+                    self.console.message(str(exc))
+                    return EXIT_USAGE
+                self._failed(exc)
+            except LaunchInterrupted as exc:
+                self._interrupted(exc.signum)
+            finally:
+                self.signals.raising = False
+                self.signals.supervisor = None
+            try:
+                self._sweep_faulted()
+            finally:
+                self._teardown()
+            try:
+                return self._conclude()
+            finally:
+                if self.log is not None:
+                    self.log.close()
+
+    def _teardown(self) -> None:
+        for session in self.sessions.values():
+            session.close_input()
+        with contextlib.suppress(Exception):
+            self.stack.close()
+        if self.monitor is not None:
+            self.monitor.close()
+        close_all(self.connections.values())
+
+    # -- before any host is contacted ------------------------------------------------------
+    def _resolve(self) -> Optional[_Settings]:
+        """Every input checked (exit 2 on a mistake); None after a dry run."""
+        opts = self.opts
+        cluster = load_for(opts)
+        changes: dict[str, Any] = {}
+        if opts.kill_grace is not None:
+            changes["kill_grace"] = opts.kill_grace
+        if opts.agent_timeout is not None:
+            changes["agent_timeout"] = opts.agent_timeout
+        if opts.hang_timeout is not None:
+            changes["hang_timeout"] = opts.hang_timeout or None
+        if opts.max_restarts is not None:
+            changes["elastic"] = dataclasses.replace(cluster.elastic,
+                                                     max_restarts=opts.max_restarts)
+        cluster = dataclasses.replace(cluster, **changes) if changes else cluster
+        max_failure = resolve_max_failure(opts, cluster)
+        argv = command_argv(opts, cluster)
+        settings = resolve_all_settings(cluster, self.console.message)
+        try:
+            prebuilt = prebuilt_from_environ()
+        except EnvelopeError as exc:
+            raise FdlError(str(exc), EXIT_USAGE) from None
+        launcher_env = dict(os.environ)
+        launcher_env.update(opts.env_overrides)
+        scale = net_timeout_scale(launcher_env)
+        # The agents give the launcher what the coordinator gives a rank.
+        self.lease = cluster.elastic.heartbeat_timeout * scale
+        resolved = self.resolved = _Settings(cluster, argv, settings, prebuilt, launcher_env,
+                                             scale, max_failure)
+        if opts.dry_run:
+            plan = self._plan(resolved, dry_run_devices(cluster))
+            self.console.out.write(describe_dry_run(plan, settings))
+            self.console.out.flush()
+            return None
+        return resolved
+
+    # -- the launch ------------------------------------------------------------------------
+    def _launch(self, r: _Settings) -> None:
+        """Connect, start the agents, plan, then one attempt after another."""
+        opts, cluster = self.opts, r.cluster
+        self.run_id = new_run_id()
+        if opts.log_dir:
+            self.log = RunLog(opts.log_dir, self.run_id, on_error=self._log_failed)
+            self.events.add(self.log)
+        self.connections = dict(connect_all(r.settings, self._connected))
+        self.sessions = self._start_agents(cluster, self.inbox)
+        devices = self._resolve_devices(cluster)
+        plan = self._plan(r, devices, run_id=self.run_id)
+        if self.log is not None:
+            self.log.write_cluster(plan_as_json(plan))
+        self.events(Kind.LAUNCH, describe_plan(plan), data={"run_id": plan.run_id,
+                                                            "world_size": plan.world_size})
+        for warning in plan_warnings(plan):
+            self.events(Kind.WARNING, warning)
+        if any(plan.defaults(h) for h in plan.hosts()):
+            self.events(Kind.INFO, OMP_NOTICE)
+        max_restarts = cluster.elastic.max_restarts
+        for attempt in range(max_restarts + 1):
+            if attempt:
+                inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
+                self._reconnect(r)
+                plan = self._plan(r, devices, run_id=self.run_id, attempt=attempt)
+                self.sessions = self._start_agents(cluster, inbox)
+                self.inbox = inbox
+            result = self._attempt(r, plan, attempt)
+            self.results.append(result)
+            self.faulted.update(result.faults)
+            if self.signals.received is not None or not result.restartable \
+                    or attempt == max_restarts:
+                break
+            self.events(Kind.RESTART, f"cluster launcher: attempt {attempt} failed "
+                        f"({cause_text(result)}); restarting every rank (restart "
+                        f"{attempt + 1} of {max_restarts})",
+                        data={"attempt": attempt + 1, "cause": result.message,
+                              "error": root_error(result)})
+        if self.signals.received is not None and \
+                self.results[-1].verdict is not Verdict.INTERRUPTED:
+            self._interrupted(self.signals.received)
+
+    def _start_agents(self, cluster: ClusterSpec,
+                      inbox: queue.SimpleQueue[reports.Report]) -> dict[str, AgentSession]:
+        return start_agents(cluster.workers, self.connections, inbox.put,
+                            on_output=self.output)
+
+    def _attempt(self, r: _Settings, plan: LaunchPlan, attempt: int) -> RunResult:
+        """One attempt: the coordinator, every agent's spec, the supervisor to a verdict."""
+        inbox = self.inbox
+        self.output.attempt(plan)
+        if self.log is not None:
+            self.log.attempt = attempt
+        coordinator = Coordinator(
+            coordinator_spec(plan, r.max_failure, r.scale), self.events,
+            on_join=lambda rank: inbox.put(reports.Joined(rank)),
+            on_dead=lambda rank, why: inbox.put(reports.DeclaredDead(rank, why)))
+        try:
+            coordinator.start()
+        except CoordinatorError as exc:
+            raise FdlError(f"{exc} — nothing was started") from None
+        try:
+            if attempt == 0:  # after the bind: a tunnel delivers to the coordinator
+                for w in plan.cluster.workers:
+                    if w.tunnel:
+                        self._open_tunnel(plan.cluster, w.host)
+                self._watch_connections(r.settings)
+            result = self._supervise(r, plan, coordinator, inbox)
+        finally:
+            coordinator.stop()
+        self.joined_any = self.joined_any or bool(coordinator.joined)
+        return result
+
+    def _supervise(self, r: _Settings, plan: LaunchPlan, coordinator: Coordinator,
+                   inbox: queue.SimpleQueue[reports.Report]) -> RunResult:
+        cluster = plan.cluster
+        checks = {w.host: launch_plan(cluster, w, r.argv, r.prebuilt.get(w.host))
+                  for w in cluster.workers}
+
+        def judge_host(host: str, values: Mapping[str, str]) -> tuple[list[str], list[str]]:
+            rows = judge(checks[host], values)
+            warn = [f"{c.name}: {c.reason}" for c in rows if c.status is Status.WARN]
+            fail = [f"{c.name}: FAIL: {c.reason}" for c in rows if c.status is Status.FAIL]
+            return warn, fail
+
+        supervisor = Supervisor(
+            plan.ranks, self.sessions, kill_grace=cluster.kill_grace, events=self.events,
+            elastic=coordinator, preflight=judge_host if self.opts.preflight else None,
+            inbox=inbox, agent_timeout=cluster.agent_timeout * r.scale,
+            hang_timeout=cluster.hang_timeout, on_resume=self._resumed)
+        self.signals.supervisor = supervisor
+        if self.signals.received is not None:  # arrived while this attempt was set up
+            supervisor.request_interrupt(self.signals.received)
+        self.console.start_status(lambda: supervisor.ranks)
+        try:
+            for host in plan.hosts():
+                spec = plan.agent_spec(
+                    host, checks=agent_checks(checks[host]) if self.opts.preflight else None,
+                    start_now=not self.opts.preflight, lease=self.lease,
+                    launcher=self.launcher)
+                self.sessions[host].spec(spec)
+            return supervisor.run()
+        finally:
+            self.signals.supervisor = None
+            self.console.stop_status()
+
+    # -- connections -------------------------------------------------------------------------
+    def _connected(self, host: str, settings: SshSettings) -> None:
+        self.events(Kind.CONNECT, f"cluster launcher: connected to {host} ({settings.target})",
+                    host=host)
+
+    def _reconnect(self, r: _Settings) -> None:
+        """Before a restart: a fresh connection to every host whose connection is gone or
+        whose agent stopped answering (its link may be dead while paramiko thinks not)."""
+        stale = {h: s for h, s in r.settings.items()
+                 if h in self.faulted or not getattr(self.connections.get(h), "is_connected",
+                                                     False)}
+        if not stale:
+            return
+        close_all([self.connections.pop(h) for h in stale if h in self.connections])
+        opened, errors = connect_each(stale, self._connected)
+        self.connections.update(opened)
+        if errors:
+            lines = tuple(f"cluster launcher: host {h!r} {unreachable(why)}"
+                          for h, why in errors.items())
+            if len(lines) == 1:
+                raise FdlError(lines[0])
+            raise FdlError(f"cluster launcher: {len(lines)} hosts unreachable "
+                              f"({', '.join(errors)})", details=lines)
+        for host in opened:
+            if self.monitor is not None:
+                self.monitor.watch(host, opened[host].transport, r.settings[host])
+            if any(w.host == host and w.tunnel for w in r.cluster.workers):
+                self._open_tunnel(r.cluster, host)
+
+    def _open_tunnel(self, cluster: ClusterSpec, host: str) -> None:
+        port = cluster.controller.port
+        # The forward delivers to wherever the coordinator listens.
+        target = coordinator_bind_host(cluster)
+        conn = self.connections[host]
+        try:
+            self.stack.enter_context(_quiet_exit(
+                conn.forward_remote(port, local_port=port, local_host=target)))
+        except Exception as exc:
+            raise FdlError(f"cluster launcher: host {host!r}: tunnel could not bind "
+                              f"127.0.0.1:{port} on the remote side: {exc}") from None
+        self.events(Kind.CONNECT, f"cluster launcher: tunnel {host}:127.0.0.1:{port} -> "
+                    f"controller {target}:{port}", host=host)
+
+    def _watch_connections(self, settings: Mapping[str, SshSettings]) -> None:
+        if not self.connections:
+            return
+        from ..transport.keepalive import KeepaliveMonitor
+
+        def dead(host: str, silent: float) -> None:
+            self.events(Kind.WARNING, f"cluster launcher: host {host!r} stopped answering "
+                        f"keepalives for {silent:.0f}s; treating its connection as lost",
+                        host=host)
+
+        self.monitor = KeepaliveMonitor(dead)
+        for host, conn in self.connections.items():
+            transport = getattr(conn, "transport", None)
+            if transport is not None:
+                self.monitor.watch(host, transport, settings[host])
+
+    def _resumed(self) -> None:
+        if self.monitor is not None:
+            self.monitor.resumed()
+
+    def _resolve_devices(self, cluster: ClusterSpec) -> dict[str, list[int]]:
+        """GPU indices of every ``local_devices: all`` worker, asked of its agent."""
+        wanted = {w.host for w in cluster.workers if w.local_devices == "all"}
+        for host in wanted:
+            self.sessions[host].probe(gpus=True)
+        resolved: dict[str, list[int]] = {}
+        kept: list[reports.Report] = []
+        deadline = time.monotonic() + PROBE_TIMEOUT
+        while wanted - set(resolved):
+            try:
+                report = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = ", ".join(sorted(wanted - set(resolved)))
+                raise FdlError(f"cluster launcher: no device list from {missing} within "
+                                  f"{PROBE_TIMEOUT:g}s") from None
+            if isinstance(report, reports.Facts):
+                if not report.gpus:
+                    raise FdlError(
+                        f"cluster launcher: host {report.host!r}: `local_devices: all` found no "
+                        f"GPU (nvidia-smi: {report.error or 'listed none'}); give an explicit "
+                        "list instead")
+                if len(report.gpus) > RANKS_PER_WORKER_MAX:
+                    raise FdlError(
+                        f"cluster launcher: host {report.host!r}: `local_devices: all` found "
+                        f"{len(report.gpus)} GPUs; at most {RANKS_PER_WORKER_MAX} ranks a host",
+                        EXIT_USAGE)
+                resolved[report.host] = report.gpus
+            elif isinstance(report, reports.AgentGone):
+                raise FdlError(f"cluster launcher: host {report.host!r}: {report.reason}")
+            else:
+                kept.append(report)
+        for report in kept:
+            self.inbox.put(report)
+        total = sum(len(d) for d in resolved.values()) + sum(
+            w.nproc or len(w.local_devices or ()) for w in cluster.workers
+            if w.local_devices != "all")
+        if total > RANKS_MAX:
+            raise FdlError(f"cluster launcher: {total} ranks in all once `local_devices: all` "
+                              f"is resolved; at most {RANKS_MAX} are allowed", EXIT_USAGE)
+        return resolved
+
+    def _plan(self, r: _Settings, resolved: Mapping[str, list[int]], *,
+              run_id: Optional[str] = None, attempt: int = 0) -> LaunchPlan:
+        """The plan of one attempt: a fresh salt every time, so nothing of an earlier
+        attempt can join this one's cohort; the run id stays (TORCHELASTIC_RUN_ID)."""
+        try:
+            return build_plan(r.cluster, argv=r.argv, run_id=run_id or new_run_id(),
+                              salt=new_salt(), resolved_devices=resolved, prebuilt=r.prebuilt,
+                              launcher_env=r.launcher_env, attempt=attempt)
+        except ValueError as exc:
+            raise FdlError(f"{r.cluster.file}: {exc}", EXIT_USAGE) from None
+
+    # -- the end -------------------------------------------------------------------------------
+    def _log_failed(self, message: str) -> None:
+        self.events(Kind.WARNING, f"cluster launcher: {message}")
+
+    def _failed(self, exc: FdlError) -> None:
+        """A failure outside the ranks (connecting, starting agents, a restart's set-up)."""
+        for line in exc.details:
+            self.events(Kind.WARNING, line)
+        self.results.append(RunResult(Verdict.FAILED, exc.exit_code or 1, str(exc), ()))
+
+    def _interrupted(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        when = "between attempts" if self.results else "before any rank started"
+        self.results.append(RunResult(Verdict.INTERRUPTED, 128 + signum,
+                                      f"cluster launcher: interrupted by {name} {when} — "
+                                      "nothing is left running", ()))
+
+    def _sweep_faulted(self) -> None:
+        """Hosts lost or unresponsive during the run: once the run is over, stop whatever
+        of it is still there and remove its registry records, or say they were left."""
+        r = self.resolved
+        if r is None or self.run_id is None:
+            return
+        hosts = [w for w in r.cluster.workers if w.host in self.faulted and w.slurm_job is None]
+        if not hosts:
+            return
+        from .cleanup import sweep_request, sweep_with_agents
+
+        # A connection to a host that stopped answering is not to be trusted, whatever
+        # paramiko thinks of it: every faulted host gets a fresh one.
+        settings = {w.host: r.settings[w.host] for w in hosts if w.host in r.settings}
+        close_all([self.connections.pop(h) for h in settings if h in self.connections])
+        opened, errors = connect_each(settings)
+        self.connections.update(opened)
+        workers = {w.host: w for w in hosts}
+        found = {rep.host: rep for rep in sweep_with_agents(
+            [w.host for w in hosts if w.host not in errors],
+            lambda host, post: agent_session(workers[host], self.connections, post),
+            sweep_request(runs=[self.run_id], by={"command": "the launcher's final sweep"}),
+            timeout=SWEEP_TIMEOUT)}
+        for host, why in errors.items():
+            self.events(Kind.WARNING, f"cluster launcher: host {host!r} {unreachable(why)}: "
+                        f"left its registry record of run {self.run_id}; `inv cleanup --run-id "
+                        f"{self.run_id}` removes it (and anything left) once the host is back",
+                        host=host)
+        for host, rep in found.items():
+            if rep.error or rep.leftovers:
+                self.events(Kind.WARNING, f"cluster launcher: host {host!r}: could not clear "
+                            f"what run {self.run_id} left: {rep.error or rep.leftovers}",
+                            host=host)
+            elif rep.stopped:
+                pids = sorted({p for s in rep.stopped for p in s.get("pids", [])})
+                self.events(Kind.WARNING, f"cluster launcher: host {host!r}: stopped what run "
+                            f"{self.run_id} left there (pids {pids})", host=host)
+
+    def _conclude(self) -> int:
+        """The summary, the attempts, the root cause, and the verdict as the last line."""
+        if not self.results:
+            return EXIT_FAILURE
+        final = self.results[-1]
+        shown = next((r for r in reversed(self.results) if r.started_any), None)
+        quiet = self.console.verbosity < 0
+        if shown is not None and not quiet:
+            self.console.message(summary_table(summary_rows(shown.ranks)))
+        if len(self.results) > 1 and not quiet:
+            self.console.message(attempts_table(self.results))
+        cause = root_cause_text(final)
+        if cause and not quiet:
+            self.console.message(cause)
+        dropped = self.console.dropped
+        if dropped:
+            hint = "--log-dir kept every line" if self.log is not None and \
+                self.log.failed is None else "use --log-dir to keep every line"
+            self.events(Kind.INFO, f"cluster launcher: {dropped:,} line(s) of rank output "
+                        f"were not shown on the console ({hint})", data={"dropped": dropped})
+        if self.resolved is not None and self.resolved.max_failure is not None \
+                and not self.joined_any and final.started_any:
+            self.events(Kind.WARNING, "cluster launcher: max_failure had no effect: no rank "
+                        "joined the cohort, so every failure was fatal (ranks join with "
+                        "fdl_fabric.rank.join())")
+        self.events(Kind.VERDICT, final.message, data={
+            "exit_code": final.exit_code, "verdict": final.verdict.value,
+            "attempts": len(self.results), "run_id": self.run_id,
+            "faults": dict(self.faulted)})
+        return final.exit_code
+
+
+@contextlib.contextmanager
+def _quiet_exit(context: Any) -> Iterator[Any]:
+    """A context (a tunnel) whose exit may fail quietly: its connection may be long gone."""
+    value = context.__enter__()
+    try:
+        yield value
+    finally:
+        with contextlib.suppress(Exception):
+            context.__exit__(None, None, None)
+
+
+def unreachable(why: str) -> str:
+    """``unreachable: <reason>`` for a failed connect, whatever its wording."""
+    return why if why.startswith("unreachable") else f"unreachable: {why}"
+
+
+def plan_warnings(plan: LaunchPlan) -> list[str]:
+    """Addresses that cannot work: loopback where a remote worker must dial in."""
+    remote = [w for w in plan.cluster.workers if not w.is_local and not w.tunnel
+              and not is_loopback(w.addr)]
+    if not remote:
+        return []
+    names = ", ".join(f"{w.host} ({w.addr})" for w in remote)
+    warnings = []
+    master = plan.ranks[0].env.get("MASTER_ADDR", "")
+    if is_loopback(master):
+        warnings.append(f"cluster launcher: MASTER_ADDR is {master}, a loopback address, but "
+                        f"{names} dial it from another machine: give the first worker an "
+                        "`addr:` the others reach")
+    host = plan.cluster.controller.host
+    if is_loopback(host):
+        warnings.append(f"cluster launcher: controller.host is {host}, a loopback address, but "
+                        f"{names} dial the coordinator from another machine: set "
+                        "controller.host to an address they reach, or tunnel: true")
+    return warnings
+
+
+def is_loopback(address: str) -> bool:
+    return address == "localhost" or address == "::1" or address.startswith("127.")
+
+
+def root_error(result: RunResult) -> Optional[str]:
+    """The exception the root-cause rank's error file names, if it wrote one."""
+    rank = result.root_cause
+    if rank is None or rank.exit is None or rank.exit.error is None:
+        return None
+    return rank.exit.error.message
+
+
+def cause_text(result: RunResult) -> str:
+    """What ended an attempt, in one line: the verdict and the root cause's exception."""
+    text = result.message.removeprefix("cluster launcher: ")
+    error = root_error(result)
+    return f"{text}: {error}" if error and error not in text else text
+
+
+def attempts_table(results: Sequence[RunResult]) -> str:
+    """One row per attempt: what ended it."""
+    rows = [("attempt", "verdict", "cause")]
+    rows += [(str(i), r.verdict.value, cause_text(r)) for i, r in enumerate(results)]
+    width = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{a.ljust(width[0])}  {v.ljust(width[1])}  {c}".rstrip()
+                     for a, v, c in rows)
+
+
+def root_cause_text(result: RunResult) -> str:
+    """The first failed rank, with what its error file says (as torchrun's summary); for a
+    rank whose host was lost or stopped answering, that (no error file could come)."""
+    rank = result.root_cause
+    if rank is None or result.verdict is Verdict.OK or rank.exit is None:
+        return ""
+    head = f"root cause: {rank.label} ({rank.plan.label}) exited with {rank.exit.describe()}"
+    if rank.exit.host_fault is not None:  # no error file can come from a lost host
+        return f"root cause: {rank.label} ({rank.plan.label}) has no exit status: " \
+            f"{rank.exit.lost}"
+    error = rank.exit.error
+    if error is None:
+        return head + " (no error file: decorate the entry point with torch's @record to " \
+            "see the exception here)"
+    lines = [f"{head}: {error.message}"]
+    lines += ["  " + line for line in error.traceback_tail()]
+    return "\n".join(lines)
+
+
+def make_console(opts: LaunchOptions) -> Console:
+    """A live status view on a terminal; plain event lines in CI and pipes. Either way
+    one writer thread owns the terminal (`screen`): supervision never waits on it."""
+    hint = "--log-dir keeps them" if opts.log_dir else "use --log-dir to keep every line"
+    live = sys.stdout.isatty() and not opts.dry_run and os.environ.get("TERM") != "dumb"
+    return Console(verbosity=opts.verbosity, show_rank_output=not opts.quiet,
+                   threaded=not opts.dry_run, live=live, dropped_hint=hint)
+
+
+class _LogToEvents(logging.Handler):
+    """paramiko's and invoke's log records as DEBUG events: shown with -v, kept in
+    events.jsonl, never a third-party traceback on the console."""
+
+    def __init__(self, events: EventBus, level: int) -> None:
+        super().__init__(level)
+        self.events = events
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.events(Kind.DEBUG, f"ssh: {record.name}: {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def third_party_logs(events: EventBus, verbosity: int) -> Iterator[None]:
+    """For the launch: library logs become events, and an exception that escapes a
+    library's thread (paramiko's, invoke's) is one warning line, its traceback a DEBUG
+    event."""
+    handler = _LogToEvents(events, logging.INFO if verbosity >= 3 else logging.WARNING)
+    loggers = [logging.getLogger(name) for name in ("paramiko", "invoke", "fabric")]
+    saved = [(lg, lg.propagate, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+        lg.setLevel(handler.level)
+    previous_hook = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        import traceback
+
+        name = args.thread.name if args.thread is not None else "?"
+        events(Kind.WARNING, f"cluster launcher: thread {name}: {args.exc_type.__name__}: "
+                             f"{args.exc_value}")
+        events(Kind.DEBUG, "".join(traceback.format_exception(
+            args.exc_type, args.exc_value, args.exc_traceback)).rstrip())
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous_hook
+        for lg, propagate, level in saved:
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+            lg.setLevel(level)
+
+
+def launch(opts: LaunchOptions, *, console: Optional[Console] = None) -> int:
+    """Run one launch and return its exit code (0 ok, 1 failure, 2 config, 130/143)."""
+    console = console or make_console(opts)
+    events = EventBus(console)
+    if opts.verbosity >= 2:
+        opts.env_overrides.setdefault(ENV_VERBOSITY, str(opts.verbosity))
+    try:
+        with third_party_logs(events, opts.verbosity):
+            return Launch(opts, console, events).run()
+    finally:
+        console.close()
+
+
+__all__ = ["EXIT_FAILURE", "FdlError", "LaunchOptions", "launch"]

@@ -1,0 +1,138 @@
+"""Asking a cluster's hosts about a live run from another terminal: ``fdl-fabric stacks``.
+
+Like a cleanup, it reaches every host of the cluster file itself (one agent each,
+started exactly as a launch starts it), so it needs nothing from the running launcher.
+Each agent lists the runs recorded on its host (`fdl_fabric.agent.procs.list_runs`);
+the newest live run of the cluster is chosen unless ``--run-id`` names one; then each
+host that holds a part of it reports where its ranks are (`fdl_fabric.agent.stacks`),
+and the same grouped view a hung run prints is shown. The run is never touched.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from ..clusterfile import ConfigError
+from ..errors import EXIT_FAILURE, EXIT_USAGE, FdlError
+from ..presentation.output import Console
+from ..presentation.stacks import stacks_text
+from ..supervision import reports
+from ..transport.fanout import agent_session, close_all, connect_each
+from ..transport.session import AgentSession
+
+#: Seconds every host has to list its runs, and then to report its ranks' stacks.
+ANSWER_TIMEOUT = 30.0
+
+
+def _collect(inbox: queue.SimpleQueue[reports.Report], hosts: set[str], kind: type,
+             timeout: float) -> tuple[dict[str, Any], dict[str, str]]:
+    """One report of ``kind`` per host (or why none came)."""
+    found: dict[str, Any] = {}
+    problems: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    pending = set(hosts)
+    while pending:
+        try:
+            report = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            for host in pending:
+                problems[host] = f"no answer within {timeout:g}s"
+            break
+        host = str(getattr(report, "host", ""))
+        if host not in pending:
+            continue
+        if isinstance(report, kind):
+            found[host] = report
+            pending.discard(host)
+        elif isinstance(report, reports.AgentGone):
+            problems[host] = report.reason or "its agent ended"
+            pending.discard(host)
+    return found, problems
+
+
+def newest_live_run(runs: Sequence[Mapping[str, Any]]) -> Optional[str]:
+    """The live run started last, by its launcher's start time."""
+    live = [r for r in runs if r.get("live")]
+    if not live:
+        return None
+
+    def started(run: Mapping[str, Any]) -> float:
+        launcher = run.get("launcher") or {}
+        value = launcher.get("started") if isinstance(launcher, dict) else None
+        value = value or run.get("started") or 0
+        return float(value) if isinstance(value, (int, float)) else 0.0
+
+    return str(max(live, key=started)["run"])
+
+
+def run_stacks(cluster_file: str, *, run_id: Optional[str] = None,
+               console: Optional[Console] = None) -> int:
+    """``fdl-fabric stacks``: 0 when stacks were shown, 1 when no live run was found or a
+    host failed, 2 on a bad cluster file."""
+    from ..planning.plan import cluster_key
+    from ..transport.sshconfig import load_with_settings
+
+    console = console or Console()
+    try:
+        cluster, settings = load_with_settings(cluster_file, console.message)
+    except ConfigError as exc:
+        console.message(str(exc))
+        return EXIT_USAGE
+    except FdlError as exc:
+        console.message(str(exc))
+        return exc.exit_code
+    inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
+    connections, errors = connect_each(settings)
+    sessions: dict[str, AgentSession] = {}
+    try:
+        for w in cluster.workers:
+            if w.host in errors:
+                continue
+            session = agent_session(w, connections, inbox.put)
+            try:
+                session.start()
+            except Exception as exc:
+                errors[w.host] = f"cannot start its agent: {exc}"
+                continue
+            sessions[w.host] = session
+        key = cluster_key(cluster)
+        for session in sessions.values():
+            session.list_runs(None if run_id else key)
+        listed, problems = _collect(inbox, set(sessions), reports.Runs, ANSWER_TIMEOUT)
+        problems.update(errors)
+        runs = [r for rep in listed.values() for r in rep.runs]
+        chosen = run_id or newest_live_run(runs)
+        if chosen is None:
+            for host, why in sorted(problems.items()):
+                console.message(f"stacks: {host}: {why}")
+            console.message(f"stacks: no live run of {cluster.file} on its "
+                            f"{len(cluster.workers)} host(s)")
+            return EXIT_FAILURE
+        holders = {rep.host for rep in listed.values()
+                   if any(r.get("run") == chosen for r in rep.runs)}
+        for host in holders:
+            sessions[host].stacks(0, run=chosen, host=host)
+        answers, late = _collect(inbox, holders, reports.Stacks, ANSWER_TIMEOUT)
+        problems.update(late)
+        data: dict[str, Any] = {"reason": f"run {chosen}", "ranks": {}, "hosts": {},
+                                "problems": problems, "py_spy": {}}
+        for host, rep in answers.items():
+            data["py_spy"][host] = rep.py_spy
+            if rep.error and not rep.ranks:
+                problems[host] = rep.error
+            for rank, entry in rep.ranks.items():
+                data["ranks"][str(rank)] = entry
+                data["hosts"][str(rank)] = host
+        if not holders:
+            console.message(f"stacks: run {chosen} is not recorded on any host of "
+                            f"{cluster.file}")
+            return EXIT_FAILURE
+        console.result(stacks_text(data))
+        return EXIT_FAILURE if problems else 0
+    finally:
+        for session in sessions.values():
+            session.close_input()
+        close_all(connections.values())

@@ -1,0 +1,325 @@
+"""The launch plan: which rank runs where, with what environment and command.
+
+A plan is pure data computed from a `ClusterSpec`, the device lists of
+``local_devices: all`` workers (resolved over SSH beforehand) and the run's
+identity. The launcher executes it, ``--dry-run`` prints it, and the tests
+check it without any process or socket.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..agent.wire import VERSION as AGENT_PROTOCOL
+from ..clusterfile import ClusterSpec, WorkerSpec, is_reserved_env_key
+from .envelope import (
+    ENV_CLUSTER_JSON,
+    ENV_CLUSTER_KEY,
+    ENV_HOST_NAME,
+    ENV_LOCAL_RANK,
+    ENV_NET_TIMEOUT_SCALE,
+    ENV_RUN_ID,
+    ENV_VERBOSITY,
+    PrebuiltBinary,
+    SlimEnvelope,
+)
+
+#: Launcher variables forwarded to every rank when set where the launcher runs.
+FORWARDED_ENV = (ENV_VERBOSITY, ENV_NET_TIMEOUT_SCALE)
+
+#: torchrun's role name; fdl-fabric has one role.
+ROLE_NAME = "default"
+
+#: Set to 1 for every rank of a host running more than one, unless the user set it:
+#: otherwise each rank starts a thread per core and they fight for them (torchrun does
+#: the same, with the notice below).
+OMP_DEFAULT = {"OMP_NUM_THREADS": "1"}
+OMP_NOTICE = ("cluster launcher: setting OMP_NUM_THREADS=1 for each rank of a host that runs "
+              "more than one, where it is not set already, to avoid overloading the system; "
+              "tune it for your program (env: OMP_NUM_THREADS: \"N\")")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank: its identity, where it runs and exactly what it executes."""
+
+    rank: int
+    local_rank: int
+    worker: WorkerSpec
+    device: Optional[int]
+    cwd: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(repr=False)
+
+    @property
+    def host(self) -> str:
+        return self.worker.host
+
+    @property
+    def label(self) -> str:
+        """The output prefix body, ``host:device:rN`` (``cpu`` for CPU ranks)."""
+        dev = "cpu" if self.device is None else str(self.device)
+        return f"{self.worker.host}:{dev}:r{self.rank}"
+
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    cluster: ClusterSpec
+    run_id: str
+    salt: bytes
+    ranks: tuple[RankPlan, ...]
+    envelopes: dict[str, SlimEnvelope] = field(repr=False)
+    bind_loopback: bool
+    #: Which attempt of the run this is (0, then 1.. after restarts).
+    attempt: int = 0
+    #: Of the defaults' names, those set where the launcher runs (local ranks inherit them).
+    launcher_sets: frozenset[str] = frozenset()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def envelope_hex(self, host: str) -> str:
+        return self.envelopes[host].to_hex()
+
+    def rank_environment(self, rank: RankPlan) -> dict[str, str]:
+        """The full environment of a rank, envelope included (a secret)."""
+        return {ENV_CLUSTER_JSON: self.envelope_hex(rank.host), **rank.env}
+
+    def host_ranks(self, host: str) -> list[RankPlan]:
+        return [r for r in self.ranks if r.host == host]
+
+    def hosts(self) -> list[str]:
+        """Hosts that carry ranks, in roster order."""
+        seen: dict[str, None] = {}
+        for r in self.ranks:
+            seen.setdefault(r.host, None)
+        return list(seen)
+
+    def defaults(self, host: str) -> dict[str, str]:
+        """Variables a host's ranks get only where their environment does not set them."""
+        ranks = self.host_ranks(host)
+        if len(ranks) < 2:
+            return {}
+        local = ranks[0].worker.is_local
+        return {k: v for k, v in OMP_DEFAULT.items()
+                if k not in ranks[0].env and not (local and k in self.launcher_sets)}
+
+    def agent_spec(self, host: str, *, checks: Optional[dict[str, Any]] = None,
+                   start_now: bool = False, lease: Optional[float] = None,
+                   launcher: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """What one host's agent is told (docs/protocol.md, ``spec``); carries the salt.
+
+        Variables every rank of the host shares are sent once (``env``); each rank's
+        entry holds only its own (``RANK``, ``LOCAL_RANK``, a GPU pin...). ``defaults``
+        apply where the host's own environment does not set the variable; the agent
+        sets ``TORCHELASTIC_ERROR_FILE`` itself, under its host's run registry.
+        """
+        ranks = self.host_ranks(host)
+        common = dict(ranks[0].env)
+        for r in ranks[1:]:
+            common = {k: v for k, v in common.items() if r.env.get(k) == v}
+        return {
+            "version": AGENT_PROTOCOL,
+            "mode": "run",
+            "run_id": self.run_id,
+            "cluster": cluster_key(self.cluster),
+            "host": host,
+            "kill_grace": self.cluster.kill_grace,
+            "cwd": ranks[0].cwd,
+            "argv": list(ranks[0].argv),
+            "env": common,
+            "ranks": [{"rank": r.rank, "env": {k: v for k, v in r.env.items()
+                                               if k not in common}} for r in ranks],
+            "defaults": self.defaults(host),
+            "error_files": True,
+            "attempt": self.attempt,
+            "envelope": self.envelope_hex(host),
+            "checks": checks,
+            "start_now": start_now,
+            "lease": lease,
+            "launcher": launcher,
+        }
+
+
+def worker_devices(
+    worker: WorkerSpec, resolved: Mapping[str, Sequence[int]]
+) -> list[Optional[int]]:
+    """One entry per rank of the worker: a GPU index, or None for a CPU rank."""
+    if worker.nproc is not None:
+        return [None] * worker.nproc
+    if worker.local_devices == "all":
+        if worker.host not in resolved:
+            raise ValueError(f"host {worker.host!r}: local_devices 'all' was not resolved")
+        return list(resolved[worker.host])
+    assert isinstance(worker.local_devices, tuple)
+    return list(worker.local_devices)
+
+
+def cluster_key(cluster: ClusterSpec) -> str:
+    """A stable id of the cluster file, so a launch finds its predecessors' leftovers; for
+    a Slurm launch, its job (a later job on the same nodes must never sweep this one's)."""
+    if cluster.key is not None:
+        return cluster.key
+    if cluster.slurm is not None and cluster.slurm.job_id is not None:
+        return f"slurm-{cluster.slurm.job_id}"
+    path = os.path.join(cluster.folder, os.path.basename(cluster.file))
+    return hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
+
+
+def bind_loopback(cluster: ClusterSpec) -> bool:
+    """The coordinator binds loopback when no worker needs to dial it over the network."""
+    return all(w.is_local or w.tunnel for w in cluster.workers)
+
+
+def coordinator_bind_host(cluster: ClusterSpec) -> str:
+    """Where the coordinator listens: loopback when no worker dials it over the network
+    (every remote worker tunneled), else ``controller.host``. The one copy of that rule."""
+    return "127.0.0.1" if bind_loopback(cluster) else cluster.controller.host
+
+
+def controller_dial_host(cluster: ClusterSpec, worker: WorkerSpec) -> str:
+    if worker.tunnel or (worker.is_local and bind_loopback(cluster)):
+        return "127.0.0.1"
+    return cluster.controller.host
+
+
+def build_plan(
+    cluster: ClusterSpec,
+    *,
+    argv: Sequence[str],
+    run_id: str,
+    salt: bytes,
+    resolved_devices: Optional[Mapping[str, Sequence[int]]] = None,
+    prebuilt: Optional[Mapping[str, PrebuiltBinary]] = None,
+    launcher_env: Optional[Mapping[str, str]] = None,
+    attempt: int = 0,
+) -> LaunchPlan:
+    """Number ranks in roster order and compute each one's env and command.
+
+    A rank's environment, lowest precedence first: its host's own (the launcher's for
+    local ranks, the SSH login environment for remote ones: the agent's), then
+    ``env_forward`` (launcher variables carried over), the launcher's own variables
+    below, the cluster ``env``, the host ``env``.
+    """
+    resolved = resolved_devices or {}
+    prebuilt = prebuilt or {}
+    environ = os.environ if launcher_env is None else launcher_env
+    for host in prebuilt:
+        if host not in {w.host for w in cluster.workers}:
+            raise ValueError(f"prebuild envelope names host {host!r}, which is not in the cluster")
+
+    devices_by_worker = [worker_devices(w, resolved) for w in cluster.workers]
+    world_size = sum(len(d) for d in devices_by_worker)
+    if world_size == 0:
+        raise ValueError("the cluster has no ranks")
+    master_addr = next(
+        w.addr for w, d in zip(cluster.workers, devices_by_worker) if d
+    )
+    loopback = bind_loopback(cluster)
+    if not loopback and cluster.controller.host in ("0.0.0.0", "::", ""):
+        raise ValueError(f"controller.host {cluster.controller.host!r} is a wildcard: remote "
+                         "workers need an address they can dial")
+    cluster_id = cluster_key(cluster)
+    workers_with_ranks = sum(1 for d in devices_by_worker if d)
+
+    ranks: list[RankPlan] = []
+    envelopes: dict[str, SlimEnvelope] = {}
+    next_rank = 0
+    for worker, devices in zip(cluster.workers, devices_by_worker):
+        if not devices:
+            continue
+        worker_ranks = tuple(range(next_rank, next_rank + len(devices)))
+        next_rank += len(devices)
+        gpu_list = tuple(d for d in devices if d is not None)
+        envelopes[worker.host] = SlimEnvelope(
+            run_id=run_id,
+            controller_host=controller_dial_host(cluster, worker),
+            controller_port=cluster.controller.port,
+            world_size=world_size,
+            num_workers=sum(1 for d in devices_by_worker if d),
+            host=worker.host,
+            ranks=worker_ranks,
+            local_devices=gpu_list if worker.nproc is None else None,
+            nccl_socket_ifname=worker.nccl_socket_ifname,
+            path=worker.path,
+            salt=salt,
+        )
+        entry = prebuilt.get(worker.host)
+        cwd = entry.cwd(worker.path) if entry else worker.path
+        rank_argv = (entry.program(worker.path), *argv[1:]) if entry else tuple(argv)
+        for local_rank, (rank, device) in enumerate(zip(worker_ranks, devices)):
+            env: dict[str, str] = forwarded_env(environ, (*cluster.env_forward,
+                                                           *worker.env_forward))
+            env.update({
+                ENV_LOCAL_RANK: str(local_rank),
+                ENV_HOST_NAME: worker.host,
+                ENV_RUN_ID: run_id,
+                ENV_CLUSTER_KEY: cluster_id,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(len(devices)),
+                "GROUP_RANK": str(worker.index),
+                "GROUP_WORLD_SIZE": str(workers_with_ranks),
+                "ROLE_NAME": ROLE_NAME,
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(cluster.master_port),
+                "TORCHELASTIC_RUN_ID": run_id,
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                "TORCHELASTIC_MAX_RESTARTS": str(cluster.elastic.max_restarts),
+            })
+            if device is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(device)
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            for key in FORWARDED_ENV:
+                if environ.get(key):
+                    env[key] = environ[key]
+            if worker.nccl_socket_ifname:
+                env["NCCL_SOCKET_IFNAME"] = worker.nccl_socket_ifname
+                env["GLOO_SOCKET_IFNAME"] = worker.nccl_socket_ifname
+            # Ranks write to pipes; without this Python buffers their output
+            # for minutes. User env may turn it off.
+            env["PYTHONUNBUFFERED"] = "1"
+            user_ld = "LD_LIBRARY_PATH" in cluster.env or "LD_LIBRARY_PATH" in worker.env
+            if entry and not user_ld:
+                env["LD_LIBRARY_PATH"] = entry.ld_library_path
+            env.update(cluster.env)
+            env.update(worker.env)
+            ranks.append(
+                RankPlan(
+                    rank=rank,
+                    local_rank=local_rank,
+                    worker=worker,
+                    device=device,
+                    cwd=cwd,
+                    argv=rank_argv,
+                    env=env,
+                )
+            )
+    return LaunchPlan(
+        cluster=cluster,
+        run_id=run_id,
+        salt=salt,
+        ranks=tuple(ranks),
+        envelopes=envelopes,
+        bind_loopback=loopback,
+        attempt=attempt,
+        launcher_sets=frozenset(k for k in OMP_DEFAULT if k in environ),
+    )
+
+
+def forwarded_env(environ: Mapping[str, str], patterns: Sequence[str]) -> dict[str, str]:
+    """The launcher variables ``env_forward`` names (globs allowed), reserved ones skipped."""
+    if not patterns:
+        return {}
+    return {k: v for k, v in environ.items()
+            if not is_reserved_env_key(k) and any(fnmatch.fnmatchcase(k, p) for p in patterns)}

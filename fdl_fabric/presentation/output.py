@@ -1,0 +1,432 @@
+"""Presentation: the one place that writes what a run says, for every command.
+
+Transport and supervision never print: they emit events (`events.py`), and the sinks
+here render them. Rank output arrives as ``Kind.OUTPUT`` events, each a chunk of whole
+lines of one rank, printed with the prefix ``[host:device:rN] `` in one write, so two
+ranks never mix inside a line and 100k lines cost 100 writes, not 100k. `Console`
+writes plain lines (CI, pipes) and, on a terminal, keeps a status table refreshed in
+place while rank output scrolls above it; during a launch it writes through one writer
+thread (`screen`), so a stalled terminal never stalls supervision. `RunLog` keeps what
+a run said on disk (``--log-dir``): rank output byte for byte, and every other event as
+JSON; a disk that fills up is reported once and the run goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Callable, Optional, TextIO
+
+from ..events import Event, Kind
+from ..supervision.supervisor import Rank, RankState
+from .screen import ERR, OUT, Screen
+from .stacks import dump_text, stacks_text
+
+if TYPE_CHECKING:  # the preflight package renders through this module
+    from ..preflight.report import Report
+
+#: Event kinds shown only with -v: routine progress that would drown the rank output.
+_VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.JOIN}
+
+#: Per-host prefix colors on a terminal (ANSI codes, and the rich style names).
+_PALETTE = ["36", "33", "35", "32", "34", "91", "96", "93"]
+
+#: Env keys whose values are shown as *** in dry-run, logs and cluster.json.
+SECRET_KEY_RE = re.compile(r"SECRET|TOKEN|PASSW|KEY|CREDENTIAL|AUTH|COOKIE|PRIVATE", re.I)
+
+
+def redact_env(env: dict[str, str]) -> dict[str, str]:
+    """Values of secret-looking keys replaced by ``***`` (the names stay visible)."""
+    return {k: ("***" if SECRET_KEY_RE.search(k) and not k.startswith("FLODL_INTERNAL_") else v)
+            for k, v in env.items()}
+
+
+def use_color(stream: Any) -> bool:
+    """Colors only for a person at a terminal, and never when NO_COLOR is set to anything
+    (no-color.org: "present and not an empty string")."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and not os.environ.get("NO_COLOR")
+
+
+class Console:
+    """The one place that writes to the launcher's stdout and stderr.
+
+    ``threaded`` (a launch): every write goes through a `screen.Screen`, so a stalled
+    terminal holds up nobody but the one agent whose output waits; ``live`` also keeps
+    the status table drawn in place on a terminal. Without it (cleanup, checks, tests)
+    writes are direct.
+    """
+
+    def __init__(
+        self,
+        out: Optional[TextIO] = None,
+        err: Optional[TextIO] = None,
+        *,
+        verbosity: int = 1,
+        show_rank_output: bool = True,
+        color: Optional[bool] = None,
+        threaded: bool = False,
+        live: bool = False,
+        dropped_hint: str = "",
+    ) -> None:
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.verbosity = verbosity
+        self.show_rank_output = show_rank_output
+        self.color = use_color(self.out) if color is None else color
+        self._hosts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.live = live and threaded
+        self.screen: Optional[Screen] = None
+        if threaded:
+            self.screen = Screen(self.out, self.err, dropped_hint=dropped_hint)
+
+    def host_color(self, host: str) -> int:
+        return self._hosts.setdefault(host, len(self._hosts)) % len(_PALETTE)
+
+    def rank_output(self, event: Event) -> None:
+        """A chunk of one rank's lines, each behind the rank's prefix, in one write.
+
+        Called on a session's reading thread; with a screen it may wait while the console
+        is slow (never while it is stalled: then the lines are counted, not shown)."""
+        if not self.show_rank_output:
+            return
+        data = event.data
+        tag = f"[{data['label']}]"
+        if self.color:
+            tag = f"\x1b[{_PALETTE[self.host_color(event.host or '')]}m{tag}\x1b[0m"
+        head = tag + " "
+        text: str = data["text"]
+        block = head + text.replace("\n", "\n" + head) + "\n"
+        if self.screen is not None:
+            self.screen.put_output(ERR if data["stderr"] else OUT,
+                                   block.encode("utf-8", "replace"), text.count("\n") + 1)
+            return
+        stream = self.err if data["stderr"] else self.out
+        with self._lock:
+            stream.write(block)
+            stream.flush()
+
+    def emit(self, event: Event) -> None:
+        if event.kind is Kind.OUTPUT:
+            self.rank_output(event)
+            return
+        if event.kind is Kind.STACKS:
+            if self.verbosity >= 0:
+                self.message(stacks_text(event.data))
+            return
+        if event.kind is Kind.STOPPING and event.data.get("signal") and self.screen is not None:
+            # Ctrl-C or TERM: the verdict must show within the grace, whatever the
+            # terminal still has to take of the ranks' output.
+            self.screen.give_up_output(f"the run was interrupted "
+                                       f"({event.data['signal']})")
+        if event.kind is Kind.VERDICT and self.screen is not None:
+            self.screen.seal()
+        if self.verbosity <= 0 and event.kind not in (Kind.VERDICT, Kind.WARNING, Kind.DEATH):
+            return
+        if self.verbosity < 2 and (
+            event.kind in _VERBOSE_KINDS or (event.kind is Kind.EXIT and event.data.get("ok"))
+        ):
+            return
+        self.message(event.message)
+
+    def message(self, text: str) -> None:
+        """A line for the operator (status, warnings, verdicts): on stderr."""
+        if self.screen is not None:
+            self.screen.put_message(ERR, (text + "\n").encode("utf-8", "replace"))
+            return
+        with self._lock:
+            self.err.write(text + "\n")
+            self.err.flush()
+
+    def result(self, text: str) -> None:
+        """What a command was asked for (a report, a path): on stdout, so it can be piped."""
+        text = text if text.endswith("\n") else text + "\n"
+        if self.screen is not None:
+            self.screen.put_message(OUT, text.encode("utf-8", "replace"))
+            return
+        with self._lock:
+            self.out.write(text)
+            self.out.flush()
+
+    def json(self, data: Any) -> None:
+        """The ``--json`` form of a command's result."""
+        self.result(json.dumps(data, indent=2, ensure_ascii=False))
+
+    def check_report(self, report: Report, *, as_json: bool = False) -> None:
+        """``inv prebuild-check``'s report: JSON, a colored table, or plain columns."""
+        if as_json:
+            self.json(report.to_json())
+            return
+        self.result(check_table(report, color=self.color))
+        self.result(report.summary())
+
+    def start_status(self, rows: Callable[[], Sequence[Rank]]) -> None:
+        """On a terminal, the live table (host, rank, pid, state, last line) below the
+        output; plain consoles have none, the event lines tell the story."""
+        if self.live and self.screen is not None:
+            self.screen.set_status(lambda width, height: render_status(rows(), width,
+                                                                        height, self.color))
+
+    def stop_status(self) -> None:
+        if self.screen is not None:
+            self.screen.set_status(None)
+
+    @property
+    def dropped(self) -> int:
+        """Lines of rank output the console did not show (a stall, a closed stdout)."""
+        return self.screen.dropped if self.screen is not None else 0
+
+    def close(self) -> None:
+        """Write what is queued (bounded by `screen.FINAL_DRAIN`) and stop the writer."""
+        if self.screen is not None:
+            self.screen.close()
+
+
+def render_status(ranks: Sequence[Rank], width: int, height: int, color: bool) -> str:
+    """The live table as terminal text, at most ``height - 2`` lines (the rest elided)."""
+    import io
+
+    from rich.console import Console as RichConsole
+
+    keep = max(1, height - 3)
+    shown = list(ranks)
+    more = len(shown) - keep
+    if more > 0:
+        shown = shown[:keep]
+    buf = io.StringIO()
+    rich = RichConsole(file=buf, force_terminal=True, width=width, highlight=False,
+                       color_system="standard" if color else None, no_color=not color,
+                       soft_wrap=False)
+    rich.print(status_table(shown, width), end="")
+    text = buf.getvalue().rstrip("\n")
+    if more > 0:
+        text += f"\n… {more} more rank(s)"
+    return text
+
+
+def _uptime(rank: Rank) -> str:
+    seconds = int(rank.duration)
+    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+#: How each rank state looks in the live table.
+_STATE_STYLES = {
+    RankState.PENDING: "cyan", RankState.RUNNING: "green", RankState.JOINED: "bold green",
+    RankState.SUCCEEDED: "dim", RankState.FAILED: "bold red", RankState.LOST: "red",
+    RankState.STOPPED: "yellow", RankState.TOLERATED: "magenta", RankState.NOT_STARTED: "dim",
+}
+
+
+#: A check's status (its value) to its color.
+_CHECK_STYLES = {"ok": "green", "warn": "yellow", "FAIL": "bold red"}
+
+
+def check_table(report: Report, *, color: bool) -> str:
+    """A pre-flight report as text: a rich table with colors, or plain aligned columns.
+
+    Plain output (pipes, CI logs, NO_COLOR) keeps each check on one unwrapped line, so it
+    can be grepped; the colored table is for a person at a terminal.
+    """
+    if not color:
+        rows = [("host", "check", "status", "detail")]
+        rows += [(c.host, c.name, c.status.value, c.reason) for c in report.checks]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = []
+        for i, row in enumerate(rows):
+            cells = [row[j].ljust(widths[j]) for j in range(3)]
+            lines.append("  ".join([*cells, row[3]]).rstrip())
+            if i == 0:
+                lines.append("  ".join(["-" * w for w in widths] + ["-" * 6]))
+        return "\n".join(lines) + "\n"
+    import io
+    import shutil
+
+    from rich import box
+    from rich.console import Console as RichConsole
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("host", style="bold", no_wrap=True)
+    table.add_column("check", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for c in report.checks:
+        # Text(), not str: a reason such as "[127.0.0.1]:22" is not rich markup.
+        table.add_row(Text(c.host), Text(c.name),
+                      Text(c.status.value, style=_CHECK_STYLES[c.status.value]), Text(c.reason))
+    out = io.StringIO()
+    width = shutil.get_terminal_size((120, 24)).columns
+    RichConsole(file=out, force_terminal=True, color_system="standard", width=width,
+                highlight=False).print(table)
+    return out.getvalue()
+
+
+#: Below this terminal width the live table drops its device and uptime columns.
+NARROW_WIDTH = 100
+
+
+def status_table(ranks: Sequence[Rank], width: int) -> Any:
+    """The live view: one line per rank, fitted to ``width`` columns.
+
+    Every column but the last output keeps its full values (a host, pid or state cut to
+    ``localh…`` helps nobody); the last output line gets what is left. Below
+    `NARROW_WIDTH` the device and uptime columns go, so 80 columns still read well.
+    """
+    from rich.table import Table
+    from rich.text import Text
+
+    narrow = width < NARROW_WIDTH
+    cells: list[list[Any]] = []
+    for r in ranks:
+        row: list[Any] = [Text(r.host), str(r.rank)]
+        if not narrow:
+            row.append("cpu" if r.plan.device is None else str(r.plan.device))
+        row += [str(r.pid or "-"), Text(r.state.value, style=_STATE_STYLES.get(r.state, ""))]
+        if not narrow:
+            row.append(_uptime(r))
+        row.append(Text(r.last_line))
+        cells.append(row)
+    names = ["host", "rank", *([] if narrow else ["device"]), "pid", "state",
+             *([] if narrow else ["uptime"]), "last output"]
+    table = Table(box=None, pad_edge=False, header_style="bold dim", expand=True, width=width)
+    for i, name in enumerate(names[:-1]):
+        longest = max([len(name), *(len(str(row[i])) for row in cells)])
+        table.add_column(name, no_wrap=True, min_width=longest)
+    table.add_column(names[-1], no_wrap=True, overflow="ellipsis", ratio=1)
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
+class RunLog:
+    """``--log-dir``: per-rank output, an events.jsonl timeline, the resolved cluster.
+
+    Layout (like torchrun's ``--log-dir``)::
+
+        <dir>/<run_id>/attempt_<k>/r<rank>/stdout.log   rank output, byte for byte
+        <dir>/<run_id>/attempt_<k>/r<rank>/stderr.log
+        <dir>/<run_id>/attempt_<k>/r<rank>/error.json   a failed rank's error file
+        <dir>/<run_id>/attempt_<k>/stacks/r<rank>.txt   every rank's stack (a hang, Ctrl-\\)
+        <dir>/<run_id>/events.jsonl           every other event, one JSON object a line
+        <dir>/<run_id>/cluster.json           the resolved plan, secrets redacted
+
+    ``k`` counts attempts (``--max-restarts``), from 0.
+
+    Rank output can carry tokens, so folders are 0700 and files 0600, like the run
+    registry, whatever the umask. A write that fails (a full disk, an I/O error) is
+    reported once through ``on_error`` and ends the log: the run goes on, its console
+    and its verdict untouched.
+    """
+
+    def __init__(self, root: str, run_id: str,
+                 on_error: Optional[Callable[[str], None]] = None) -> None:
+        self.folder = Path(root) / run_id
+        Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one is kept
+        _private_dir(self.folder)
+        self._events = _private_file(self.folder / "events.jsonl")
+        self._ranks: dict[tuple[int, int, bool], IO[bytes]] = {}
+        self._lock = threading.Lock()
+        #: The attempt whose rank output is being written (``--max-restarts``).
+        self.attempt = 0
+        self.on_error = on_error
+        #: Why the log stopped (a failed write), once it did.
+        self.failed: Optional[str] = None
+
+    def rank_folder(self, rank: int) -> Path:
+        return self.folder / f"attempt_{self.attempt}" / f"r{rank}"
+
+    def _rank_file(self, rank: int, stderr: bool) -> IO[bytes]:
+        fh = self._ranks.get((self.attempt, rank, stderr))
+        if fh is None:
+            folder = self.rank_folder(rank)
+            _private_dir(folder.parent)
+            _private_dir(folder)
+            fh = _private_file(folder / ("stderr.log" if stderr else "stdout.log"))
+            self._ranks[(self.attempt, rank, stderr)] = fh
+        return fh
+
+    def emit(self, event: Event) -> None:
+        failure = None
+        with self._lock:
+            if self._events.closed or self.failed is not None:
+                return
+            try:
+                self._write(event)
+            except OSError as exc:
+                failure = self.failed = exc.strerror or str(exc)
+        if failure is not None and self.on_error is not None:
+            self.on_error(f"--log-dir: {failure}; rank logs stop here ({self.folder})")
+
+    def _write(self, event: Event) -> None:
+        if event.kind is Kind.OUTPUT:
+            assert event.rank is not None
+            fh = self._rank_file(event.rank, bool(event.data["stderr"]))
+            fh.write(event.data["raw"])
+            fh.flush()
+            return
+        if event.kind is Kind.SPAWN and event.rank is not None:
+            for stderr in (False, True):  # both exist from the start, as with torchrun
+                self._rank_file(event.rank, stderr)
+        record = event.to_json()
+        text = record.pop("error_file", None)
+        if isinstance(text, str) and event.rank is not None:
+            with _private_file(self.rank_folder(event.rank) / "error.json") as fh:
+                fh.write(text.encode("utf-8"))
+        if event.kind is Kind.STACKS:
+            record["files"] = self._write_stacks(record.pop("ranks", {}) or {},
+                                                 record.get("hosts") or {})
+        record.setdefault("attempt", self.attempt)
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        self._events.write(line.encode("utf-8"))
+        self._events.flush()
+
+    def _write_stacks(self, ranks: dict[str, Any], hosts: dict[str, str]) -> list[str]:
+        folder = self.folder / f"attempt_{self.attempt}" / "stacks"
+        _private_dir(folder.parent)
+        _private_dir(folder)
+        written = []
+        for rank, entry in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+            path = folder / f"r{rank}.txt"
+            with _private_file(path, truncate=True) as fh:
+                fh.write(dump_text(rank, hosts.get(rank, "?"), entry).encode("utf-8"))
+            written.append(str(path.relative_to(self.folder)))
+        return written
+
+    def write_cluster(self, data: dict[str, Any]) -> None:
+        with _private_file(self.folder / "cluster.json") as fh:
+            fh.write(json.dumps(data, indent=2, ensure_ascii=False).encode("utf-8"))
+
+    def close(self) -> None:
+        with self._lock:
+            for fh in (self._events, *self._ranks.values()):
+                with contextlib.suppress(OSError):
+                    fh.close()
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _private_file(path: Path, *, truncate: bool = False) -> IO[bytes]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if truncate else os.O_APPEND)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
+def summary_table(rows: Sequence[tuple[int, str, str, str, str]]) -> str:
+    """The end-of-run table: rank, host, exit, cause, duration; plain aligned text."""
+    header = ("rank", "host", "exit", "cause", "duration")
+    table = [header, *[tuple(str(c) for c in row) for row in rows]]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
+    return "\n".join(lines)

@@ -1,0 +1,736 @@
+"""The coordinator inside the launcher: cohort formation, dead ranks, save-and-shutdown.
+
+Every rank dials one TCP port and says ``hello``. Once every rank 0..W-1 has
+joined, the cohort is formed, and from then on a rank death is a membership
+event instead of a reason to kill the run (flodl spec section 5.3). The
+coordinator keeps the dead-rank ledger, declares silent ranks dead after the
+heartbeat timeout, and broadcasts a save-and-shutdown once when the run can no
+longer continue (``max_failure`` reached, or every rank lost). It implements
+`supervisor.ElasticPolicy`, which is all the supervisor sees of it.
+
+The wire protocol is ours, not flodl's bincode frames, and docs/protocol.md is
+its contract: a 4-byte big-endian length, a 32-byte HMAC-SHA256 tag keyed by
+the run's salt and bound to the run id and a per-direction sequence number, then
+a JSON object. Its one implementation is in `fdl_fabric.rank` (which must run
+standalone on any host), imported here.
+
+One I/O thread does everything that touches sockets (accept, read, the 50 ms
+tick, broadcasts), so connection state needs no locking. The supervisor thread
+only reads a few fields and queues `report_dead` calls; a lock covers those.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import math
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Optional, Union
+
+from ..events import EventBus, Kind
+from ..rank import MAX_FRAME, FrameError, decode_payload, encode_frame, frame_tag, take_frame
+from .supervisor import Verdict
+
+#: How often the coordinator drains reported deaths and checks heartbeats.
+TICK_INTERVAL = 0.05
+#: Selector data of the wake-up socket (connections carry a `_Conn`, the listener None).
+_WAKE = object()
+#: Largest frame a connection may send before its hello verified: a hello or a probe is
+#: about a hundred bytes, so an unauthenticated peer can make us hold little.
+PRE_AUTH_FRAME = 4096
+#: Connections without a verified hello held at once (at least; twice the world size if
+#: larger); the oldest is dropped when another arrives.
+PENDING_MAX = 256
+#: Refused connections are reported at once, then as one count per this many seconds.
+REJECT_REPORT_INTERVAL = 5.0
+#: A write to a rank that stalls this long closes that connection (the peer stopped reading).
+SEND_TIMEOUT = 5.0
+#: Sequence numbers around the expected one tried when a tag fails, to name replays.
+_DIAGNOSE_WINDOW = 16
+#: Payloads above this size are not re-hashed to diagnose a bad tag (bounds the work).
+_DIAGNOSE_MAX_PAYLOAD = 64 * 1024
+_RANK_MESSAGES = frozenset({"hello", "heartbeat", "exiting", "ack_shutdown", "probe"})
+_RECV_CHUNK = 65536
+
+MaxFailure = Union[int, float, None]
+
+
+def bind_listener(host: str, port: int, backlog: int = socket.SOMAXCONN) -> socket.socket:
+    """Listen on ``host:port`` as the coordinator does (SO_REUSEADDR, so a TIME_WAIT
+    socket does not block a rebind, but a live listener does). Pre-flight's port check
+    binds the same way, so "free" means what the coordinator will find."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator could not start; the message names the address and the cause."""
+
+
+def _tag_failure(salt: bytes, run_id: str, expected: int, tag: bytes, payload: bytes) -> str:
+    """Name why a tag failed: a nearby sequence number that matches means replay or reorder."""
+    if len(payload) <= _DIAGNOSE_MAX_PAYLOAD:
+        for seq in range(max(0, expected - _DIAGNOSE_WINDOW), expected):
+            if hmac.compare_digest(frame_tag(salt, run_id, seq, payload), tag):
+                return f"replayed frame (sequence {seq}, expected {expected})"
+        for seq in range(expected + 1, expected + 1 + _DIAGNOSE_WINDOW):
+            if hmac.compare_digest(frame_tag(salt, run_id, seq, payload), tag):
+                return f"out-of-order frame (sequence {seq}, expected {expected})"
+    return "bad tag"
+
+
+# -- policy arithmetic -------------------------------------------------------------------------
+def max_failure_limit(max_failure: MaxFailure, world_size: int) -> Optional[int]:
+    """How many dead ranks breach ``max_failure`` (spec section 5.5); None means no limit.
+
+    An int is absolute and may exceed the world size. A float is a fraction,
+    clamped to [0, 1], of the world size, rounded up. The fraction is taken as
+    the decimal it was written as (``repr``, then `Fraction`), so 0.7 of 10 is
+    7, not the 8 that ``ceil(0.7 * 10.0)`` gives, and 0.2 of 10 is 2.
+    """
+    if max_failure is None:
+        return None
+    if isinstance(max_failure, bool):
+        raise TypeError("max_failure must be an int, a float or None, not a bool")
+    if isinstance(max_failure, int):
+        return max_failure
+    if math.isnan(max_failure):
+        raise ValueError("max_failure must not be NaN")
+    world = max(world_size, 0)
+    if max_failure <= 0:
+        return 0
+    if max_failure >= 1:
+        return world
+    return math.ceil(Fraction(repr(float(max_failure))) * world)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+@dataclass(frozen=True)
+class CoordinatorSpec:
+    """What the launcher decides about the coordinator; timeouts arrive already scaled."""
+
+    run_id: str
+    salt: bytes
+    world_size: int
+    bind_host: str
+    port: int
+    formation_timeout: float = 300.0
+    heartbeat_timeout: float = 30.0
+    max_failure: MaxFailure = None
+    #: A connection that has not sent a valid hello by then is dropped (spec: 10 s, scaled).
+    hello_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ValueError("coordinator: run_id must be a non-empty string")
+        if not isinstance(self.salt, bytes) or len(self.salt) != 16:
+            raise ValueError("coordinator: salt must be 16 bytes")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) \
+                or self.world_size < 1:
+            raise ValueError(
+                f"coordinator: world_size must be an int >= 1, got {self.world_size!r}")
+        if not isinstance(self.bind_host, str) or not self.bind_host:
+            raise ValueError("coordinator: bind_host must be a non-empty address")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) \
+                or not 0 <= self.port <= 65535:
+            raise ValueError(f"coordinator: port must be in 0..65535, got {self.port!r}")
+        for name in ("formation_timeout", "heartbeat_timeout", "hello_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"coordinator: {name} must be a positive number of seconds, "
+                                 f"got {value!r}")
+        mf = self.max_failure
+        if mf is not None:
+            if isinstance(mf, bool) or not isinstance(mf, (int, float)):
+                raise ValueError(f"coordinator: max_failure must be an int (ranks), a float "
+                                 f"(fraction) or None, got {mf!r}")
+            if isinstance(mf, int) and mf < 0:
+                raise ValueError(f"coordinator: max_failure must be >= 0 ranks, got {mf}")
+            if isinstance(mf, float) and math.isnan(mf):
+                raise ValueError("coordinator: max_failure must not be NaN")
+
+
+class DeadRanks:
+    """The dead-rank ledger: one flag per rank, idempotent, safe from any thread.
+
+    Only deaths count here; a rank that exited cleanly is never in it.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self._flags = [False] * max(world_size, 0)
+        self._lock = threading.Lock()
+
+    @property
+    def world_size(self) -> int:
+        return len(self._flags)
+
+    def declare_dead(self, rank: int) -> bool:
+        """Mark ``rank`` dead; True only the first time. Out of range is a no-op."""
+        with self._lock:
+            if not 0 <= rank < len(self._flags) or self._flags[rank]:
+                return False
+            self._flags[rank] = True
+            return True
+
+    def is_dead(self, rank: int) -> bool:
+        with self._lock:
+            return 0 <= rank < len(self._flags) and self._flags[rank]
+
+    def dead_count(self) -> int:
+        with self._lock:
+            return sum(self._flags)
+
+    def ranks(self) -> list[int]:
+        """The dead ranks, in order."""
+        with self._lock:
+            return [r for r, dead in enumerate(self._flags) if dead]
+
+
+@dataclass(eq=False)
+class _Conn:
+    """One accepted connection; touched only by the I/O thread."""
+
+    sock: socket.socket
+    peer: str
+    opened: float
+    buf: bytearray = field(default_factory=bytearray)
+    rx_seq: int = 0
+    tx_seq: int = 0
+    rank: Optional[int] = None
+    closed: bool = False
+
+
+class Coordinator:
+    """The launcher's coordinator; see the module docstring and docs/protocol.md."""
+
+    def __init__(self, spec: CoordinatorSpec, events: EventBus,
+                 on_join: Optional[Callable[[int], None]] = None,
+                 on_dead: Optional[Callable[[int, str], None]] = None) -> None:
+        self.spec = spec
+        self.events = events
+        self.on_join = on_join
+        #: Told of each rank declared dead for silence (its agent must stop it).
+        self.on_dead = on_dead
+        self._dead = DeadRanks(spec.world_size)
+        self._lock = threading.Lock()
+        # Guarded by _lock: read by the supervisor thread.
+        self._joined: set[int] = set()
+        self._exited: set[int] = set()
+        self._formed = False
+        self._abort: Optional[str] = None
+        self._shutdown: Optional[str] = None
+        self._reports: list[tuple[list[int], str]] = []
+        #: When any joined rank last reported progress (`fdl_fabric.rank.progress`).
+        self._last_progress = 0.0
+        self._resume_pending = False
+        # I/O thread only.
+        self._conns: set[_Conn] = set()
+        self._rank_conn: dict[int, _Conn] = {}
+        self._hosts: dict[int, str] = {}
+        self._last_frame: dict[int, float] = {}
+        self._progress: dict[int, int] = {}
+        self._first_hello: Optional[float] = None
+        self._formed_at = 0.0
+        self._listener: Optional[socket.socket] = None
+        self._selector: Optional[selectors.BaseSelector] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+        # Written by other threads (stop, report_dead) so the I/O thread acts at once
+        # instead of at its next tick: a death is declared, and a run ends, without waiting.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._port = spec.port
+        # Refused connections since the last report (I/O thread only).
+        self._rejected_at: Optional[float] = None
+        self._rejected: dict[str, int] = {}
+        self._rejected_peer = ""
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the port and start the I/O thread; a bind failure is a `CoordinatorError`."""
+        if self._thread is not None:
+            raise CoordinatorError("cluster launcher: coordinator already started")
+        host, port = self.spec.bind_host, self.spec.port
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            listener = bind_listener(host, port, max(socket.SOMAXCONN, self.spec.world_size))
+            listener.setblocking(False)
+        except OSError as exc:
+            raise CoordinatorError(
+                f"cluster launcher: coordinator could not bind {address}: {exc}") from None
+        self._listener = listener
+        self._port = int(listener.getsockname()[1])
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._thread = threading.Thread(target=self._run, name="fdl-coordinator", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        """The bound port (the ephemeral one when the spec asked for port 0)."""
+        return self._port
+
+    def stop(self) -> None:
+        """Close every connection and the port, and join the I/O thread. Idempotent."""
+        self._stopping.set()
+        self._wake()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=SEND_TIMEOUT + 5.0)
+        for conn in list(self._conns):
+            self._close(conn)
+        self._flush_refused(time.monotonic(), force=True)
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for end in (self._wake_r, self._wake_w):
+            end.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (already woken) or closed (stopped)
+            self._wake_w.send(b"\0")
+
+    # -- ElasticPolicy --------------------------------------------------------------------------
+    @property
+    def cohort_formed(self) -> bool:
+        """True once every rank 0..W-1 has sent a valid hello."""
+        with self._lock:
+            return self._formed
+
+    def report_dead(self, ranks: Sequence[int], reason: str) -> None:
+        """Queue process deaths seen by the supervisor; the next tick declares them."""
+        with self._lock:
+            self._reports.append(([int(r) for r in ranks], reason))
+        self._wake()
+
+    def abort_reason(self) -> Optional[str]:
+        """Why the run must be killed (formation timeout, coordinator failure), else None."""
+        with self._lock:
+            return self._abort
+
+    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]:
+        """The end-of-run verdict from the ledger (spec section 5.6, exact wording)."""
+        dead = self._dead.dead_count()
+        w = world_size
+        if dead >= w:
+            return (Verdict.FAILED, "cluster launcher: every rank was lost; consensus checkpoint "
+                    "saved if a save path was armed")
+        limit = max_failure_limit(self.spec.max_failure, w)
+        # `dead > 0`: a limit of 0 means "any death trips it", not "a clean run fails".
+        if limit is not None and dead > 0 and dead >= limit:
+            return (Verdict.FAILED, f"cluster launcher: max_failure exceeded ({dead}/{w} ranks "
+                    f"dead, threshold {limit}); coordinator dispatched save-and-shutdown — "
+                    "consensus checkpoint saved if a save path was armed")
+        if dead > 0:
+            return (Verdict.DEGRADED, f"cluster launcher: run completed DEGRADED — {dead} of {w} "
+                    "ranks lost along the way (tolerated by elastic membership); survivors "
+                    "carried the full workload")
+        if tolerated > 0:
+            return (Verdict.OK, f"cluster launcher: run completed; {tolerated} child exit(s) in "
+                    "the teardown window were tolerated (never registered as rank deaths) — "
+                    "full workload delivered, nothing redistributed")
+        return Verdict.OK, f"cluster launcher: run completed — all {w} ranks exited 0"
+
+    @property
+    def last_progress(self) -> float:
+        """When (monotonic) a joined rank last reported progress; 0 when none ever did."""
+        with self._lock:
+            return self._last_progress
+
+    def resumed(self) -> None:
+        """This process was stopped (Ctrl-Z): the ranks' silence was ours, not theirs, so
+        the heartbeat clocks start again at the next tick."""
+        with self._lock:
+            self._resume_pending = True
+        self._wake()
+
+    # -- read-only views ----------------------------------------------------------------------
+    @property
+    def joined(self) -> set[int]:
+        """Ranks that have sent a valid hello (a copy; it never shrinks)."""
+        with self._lock:
+            return set(self._joined)
+
+    @property
+    def exited(self) -> set[int]:
+        """Ranks that announced a clean exit; they are never counted dead."""
+        with self._lock:
+            return set(self._exited)
+
+    @property
+    def dead(self) -> DeadRanks:
+        return self._dead
+
+    @property
+    def shutdown_sent(self) -> Optional[str]:
+        """The reason of the save-and-shutdown broadcast, once it has been sent."""
+        with self._lock:
+            return self._shutdown
+
+    # -- I/O thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        """Accept, read and tick until stopped; a crash aborts the run rather than hang it."""
+        next_tick = time.monotonic()
+        try:
+            while not self._stopping.is_set():
+                selector = self._selector
+                if selector is None:
+                    return
+                woken = False
+                for key, _ in selector.select(timeout=TICK_INTERVAL):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data is _WAKE:
+                        woken = True
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        self._read(key.data)
+                if self._stopping.is_set():
+                    return
+                now = time.monotonic()
+                if now >= next_tick or woken:
+                    self._tick(now)
+                    next_tick = now + TICK_INTERVAL
+        except Exception as exc:  # any bug becomes a visible abort, not a silent hang
+            if self._stopping.is_set():
+                return
+            reason = f"cluster launcher: coordinator failed: {exc!r}"
+            with self._lock:
+                self._abort = self._abort or reason
+            self.events(Kind.WARNING, reason)
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._selector is not None
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.events(Kind.WARNING, f"cluster coordinator: accept failed: {exc}")
+                return
+            sock.settimeout(SEND_TIMEOUT)
+            host, port = str(addr[0]), int(addr[1])
+            peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            conn = _Conn(sock=sock, peer=peer, opened=time.monotonic())
+            pending = [c for c in self._conns if c.rank is None]
+            if len(pending) >= max(PENDING_MAX, 2 * self.spec.world_size):
+                oldest = min(pending, key=lambda c: c.opened)
+                self._drop(oldest, "too many connections without a hello; dropped the oldest")
+            self._conns.add(conn)
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(_RECV_CHUNK)
+        except (BlockingIOError, InterruptedError, socket.timeout):
+            return
+        except OSError as exc:
+            self._lost(conn, str(exc))
+            return
+        if not data:
+            self._lost(conn, "connection closed")
+            return
+        conn.buf += data
+        while not conn.closed:
+            try:
+                frame = take_frame(conn.buf,
+                                   PRE_AUTH_FRAME if conn.rank is None else MAX_FRAME)
+                if frame is None:
+                    return
+                tag, payload = frame
+                expected = frame_tag(self.spec.salt, self.spec.run_id, conn.rx_seq, payload)
+                if not hmac.compare_digest(tag, expected):
+                    raise FrameError(_tag_failure(self.spec.salt, self.spec.run_id, conn.rx_seq,
+                                                  tag, payload))
+                conn.rx_seq += 1
+                message = decode_payload(payload)
+                self._handle(conn, message)
+            except FrameError as exc:
+                self._drop(conn, str(exc))
+
+    def _handle(self, conn: _Conn, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind not in _RANK_MESSAGES:
+            raise FrameError(f"unknown message type {kind!r}")
+        if conn.rank is None:
+            if kind == "probe":
+                # An agent's pre-flight: proves this host reaches *this* coordinator
+                # (the reply is keyed with the run's salt), then goes away quietly.
+                host = message.get("host")
+                self.events(Kind.DEBUG, f"cluster coordinator: pre-flight probe from "
+                            f"{host!r} ({conn.peer})", host=host if isinstance(host, str)
+                            else None)
+                self._send(conn, {"type": "probe_ok"})
+                self._close(conn)
+                return
+            if kind != "hello":
+                raise FrameError(f"first frame must be hello, got {kind!r}")
+            self._hello(conn, message)
+            return
+        if kind == "hello":
+            raise FrameError("second hello on one connection")
+        rank = conn.rank
+        now = self._last_frame[rank] = time.monotonic()
+        if kind == "heartbeat":
+            progress = message.get("progress")
+            if isinstance(progress, int) and not isinstance(progress, bool) \
+                    and progress != self._progress.get(rank, 0):
+                self._progress[rank] = progress
+                with self._lock:
+                    self._last_progress = now
+        if kind == "exiting":
+            with self._lock:
+                fresh = rank not in self._exited
+                self._exited.add(rank)
+            if fresh:
+                self.events(Kind.DEBUG, f"cluster coordinator: rank {rank} of {self._hosts[rank]} "
+                            "announced a clean exit", host=self._hosts[rank], rank=rank)
+
+    def _hello(self, conn: _Conn, message: dict[str, Any]) -> None:
+        rank, host, pid = message.get("rank"), message.get("host"), message.get("pid")
+        ws = self.spec.world_size
+        reason: Optional[str] = None
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            reason = f"rank must be an integer, got {rank!r}"
+        elif not isinstance(host, str) or not host:
+            reason = f"host must be a non-empty string, got {host!r}"
+        elif isinstance(pid, bool) or not isinstance(pid, int):
+            reason = f"pid must be an integer, got {pid!r}"
+        elif not 0 <= rank < ws:
+            reason = f"rank {rank} is out of range 0..{ws - 1} (world size {ws})"
+        elif self._dead.is_dead(rank):
+            reason = f"rank {rank} was declared dead"
+        elif rank in self._joined:
+            reason = f"rank {rank} already joined"
+        elif self.abort_reason() is not None:
+            reason = "the cohort did not form in time; the run is being aborted"
+        if reason is not None:
+            self._report_refused(f"cluster coordinator: rejected hello from {conn.peer}: "
+                                 f"{reason}", conn.peer, reason)
+            self._send(conn, {"type": "reject", "reason": reason})
+            self._close(conn)
+            return
+        assert isinstance(rank, int) and isinstance(host, str)
+        now = time.monotonic()
+        conn.rank = rank
+        self._rank_conn[rank] = conn
+        self._hosts[rank] = host
+        self._last_frame[rank] = now
+        if self._first_hello is None:
+            self._first_hello = now
+        with self._lock:
+            self._joined.add(rank)
+            formed_now = not self._formed and len(self._joined) == ws
+            if formed_now:
+                self._formed = True
+                self._formed_at = now
+        self.events(Kind.JOIN, f"cluster coordinator: rank {rank} of {host} joined", host=host,
+                    rank=rank, data={"pid": pid, "peer": conn.peer})
+        if self.on_join is not None:
+            self.on_join(rank)
+        self._send(conn, {"type": "welcome", "rank": rank, "world_size": ws,
+                          "members": self._members(), "formed": formed_now})
+        if formed_now:
+            self.events(Kind.FORMED, f"cluster coordinator: cohort formed — {ws} ranks")
+            self._broadcast({"type": "formed", "members": self._members()})
+
+    def _tick(self, now: float) -> None:
+        """Drain reported deaths, then staleness, then the unrecoverable check, then timeouts."""
+        with self._lock:
+            reports, self._reports = self._reports, []
+            formed = self._formed
+            exited = set(self._exited)
+            resumed, self._resume_pending = self._resume_pending, False
+        if resumed:
+            for rank in self._last_frame:
+                self._last_frame[rank] = now
+            if self._first_hello is not None:
+                self._first_hello = max(self._first_hello, now - 1.0)
+        newly: list[tuple[int, str]] = []
+        silent_ranks: list[tuple[int, str]] = []
+        for ranks, reason in reports:
+            for rank in ranks:
+                if rank not in exited and self._dead.declare_dead(rank):
+                    newly.append((rank, reason))
+        if formed:
+            limit = self.spec.heartbeat_timeout
+            for rank in sorted(self._last_frame):
+                if rank in exited or self._dead.is_dead(rank):
+                    continue
+                silent = now - max(self._last_frame[rank], self._formed_at)
+                if silent > limit and self._dead.declare_dead(rank):
+                    reason = f"no frame for {silent:.1f}s, heartbeat timeout {_seconds(limit)}"
+                    newly.append((rank, reason))
+                    silent_ranks.append((rank, reason))
+        for rank, reason in newly:
+            self._declare(rank, reason)
+        if self.on_dead is not None:
+            for rank, reason in silent_ranks:
+                self.on_dead(rank, reason)
+        if newly:
+            self._check_unrecoverable()
+        self._check_timeouts(now, formed)
+
+    def _declare(self, rank: int, reason: str) -> None:
+        ws = self.spec.world_size
+        alive = ws - self._dead.dead_count()
+        host = self._hosts.get(rank)
+        self.events(Kind.DEATH, f"cluster coordinator: rank {rank} declared dead ({reason}); "
+                    f"{alive} of {ws} alive", host=host, rank=rank, data={"reason": reason})
+        self._broadcast({"type": "membership", "members": self._members(),
+                         "dead": self._dead.ranks()})
+        conn = self._rank_conn.get(rank)
+        if conn is not None:
+            # A dead rank is out of the cohort even if it comes back; closing tells it so.
+            self._close(conn)
+
+    def _check_unrecoverable(self) -> None:
+        """Broadcast save-and-shutdown once when max_failure is reached or every rank is lost."""
+        with self._lock:
+            if self._shutdown is not None:
+                return
+        ws = self.spec.world_size
+        dead = self._dead.dead_count()
+        limit = max_failure_limit(self.spec.max_failure, ws)
+        if limit is not None and dead >= limit:
+            reason = f"max_failure reached ({dead}/{ws} dead, threshold {limit})"
+        elif dead >= ws:
+            reason = f"every rank was lost ({dead}/{ws} dead)"
+        else:
+            return
+        with self._lock:
+            self._shutdown = reason
+        self.events(Kind.SHUTDOWN,
+                    f"cluster coordinator: {reason} — broadcasting save-and-shutdown",
+                    data={"reason": reason})
+        self._broadcast({"type": "shutdown", "reason": reason, "save": True})
+
+    def _check_timeouts(self, now: float, formed: bool) -> None:
+        """Formation deadline (only once someone joined) and the per-connection hello deadline."""
+        if not formed and self._first_hello is not None \
+                and now - self._first_hello > self.spec.formation_timeout:
+            with self._lock:
+                missing = [r for r in range(self.spec.world_size) if r not in self._joined]
+                if self._abort is None:
+                    self._abort = (f"cluster launcher: cohort did not form within "
+                                   f"{_seconds(self.spec.formation_timeout)}: rank(s) {missing} "
+                                   "never joined")
+        for conn in list(self._conns):
+            if conn.rank is None and now - conn.opened > self.spec.hello_timeout:
+                self._drop(conn, f"no hello within {_seconds(self.spec.hello_timeout)}")
+        self._flush_refused(now)
+
+    # -- connection helpers -------------------------------------------------------------------
+    def _members(self) -> list[int]:
+        return [r for r in range(self.spec.world_size) if not self._dead.is_dead(r)]
+
+    def _send(self, conn: _Conn, message: Mapping[str, Any]) -> None:
+        if conn.closed:
+            return
+        frame = encode_frame(self.spec.salt, self.spec.run_id, conn.tx_seq, dict(message))
+        conn.tx_seq += 1
+        try:
+            conn.sock.sendall(frame)
+        except OSError as exc:
+            self._lost(conn, f"send failed: {exc}")
+
+    def _broadcast(self, message: Mapping[str, Any]) -> None:
+        for conn in list(self._rank_conn.values()):
+            self._send(conn, message)
+
+    def _drop(self, conn: _Conn, reason: str) -> None:
+        """A protocol violation: one warning (rate-limited), then close only this connection."""
+        if conn.closed:
+            return
+        self._report_refused(f"cluster coordinator: dropped connection from {conn.peer}: "
+                             f"{reason}", conn.peer, reason)
+        self._close(conn)
+
+    def _report_refused(self, message: str, peer: str, reason: str) -> None:
+        """The first refusal is a warning line at once; later ones within
+        `REJECT_REPORT_INTERVAL` are counted and reported together, so 500 hostile peers
+        make one line every few seconds, not 500."""
+        now = time.monotonic()
+        if self._rejected_at is None or (now - self._rejected_at >= REJECT_REPORT_INTERVAL
+                                         and not self._rejected):
+            self._rejected_at = now
+            self.events(Kind.WARNING, message, data={"refused": 1})
+            return
+        key = reason.split(" (")[0]
+        self._rejected[key] = self._rejected.get(key, 0) + 1
+        self._rejected_peer = peer
+
+    def _flush_refused(self, now: float, *, force: bool = False) -> None:
+        if not self._rejected or self._rejected_at is None:
+            return
+        if not force and now - self._rejected_at < REJECT_REPORT_INTERVAL:
+            return
+        count = sum(self._rejected.values())
+        reasons = ", ".join(f"{why}: {n}" for why, n in sorted(self._rejected.items()))
+        self.events(Kind.WARNING, f"cluster coordinator: refused {count} more connection(s) in "
+                    f"{now - self._rejected_at:.0f}s ({reasons}; last from "
+                    f"{self._rejected_peer})", data={"refused": count,
+                                                     "reasons": dict(self._rejected)})
+        self._rejected = {}
+        self._rejected_at = now
+
+    def _lost(self, conn: _Conn, detail: str) -> None:
+        """The peer went away; whether its rank died is the supervisor's or staleness's call."""
+        if conn.closed:
+            return
+        rank = conn.rank
+        self._close(conn)
+        if rank is None:
+            self.events(Kind.DEBUG, f"cluster coordinator: {conn.peer} closed before hello "
+                        f"({detail})")
+            return
+        with self._lock:
+            clean = rank in self._exited
+        host = self._hosts.get(rank)
+        if clean or self._dead.is_dead(rank):
+            self.events(Kind.DEBUG, f"cluster coordinator: rank {rank} of {host} disconnected",
+                        host=host, rank=rank)
+        else:
+            self.events(Kind.INFO, f"cluster coordinator: lost the connection to rank {rank} of "
+                        f"{host} without an exiting message ({detail}); left to the supervisor "
+                        "and the heartbeat timeout", host=host, rank=rank)
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._conns.discard(conn)
+        if conn.rank is not None and self._rank_conn.get(conn.rank) is conn:
+            del self._rank_conn[conn.rank]
+        if self._selector is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
+        with contextlib.suppress(OSError):
+            conn.sock.close()

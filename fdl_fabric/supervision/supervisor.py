@@ -1,0 +1,989 @@
+"""Supervision: one record per rank, the failure policy, one verdict.
+
+Modelled on torch.distributed.elastic's agent: the run moves through explicit phases
+(`RunPhase`), every rank has one record (`Rank`) with an explicit `RankState`, and the
+run ends with one frozen `RunResult` that holds the verdict and the exit code.
+
+The supervisor is the only writer of rank state. Everything that happens reaches it
+as a `reports` record in its inbox: what agents report (spawned, output, exited, gone),
+joins from the coordinator, and requests from signal handlers. It acts on hosts
+through the small `HostHandle` interface (start, stop, kill, signal, abandon), so the
+policy is tested with fake hosts and no process at all.
+
+The policy has two phases. Before the cohort forms (or when the program never joins a
+coordinator), the first failure is fatal: a half-formed collective hangs in
+connect-retry, so every other rank is stopped at once (kill-all). After the cohort
+forms, a death is a membership event and the run carries on until the elastic policy
+(`ElasticPolicy`, the coordinator) says otherwise.
+
+Nothing waits for an exit that may never come. A host whose agent sends nothing for
+``agent_timeout`` (frozen agent, frozen sshd, cut link) is *unresponsive*: its ranks are
+lost, and the rules above apply. A rank the coordinator declares dead (no heartbeat)
+is stopped by its agent. A run in which no rank wrote a line and no joined rank
+reported progress for ``hang_timeout`` is *hung*: every rank's stack is collected, and
+the run ends with that verdict. Signal handlers only post requests here; this loop is
+the one place that acts on them and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import queue
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional, Protocol
+
+from ..agent import wire
+from ..events import EventBus, Kind
+from ..planning.plan import RankPlan
+from . import errorfile, reports
+from .errorfile import RankError
+
+#: Longest the loop sleeps with nothing in its inbox; bounds the elastic checks' delay.
+TICK = 0.05
+#: Extra seconds past the kill grace before hosts that did not report are sent KILL.
+FORCE_MARGIN = 3.0
+#: Extra seconds past that before a host that still reports nothing is abandoned.
+ABANDON_MARGIN = 3.0
+#: Seconds an agent has to end its session after saying it is done.
+GONE_MARGIN = 5.0
+#: Seconds survivors get to save and exit after a save-and-shutdown broadcast,
+#: before the launcher stops them (a checkpoint can take a while to write).
+SHUTDOWN_GRACE = 120.0
+#: Seconds every agent has to answer a request for stacks (its collector bounds py-spy
+#: at 10 s per process, and they run in parallel).
+STACKS_TIMEOUT = 15.0
+#: A gap this long between two turns of the loop means this process was stopped
+#: (Ctrl-Z, SIGSTOP): every silence clock starts again, nobody is blamed for it.
+PAUSE_GAP = 2.0
+
+
+class RunPhase(str, Enum):
+    """PREPARING (agents start, pre-flight) -> RUNNING -> STOPPING -> DONE."""
+
+    PREPARING = "preparing"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    DONE = "done"
+
+
+class RankState(str, Enum):
+    """Life of one rank: PENDING -> RUNNING -> JOINED -> one terminal state."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    JOINED = "joined"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    LOST = "lost"
+    TOLERATED = "tolerated"
+    NOT_STARTED = "not started"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({RankState.SUCCEEDED, RankState.FAILED, RankState.STOPPED,
+                       RankState.LOST, RankState.TOLERATED, RankState.NOT_STARTED})
+
+_CAUSES = {
+    RankState.SUCCEEDED: "ok",
+    RankState.FAILED: "failed",
+    RankState.STOPPED: "stopped by the launcher",
+    RankState.TOLERATED: "tolerated",
+    RankState.LOST: "lost",
+    RankState.NOT_STARTED: "never started",
+}
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How a rank ended: an exit code, a signal, or lost (no status ever came), and
+    what its error file said, if it wrote one."""
+
+    code: Optional[int] = None
+    signal: Optional[int] = None
+    lost: Optional[str] = None
+    error: Optional[RankError] = None
+    error_text: str = ""
+    #: The rank's host went away (``lost``) or stopped answering (``unresponsive``): no
+    #: error file could come from it.
+    host_fault: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+    def describe(self) -> str:
+        if self.lost is not None:
+            return f"no exit status ({self.lost})"
+        if self.signal is not None:
+            return f"signal {self.signal}"
+        return f"status {self.code}"
+
+
+@dataclass
+class Rank:
+    """Everything about one rank; written only by the supervisor."""
+
+    plan: RankPlan
+    state: RankState = RankState.PENDING
+    pid: Optional[int] = None
+    last_line: str = ""
+    exit: Optional[RankExit] = None
+    started: Optional[float] = None
+    ended: Optional[float] = None
+    stop_requested: bool = False
+    #: Why the coordinator declared this rank dead, once it did (its agent stops it).
+    declared_dead: Optional[str] = None
+    #: The forwarded signal that ended it (the program had no handler for it).
+    stopped_by: Optional[str] = None
+
+    @property
+    def rank(self) -> int:
+        return self.plan.rank
+
+    @property
+    def host(self) -> str:
+        return self.plan.host
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank} of {self.host}"
+
+    @property
+    def cause(self) -> str:
+        """Why the rank ended, in the words of the run summary."""
+        if self.stopped_by:
+            return f"stopped by {self.stopped_by}"
+        if self.exit is not None and self.exit.host_fault:
+            return f"host {self.exit.host_fault}"
+        if self.declared_dead and self.state is RankState.TOLERATED:
+            return "declared dead"
+        return _CAUSES.get(self.state, self.state.value)
+
+    @property
+    def exit_text(self) -> str:
+        if self.exit is None or self.exit.lost is not None:
+            return "-"
+        if self.exit.signal is not None:
+            return f"signal {self.exit.signal}"
+        return str(self.exit.code)
+
+    @property
+    def duration(self) -> float:
+        if self.started is None:
+            return 0.0
+        return (self.ended or time.monotonic()) - self.started
+
+
+class Verdict(str, Enum):
+    OK = "ok"
+    DEGRADED = "degraded"
+    FAILED = "failed"
+    #: No rank wrote a line or reported progress for ``hang_timeout``: stopped, restartable.
+    HUNG = "hung"
+    INTERRUPTED = "interrupted"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The outcome of a run: one verdict, one exit code, one last line."""
+
+    verdict: Verdict
+    exit_code: int
+    message: str
+    ranks: tuple[Rank, ...]
+    #: The first rank that failed (in the order failures were seen): the root cause.
+    root_cause: Optional[Rank] = None
+    #: Hosts whose agent went away (``lost``) or stopped answering (``unresponsive``).
+    faults: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def started_any(self) -> bool:
+        return any(r.started is not None for r in self.ranks)
+
+    @property
+    def restartable(self) -> bool:
+        """A failed or hung run whose ranks had started: another attempt may succeed.
+        Pre-flight failures, interrupts and successes are not retried."""
+        return self.verdict in (Verdict.FAILED, Verdict.HUNG) and self.started_any
+
+
+class HostHandle(Protocol):
+    """What the supervisor needs from one host's agent (see `sessions.AgentSession`)."""
+
+    def start_ranks(self) -> None: ...
+    def stop(self, signal: str = "TERM", rank: Optional[int] = None) -> None: ...
+    def kill(self) -> None: ...
+    def signal(self, name: str, rank: Optional[int] = None) -> None: ...
+    def abandon(self) -> None: ...
+    def ping(self) -> None: ...
+    def suspend(self) -> None: ...
+    def resume(self) -> None: ...
+    def stacks(self, request_id: int) -> None: ...
+
+    @property
+    def last_heard(self) -> float:
+        """When (monotonic) the agent last said anything, or is known to be talking."""
+
+
+class ElasticPolicy(Protocol):
+    """The post-formation hook (the coordinator implements it)."""
+
+    @property
+    def cohort_formed(self) -> bool: ...
+
+    def report_dead(self, ranks: Sequence[int], reason: str) -> None: ...
+
+    def abort_reason(self) -> Optional[str]: ...
+
+    @property
+    def shutdown_sent(self) -> Optional[str]: ...
+
+    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]: ...
+
+    @property
+    def last_progress(self) -> float:
+        """When (monotonic) a joined rank last reported progress (0: never)."""
+
+    def resumed(self) -> None:
+        """This process was stopped for a while: start the heartbeat clocks again."""
+
+
+#: Judges a host's pre-flight values: (host, values) -> (warnings, failures).
+PreflightJudge = Callable[[str, Mapping[str, str]], tuple[list[str], list[str]]]
+
+
+@dataclass
+class _Host:
+    handle: HostHandle
+    ranks: list[Rank] = field(default_factory=list)
+    preflight_seen: bool = False
+    done_at: Optional[float] = None
+    gone: bool = False
+    forced: bool = False
+    #: The host's rank could not report: lost (its session ended) or unresponsive.
+    fault: Optional[str] = None
+
+
+@dataclass
+class _StackRequest:
+    """Stacks asked of every agent: for a hung run (then the verdict) or for a look."""
+
+    id: int
+    reason: str
+    pending: set[str]
+    deadline: float
+    hang: bool
+    found: dict[int, dict[str, object]] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+    py_spy: dict[str, bool] = field(default_factory=dict)
+
+
+_request_ids = itertools.count(1)
+
+
+class Supervisor:
+    """Runs the policy over a run's ranks until every host's agent is gone."""
+
+    def __init__(
+        self,
+        plans: Sequence[RankPlan],
+        hosts: Mapping[str, HostHandle],
+        *,
+        kill_grace: float,
+        events: EventBus,
+        elastic: Optional[ElasticPolicy] = None,
+        preflight: Optional[PreflightJudge] = None,
+        inbox: Optional[queue.SimpleQueue[reports.Report]] = None,
+        tick: float = TICK,
+        agent_timeout: Optional[float] = None,
+        hang_timeout: Optional[float] = None,
+        on_resume: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.ranks = [Rank(p) for p in plans]
+        self.by_rank = {r.rank: r for r in self.ranks}
+        self.hosts = {name: _Host(handle) for name, handle in hosts.items()}
+        for r in self.ranks:
+            self.hosts[r.host].ranks.append(r)
+        self.kill_grace = kill_grace
+        self.events = events
+        self.elastic = elastic
+        self.preflight = preflight
+        self.inbox: queue.SimpleQueue[reports.Report] = inbox or queue.SimpleQueue()
+        self.tick = tick
+        self.phase = RunPhase.PREPARING if preflight is not None else RunPhase.RUNNING
+        self.failure: Optional[str] = None
+        self.tolerated = 0
+        self._stop_started: Optional[float] = None
+        self._forced = False
+        self._interrupt: Optional[int] = None
+        #: The host whose agent was signaled, when the interruption came from outside.
+        self._interrupted_on: Optional[str] = None
+        self._pinged = time.monotonic()
+        self._shutdown_seen: Optional[float] = None
+        self._preflight_failures: list[str] = []
+        self.root_cause: Optional[Rank] = None
+        self.agent_timeout = agent_timeout
+        self.hang_timeout = hang_timeout
+        self.on_resume = on_resume
+        now = time.monotonic()
+        #: Silence clocks start here (and again after a pause of this process).
+        self._watch_from = now
+        self._last_turn = now
+        self._last_activity = now
+        self._stacks: Optional[_StackRequest] = None
+        self._hung: Optional[str] = None
+        #: Signals the launcher forwarded to the ranks, by number.
+        self._forwarded: set[int] = set()
+        #: A forwarded signal that ended a rank: the run's interruption.
+        self._stopped_by_forward: Optional[tuple[int, Rank]] = None
+        #: A cleanup that stopped this run (its note): who, for the verdict.
+        self._stopped_by: Optional[str] = None
+
+    # -- called from other threads (all go through the inbox) --------------------------------
+    def post(self, report: reports.Report) -> None:
+        self.inbox.put(report)
+
+    def joined(self, rank: int) -> None:
+        self.post(reports.Joined(rank))
+
+    def request_interrupt(self, signum: int) -> None:
+        """First Ctrl-C/TERM: graceful stop of every rank."""
+        self.post(reports.Request("interrupt", str(signum)))
+
+    def request_kill(self) -> None:
+        """Second Ctrl-C: KILL every rank's process group now."""
+        self.post(reports.Request("kill"))
+
+    def request_signal(self, name: str) -> None:
+        """Forward a signal (USR1/USR2) to every running rank."""
+        self.post(reports.Request("signal", name))
+
+    def request_abort(self, reason: str) -> None:
+        """A run-level failure outside the ranks."""
+        self.post(reports.Request("abort", reason))
+
+    def request_suspend(self) -> None:
+        """Ctrl-Z: tell the agents to hold their leases, then stop this process."""
+        self.post(reports.Request("suspend"))
+
+    def request_resume(self) -> None:
+        """SIGCONT: the agents count their leases again."""
+        self.post(reports.Request("resume"))
+
+    def request_stacks(self) -> None:
+        """Ctrl-\\ (SIGQUIT): show where every rank is; the run goes on."""
+        self.post(reports.Request("stacks"))
+
+    # -- views --------------------------------------------------------------------------------
+    def live(self) -> list[Rank]:
+        return [r for r in self.ranks if not r.state.terminal]
+
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        if self.phase is RunPhase.RUNNING:
+            self._start_all()
+        while not all(h.gone for h in self.hosts.values()):
+            try:
+                report: Optional[reports.Report] = self.inbox.get(timeout=self.tick)
+            except queue.Empty:
+                report = None
+            self._check_pause()
+            while report is not None:
+                self._handle(report)
+                report = self._next()
+            self._check_elastic()
+            self._check_pause()  # a stop while handling reports must blame no host
+            self._check_hosts()
+            self._check_hang()
+            self._check_stacks()
+            self._escalate()
+            self._ping()
+        # Reports that came with the last host's end (an exit, a death) still count.
+        report = self._next()
+        while report is not None:
+            self._handle(report)
+            report = self._next()
+        self.phase = RunPhase.DONE
+        for r in self.ranks:
+            if not r.state.terminal:  # cannot happen once every host is gone; be safe
+                self._end(r, RankExit(lost="agent gone"), RankState.LOST)
+        return self._result()
+
+    def _next(self) -> Optional[reports.Report]:
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _handle(self, report: reports.Report) -> None:
+        if isinstance(report, reports.Output):
+            self._output(report)
+        elif isinstance(report, reports.Exited):
+            self._exited(report)
+        elif isinstance(report, reports.Spawned):
+            self._spawned(report)
+        elif isinstance(report, reports.Joined):
+            r = self.by_rank.get(report.rank)
+            self._last_activity = time.monotonic()
+            if r is not None and r.state in (RankState.PENDING, RankState.RUNNING):
+                r.state = RankState.JOINED
+        elif isinstance(report, reports.DeclaredDead):
+            self._declared_dead(report)
+        elif isinstance(report, reports.Stacks):
+            self._stacks_report(report)
+        elif isinstance(report, reports.Request):
+            self._request(report)
+        elif isinstance(report, reports.Preflight):
+            self._preflight(report)
+        elif isinstance(report, reports.Swept):
+            self._swept(report)
+        elif isinstance(report, reports.SpawnFailed):
+            self._spawn_failed(report)
+        elif isinstance(report, reports.Verified):
+            self._verified(report)
+        elif isinstance(report, reports.AgentError):
+            self.events(Kind.WARNING, f"cluster launcher: host {report.host!r}: "
+                        f"{report.message}", host=report.host, rank=report.rank)
+        elif isinstance(report, reports.AgentDone):
+            host = self.hosts.get(report.host)
+            if host is not None and host.done_at is None:
+                host.done_at = time.monotonic()
+        elif isinstance(report, reports.AgentGone):
+            self._gone(report)
+        elif isinstance(report, reports.Signaled):
+            self._signaled(report)
+
+    # -- pre-flight ---------------------------------------------------------------------------
+    def _preflight(self, report: reports.Preflight) -> None:
+        host = self.hosts.get(report.host)
+        if host is None or self.preflight is None or host.preflight_seen:
+            return
+        host.preflight_seen = True
+        warnings, failures = self.preflight(report.host, report.values)
+        for text in warnings:
+            self.events(Kind.WARNING, f"cluster launcher: pre-flight: {report.host}: {text}",
+                        host=report.host)
+        for text in failures:
+            self.events(Kind.WARNING, f"cluster launcher: pre-flight: {report.host}: {text}",
+                        host=report.host, data={"preflight": "fail"})
+        self._preflight_failures += [f"{report.host}: {t}" for t in failures]
+        self._maybe_start()
+
+    def _maybe_start(self) -> None:
+        if self.phase is not RunPhase.PREPARING:
+            return
+        if not all(h.preflight_seen or h.gone for h in self.hosts.values()):
+            return
+        if self._preflight_failures:
+            self._fail(f"cluster launcher: pre-flight failed on {len(self._preflight_failures)} "
+                       "check(s), nothing was started (`inv prebuild-check` checks more; "
+                       "--no-preflight skips this)", announce=False)
+            return
+        self.events(Kind.DEBUG, f"cluster launcher: pre-flight passed on {len(self.hosts)} "
+                    "host(s)")
+        self._start_all()
+
+    def _start_all(self) -> None:
+        self.phase = RunPhase.RUNNING
+        for host in self.hosts.values():
+            if not host.gone:
+                host.handle.start_ranks()
+
+    def _swept(self, report: reports.Swept) -> None:
+        data = report.report
+        for err in data.get("errors", []):
+            self.events(Kind.WARNING, f"cluster launcher: {report.host}: {err}",
+                        host=report.host)
+        for item in data.get("stopped", []):
+            self.events(Kind.WARNING, f"cluster launcher: stopped leftovers of an earlier run "
+                        f"of this cluster on {report.host}: run {item.get('run')} "
+                        f"(pids {item.get('pids')})", host=report.host)
+        for item in data.get("leftovers", []):
+            self.events(Kind.WARNING, f"cluster launcher: could not stop a leftover on "
+                        f"{report.host}: {item}", host=report.host)
+        for item in data.get("live", []):
+            self.events(Kind.INFO, f"cluster launcher: run {item.get('run')} of this cluster is "
+                        f"live on {report.host} ({item.get('launcher')}): left alone",
+                        host=report.host, data={"live_run": item.get("run")})
+
+    # -- ranks --------------------------------------------------------------------------------
+    def _spawned(self, report: reports.Spawned) -> None:
+        r = self.by_rank.get(report.rank)
+        if r is None or r.host != report.host or r.state is not RankState.PENDING:
+            return
+        r.pid = report.pid
+        r.state = RankState.RUNNING
+        r.started = self._last_activity = time.monotonic()
+        self.events(Kind.SPAWN, f"cluster launcher: started {r.plan.label} (pid {report.pid})",
+                    host=r.host, rank=r.rank, data={"pid": report.pid})
+        if self._stop_started is not None and not r.stop_requested:
+            r.stop_requested = True  # started while the run was being stopped
+
+    def _output(self, report: reports.Output) -> None:
+        """Bookkeeping only: the chunk itself reached the console and the logs on the
+        session's reading thread (`rankoutput`), so a stalled terminal never stalls this
+        loop."""
+        r = self.by_rank.get(report.rank)
+        if r is None:
+            return
+        self._last_activity = time.monotonic()
+        tail = report.data[-400:].decode("utf-8", "replace")
+        body = tail[:-1] if tail.endswith("\n") else tail
+        last = body.rpartition("\n")[2]
+        if last:
+            r.last_line = last[-200:]
+
+    def _spawn_failed(self, report: reports.SpawnFailed) -> None:
+        msg = (f"cluster launcher: host {report.host!r}: could not start rank {report.rank}: "
+               f"{report.reason}")
+        self.events(Kind.DEATH, msg, host=report.host, rank=report.rank)
+        self._fail(msg, announce=True)
+
+    def _exited(self, report: reports.Exited) -> None:
+        r = self.by_rank.get(report.rank)
+        if r is None or r.state.terminal or r.host != report.host:
+            return
+        self._on_exit(r, RankExit(code=report.code, signal=report.signal,
+                                  error=errorfile.parse(report.error),
+                                  error_text=report.error))
+
+    def _on_exit(self, r: Rank, info: RankExit) -> None:
+        data: dict[str, object] = {"status": info.describe(), "ok": info.ok}
+        if info.error is not None:
+            data["error"] = info.error.message
+        if info.error_text:
+            data["error_file"] = info.error_text
+        if info.ok:
+            self._end(r, info, RankState.SUCCEEDED)
+            self.events(Kind.EXIT, f"cluster launcher: {r.label} exited with status 0",
+                        host=r.host, rank=r.rank, data=data)
+            return
+        msg = f"cluster launcher: {r.label} exited with {info.describe()}"
+        if info.signal is not None and info.signal in self._forwarded and not r.stop_requested \
+                and r.declared_dead is None:
+            self._forward_ended(r, info, data)
+            return
+        if r.declared_dead is not None and self.failure is None and not r.stop_requested:
+            self._end(r, info, RankState.TOLERATED)
+            self.tolerated += 1
+            self.events(Kind.TOLERATED, f"cluster launcher: {r.label}, declared dead by the "
+                        f"coordinator ({r.declared_dead}), was stopped ({info.describe()})",
+                        host=r.host, rank=r.rank, data=data)
+            return
+        if r.stop_requested:
+            # A rank being stopped that reports no status is lost, not known stopped.
+            lost = info.lost is not None
+            self._end(r, info, RankState.LOST if lost else RankState.STOPPED)
+            self.events(Kind.EXIT, msg if lost else f"{msg} (stopped by the launcher)",
+                        host=r.host, rank=r.rank, data=data)
+            return
+        if self.root_cause is None:
+            self.root_cause = r
+        if self.elastic is not None and self.elastic.cohort_formed and self.failure is None:
+            self._end(r, info, RankState.TOLERATED)
+            self.tolerated += 1
+            self.events(Kind.TOLERATED, f"{msg} — tolerating (elastic membership): reporting "
+                        f"rank(s) [{r.rank}] dead", host=r.host, rank=r.rank, data=data)
+            self.elastic.report_dead([r.rank], info.describe())
+            return
+        self._end(r, info, RankState.LOST if info.lost is not None else RankState.FAILED)
+        self.events(Kind.DEATH, msg, host=r.host, rank=r.rank, data=data)
+        self._fail(msg, announce=True)
+
+    def _forward_ended(self, r: Rank, info: RankExit, data: dict[str, object]) -> None:
+        """A signal the launcher forwarded (USR1, USR2) killed a rank that has no handler
+        for it: the operator's signal stopped the run, the program did not fail."""
+        assert info.signal is not None
+        name = signal.Signals(info.signal).name
+        r.stopped_by = f"{name} (forwarded)"
+        self._end(r, info, RankState.STOPPED)
+        self.events(Kind.EXIT, f"cluster launcher: {r.label} was stopped by {name}, which the "
+                    "launcher forwarded (the program has no handler for it)", host=r.host,
+                    rank=r.rank, data={**data, "forwarded": name})
+        if self._stopped_by_forward is None and self._interrupt is None \
+                and self.failure is None:
+            self._stopped_by_forward = (info.signal, r)
+            self._stop_all()
+
+    def _declared_dead(self, report: reports.DeclaredDead) -> None:
+        """The coordinator heard nothing from a joined rank for its heartbeat timeout: its
+        agent stops it (TERM, KILL after the kill grace), so its exit comes."""
+        r = self.by_rank.get(report.rank)
+        if r is None or r.state.terminal or r.declared_dead is not None:
+            return
+        r.declared_dead = report.reason
+        host = self.hosts[r.host]
+        if not host.gone:
+            host.handle.stop("TERM", r.rank)
+
+    def _end(self, r: Rank, info: RankExit, state: RankState) -> None:
+        r.exit = info
+        r.state = state
+        r.ended = time.monotonic()
+
+    def _verified(self, report: reports.Verified) -> None:
+        if report.stopped:
+            pids = ", ".join(f"{p.get('pid')} ({p.get('cmdline', '')[:60]})"
+                             for p in report.stopped)
+            self.events(Kind.WARNING, f"cluster launcher: {report.host}: stopped what the run "
+                        f"left behind after its last rank: {pids}", host=report.host)
+        if report.remaining:
+            pids = ", ".join(str(p.get("pid")) for p in report.remaining)
+            self.events(Kind.WARNING, f"cluster launcher: {report.host}: could NOT stop what "
+                        f"the run left behind: pids {pids} (see `inv cleanup`)",
+                        host=report.host)
+
+    def _gone(self, report: reports.AgentGone) -> None:
+        host = self.hosts.get(report.host)
+        if host is None or host.gone:
+            return
+        reason = f"agent lost: {report.reason}" if report.reason else "agent ended"
+        self._host_ended(report.host, reason, fault=None if report.clean else "lost",
+                         warn=not report.clean)
+
+    def _host_ended(self, name: str, reason: str, *, fault: Optional[str], warn: bool) -> None:
+        """A host's agent is gone or given up on: its ranks without an exit are lost."""
+        host = self.hosts[name]
+        host.gone = True
+        host.fault = fault
+        lost = [r for r in host.ranks if not r.state.terminal]
+        if not lost:
+            self._maybe_start()
+            return
+        if warn:
+            self.events(Kind.WARNING, f"cluster launcher: host {name!r}: {reason}", host=name,
+                        data={"host_fault": fault})
+        never = [r for r in lost if r.state is RankState.PENDING]
+        for r in never:
+            self._end(r, RankExit(lost=reason, host_fault=fault), RankState.NOT_STARTED)
+        for r in lost:
+            if r.state is not RankState.NOT_STARTED:
+                self._on_exit(r, RankExit(lost=reason, host_fault=fault))
+        if never and self._stop_started is None:
+            self._fail(f"cluster launcher: host {name!r}: {reason} before its ranks "
+                       "started", announce=True)
+        self._maybe_start()
+
+    # -- liveness, hangs, stacks ----------------------------------------------------------------
+    def _check_pause(self) -> None:
+        """A long gap between two turns: this process was stopped (Ctrl-Z, SIGSTOP, a
+        suspended VM). Nobody else was silent: every silence clock starts again."""
+        now = time.monotonic()
+        if now - self._last_turn > PAUSE_GAP:
+            self._restart_clocks(now)
+        self._last_turn = now
+
+    def _restart_clocks(self, now: float) -> None:
+        self._watch_from = self._last_activity = self._pinged = now
+        if self.elastic is not None:
+            self.elastic.resumed()
+        if self.on_resume is not None:
+            self.on_resume()
+
+    def _check_hosts(self) -> None:
+        """An agent that has said nothing for ``agent_timeout`` is unresponsive."""
+        if self.agent_timeout is None:
+            return
+        now = time.monotonic()
+        for name, host in self.hosts.items():
+            if host.gone:
+                continue
+            silent = now - max(host.handle.last_heard, self._watch_from)
+            if silent <= self.agent_timeout:
+                continue
+            reason = f"no word from its agent for {silent:.1f}s"
+            self.events(Kind.DEATH, f"cluster launcher: host {name!r} unresponsive: {reason} "
+                        f"(agent_timeout {self.agent_timeout:g}s: a frozen agent or sshd, or a "
+                        "cut link)", host=name,
+                        data={"host_fault": "unresponsive", "silent": round(silent, 3)})
+            host.handle.abandon()
+            self._host_ended(name, f"host unresponsive: {reason}", fault="unresponsive",
+                             warn=False)
+
+    def _check_hang(self) -> None:
+        """No rank wrote a line, and no joined rank reported progress, for hang_timeout."""
+        if self.hang_timeout is None or self.phase is not RunPhase.RUNNING \
+                or self._stacks is not None or self._hung is not None or not self.live():
+            return
+        now = time.monotonic()
+        last = self._last_activity
+        if self.elastic is not None:
+            last = max(last, self.elastic.last_progress)
+        if now - max(last, self._watch_from) <= self.hang_timeout:
+            return
+        self._hung = (f"cluster launcher: run hung — no rank wrote a line or reported "
+                      f"progress for {now - last:.0f}s (hang_timeout {self.hang_timeout:g}s)")
+        self.events(Kind.HANG, f"{self._hung}; collecting every rank's stack",
+                    data={"silent": round(now - last, 3), "hang_timeout": self.hang_timeout})
+        self._ask_stacks("hang", hang=True)
+
+    def _ask_stacks(self, reason: str, *, hang: bool) -> None:
+        if self._stacks is not None:
+            return
+        pending = {name for name, h in self.hosts.items()
+                   if not h.gone and any(not r.state.terminal for r in h.ranks)}
+        request = _StackRequest(next(_request_ids), reason, pending,
+                                time.monotonic() + STACKS_TIMEOUT, hang)
+        self._stacks = request
+        for name in pending:
+            self.hosts[name].handle.stacks(request.id)
+        self._check_stacks()
+
+    def _stacks_report(self, report: reports.Stacks) -> None:
+        request = self._stacks
+        if request is None or report.request_id != request.id:
+            return
+        request.pending.discard(report.host)
+        request.py_spy[report.host] = report.py_spy
+        if report.error and not report.ranks:
+            request.problems[report.host] = report.error
+        for rank, entry in report.ranks.items():
+            if rank in self.by_rank:
+                request.found[rank] = entry
+        self._check_stacks()
+
+    def _check_stacks(self) -> None:
+        request = self._stacks
+        if request is None:
+            return
+        for name in list(request.pending):
+            if self.hosts[name].gone:
+                request.pending.discard(name)
+                request.problems[name] = "its agent is gone"
+        if request.pending and time.monotonic() < request.deadline:
+            return
+        for name in request.pending:
+            request.problems[name] = f"no answer within {STACKS_TIMEOUT:g}s"
+        self._stacks = None
+        labels = {r.rank: (r.host, r.plan.label) for r in self.ranks}
+        self.events(Kind.STACKS, "", data={
+            "reason": request.reason, "ranks": {str(k): v for k, v in request.found.items()},
+            "hosts": {str(r): labels[r][0] for r in request.found},
+            "labels": {str(r): labels[r][1] for r in request.found},
+            "problems": request.problems, "py_spy": request.py_spy})
+        if request.hang and self._hung is not None:
+            self._fail(self._hung, announce=True)
+
+    def _signaled(self, report: reports.Signaled) -> None:
+        """A signal from outside reached an agent: under Slurm, ``scancel`` or the time
+        limit (TERM) or ``--signal`` (USR1). A stop is the run's interruption, as if the
+        launcher had received it, unless a failure already decided the run."""
+        if not report.stopping:
+            how = "forwarded to its ranks" if report.forwarded else \
+                "which Slurm delivered to its ranks too"
+            self.events(Kind.INFO, f"cluster launcher: host {report.host!r}: SIG{report.signal} "
+                        f"from outside, {how}", host=report.host)
+            return
+        signum = int(getattr(signal, "SIG" + report.signal, signal.SIGTERM))
+        if self._interrupt is not None:
+            return
+        if report.by:
+            self._stopped_by = describe_stopper(report.by, report.host)
+        if self.failure is not None:
+            # The same signal may have reached a rank (Slurm signals every process of the
+            # step) and been reported before its agent's own: then it is no failure.
+            cause = self.root_cause
+            if cause is None or cause.exit is None or cause.exit.signal != signum:
+                return
+        self._interrupt = signum
+        self._interrupted_on = report.host
+        who = self._stopped_by or "from outside (scancel, a time limit, kill)"
+        self.events(Kind.STOPPING, f"cluster launcher: host {report.host!r}: its agent received "
+                    f"SIG{report.signal} {who} — stopping every rank", host=report.host)
+        self._stop_all()
+
+    # -- requests ------------------------------------------------------------------------------
+    def _request(self, req: reports.Request) -> None:
+        if req.kind == "interrupt" and self._interrupt is None:
+            assert req.arg is not None
+            signum = int(req.arg)
+            self._interrupt = signum
+            name = signal.Signals(signum).name
+            live = len(self.live())
+            how = (f"INT, TERM after {min(wire.INT_GRACE, self.kill_grace / 2):g}s, "
+                   if signum == signal.SIGINT else "TERM, ")
+            self.events(Kind.STOPPING, f"cluster launcher: {name} received — stopping {live} "
+                        f"running rank(s) ({how}KILL after {self.kill_grace:g}s); press Ctrl-C "
+                        "again to kill now", data={"signal": name, "live": live})
+            self._stop_all("INT" if signum == signal.SIGINT else "TERM")
+        elif req.kind == "kill" or req.kind == "interrupt":
+            self.events(Kind.STOPPING, "cluster launcher: second interrupt — killing every "
+                        "rank's process group now")
+            self._stop_all()
+            self._kill_all()
+        elif req.kind == "signal" and req.arg is not None:
+            self._forwarded.add(int(getattr(signal, "SIG" + req.arg)))
+            for _name, host in self.hosts.items():
+                if not host.gone and any(not r.state.terminal for r in host.ranks):
+                    host.handle.signal(req.arg)
+        elif req.kind == "abort" and req.arg is not None:
+            self._fail(req.arg, announce=False)
+        elif req.kind == "suspend":
+            self._suspend()
+        elif req.kind == "resume":
+            self._resume()
+        elif req.kind == "stacks" and self.phase is RunPhase.RUNNING and self.live():
+            self.events(Kind.INFO, "cluster launcher: SIGQUIT — collecting every rank's "
+                        "stack (the run goes on)")
+            self._ask_stacks("asked (SIGQUIT)", hang=False)
+
+    def _suspend(self) -> None:
+        """Ctrl-Z: the agents hold their leases (the ranks keep running, and block once
+        their output fills the pipes), then this process stops until ``fg``."""
+        for host in self.hosts.values():
+            if not host.gone:
+                host.handle.suspend()
+        self.events(Kind.INFO, "cluster launcher: suspended (Ctrl-Z); the ranks keep running "
+                    "— `fg` resumes supervision", data={"suspended": True})
+        os.kill(os.getpid(), signal.SIGSTOP)
+        self._resume()
+
+    def _resume(self) -> None:
+        for host in self.hosts.values():
+            if not host.gone:
+                host.handle.resume()
+        self._restart_clocks(time.monotonic())
+
+    # -- stopping ------------------------------------------------------------------------------
+    def _fail(self, msg: str, *, announce: bool) -> None:
+        if self.failure is not None:
+            return
+        self.failure = msg
+        if not announce:
+            self.events(Kind.STOPPING, msg)
+        if self.started_any():
+            why = "hung run" if msg == self._hung else "peer failure"
+            self.events(Kind.STOPPING,
+                        f"cluster launcher: {why} — terminating all still-running ranks")
+        self._stop_all()
+
+    def started_any(self) -> bool:
+        return any(r.started is not None for r in self.ranks)
+
+    def _stop_all(self, first: str = "TERM") -> None:
+        if self._stop_started is None:
+            self._stop_started = time.monotonic()
+            self.phase = RunPhase.STOPPING
+        for r in self.live():
+            r.stop_requested = True
+        for host in self.hosts.values():
+            if not host.gone:
+                host.handle.stop(first)
+
+    def _kill_all(self) -> None:
+        self._forced = True
+        for host in self.hosts.values():
+            if not host.gone:
+                host.handle.kill()
+
+    def _check_elastic(self) -> None:
+        if self.elastic is None or self.failure is not None or self.phase is not RunPhase.RUNNING:
+            return
+        reason = self.elastic.abort_reason()
+        if reason is not None:
+            self._fail(reason, announce=False)
+            return
+        if self.elastic.shutdown_sent is None or self._stop_started is not None:
+            return
+        if self._shutdown_seen is None:
+            self._shutdown_seen = time.monotonic()
+        elif time.monotonic() - self._shutdown_seen > SHUTDOWN_GRACE:
+            self.events(Kind.STOPPING, f"cluster launcher: {len(self.live())} rank(s) did not "
+                        f"exit within {SHUTDOWN_GRACE:g}s of save-and-shutdown; stopping them")
+            self._stop_all()
+
+    def _ping(self) -> None:
+        """Renew every agent's lease (`wire.PING_INTERVAL`): an agent that stops hearing
+        from the launcher stops its ranks."""
+        now = time.monotonic()
+        if now - self._pinged < wire.PING_INTERVAL:
+            return
+        self._pinged = now
+        for host in self.hosts.values():
+            if not host.gone:
+                host.handle.ping()
+
+    def _escalate(self) -> None:
+        """Make sure a stop finishes, and a finished agent goes, even if one stops answering."""
+        now = time.monotonic()
+        for host in self.hosts.values():
+            if host.gone or host.done_at is None or now - host.done_at <= GONE_MARGIN:
+                continue
+            if not host.forced:
+                host.forced = True
+                host.handle.abandon()
+        if self._stop_started is None:
+            return
+        waited = now - self._stop_started
+        if not self._forced and waited > self.kill_grace + FORCE_MARGIN:
+            self._kill_all()
+        if waited > self.kill_grace + FORCE_MARGIN + ABANDON_MARGIN:
+            for name, host in self.hosts.items():
+                if host.gone or host.forced:
+                    continue
+                host.forced = True
+                self.events(Kind.WARNING, f"cluster launcher: host {name!r} did not report "
+                            "its ranks' exits after the kill grace; abandoning its agent",
+                            host=name)
+                host.handle.abandon()
+
+    # -- the verdict ---------------------------------------------------------------------------
+    def _result(self) -> RunResult:
+        result = self._verdict()
+        faults = {name: h.fault for name, h in self.hosts.items() if h.fault}
+        return dataclasses.replace(result, faults=faults) if faults else result
+
+    def _verdict(self) -> RunResult:
+        ranks = tuple(self.ranks)
+        world = len(ranks)
+        if self._interrupt is not None:
+            code = 128 + self._interrupt
+            name = signal.Signals(self._interrupt).name
+            if self._stopped_by is not None:
+                return RunResult(Verdict.INTERRUPTED, code,
+                                 f"cluster launcher: stopped by {self._stopped_by} — every "
+                                 "rank was stopped", ranks)
+            where = f" on {self._interrupted_on}" if self._interrupted_on else ""
+            return RunResult(Verdict.INTERRUPTED, code,
+                             f"cluster launcher: interrupted by {name}{where} — every rank "
+                             "was stopped", ranks)
+        if self._stopped_by_forward is not None and self.failure is None:
+            signum, rank = self._stopped_by_forward
+            name = signal.Signals(signum).name
+            return RunResult(Verdict.INTERRUPTED, 128 + signum,
+                             f"cluster launcher: interrupted by {name}, which the launcher "
+                             f"forwarded: {rank.label} has no handler for it — every rank "
+                             "was stopped", ranks)
+        if self.failure is not None:
+            verdict = Verdict.HUNG if self.failure == self._hung else Verdict.FAILED
+            return RunResult(verdict, 1, self.failure, ranks, self.root_cause)
+        if self.elastic is not None:
+            verdict, message = self.elastic.verdict(world, self.tolerated)
+            return RunResult(verdict, 0 if verdict in (Verdict.OK, Verdict.DEGRADED) else 1,
+                             message, ranks, self.root_cause)
+        return RunResult(Verdict.OK, 0,
+                         f"cluster launcher: run completed — all {world} ranks exited 0", ranks)
+
+
+def describe_stopper(note: Mapping[str, object], host: str) -> str:
+    """Who stopped a live run, from the note a cleanup left for its agent."""
+    what = str(note.get("command") or "a cleanup")
+    where = note.get("host")
+    pid = note.get("pid")
+    by = f" (pid {pid} on {where})" if pid and where else ""
+    return f"{what}{by} on {host}"
+
+
+def summary_rows(ranks: Sequence[Rank]) -> list[tuple[int, str, str, str, str]]:
+    """Rows of the end-of-run table: rank, host, exit, cause, duration."""
+    return [(r.rank, r.host, r.exit_text, r.cause, f"{r.duration:.1f}s") for r in ranks]

@@ -1,0 +1,133 @@
+"""What starts an agent on a host: a short command line, then its source on stdin.
+
+Nothing is installed on hosts. The command line is a few hundred bytes of Python that
+reads a length-prefixed loader from its stdin and runs it; the loader reads the bundle
+that follows: the agent's modules (`fdl_fabric.agent` and `fdl_fabric.rank`, standard
+library only) as sources, and as code compiled here for a host on the same Python
+version, and serves them to ``import`` from memory. So the command line never grows with the run
+(no ``E2BIG`` whatever the argv), carries no secret, and the agent's frames follow on
+the same stdin.
+
+The remote command prefers ``/usr/bin/python3``: the agent needs only the standard
+library, and a ``python3`` found on the login PATH may be a pyenv or conda shim that
+costs 100 ms or more per start. ``-I`` keeps ``PYTHON*`` variables and the user's
+site-packages out of the agent, ``-S`` skips ``site`` (faster, nothing needed).
+"""
+
+from __future__ import annotations
+
+import functools
+import marshal
+import os
+import sys
+from pathlib import Path
+
+from ..shell import quote
+
+#: Modules shipped to hosts, by import name; packages are marked.
+_PACKAGES = ("fdl_fabric", "fdl_fabric.agent")
+_MODULES = ("fdl_fabric.rank", "fdl_fabric.agent.wire", "fdl_fabric.agent.lines",
+            "fdl_fabric.agent.procs", "fdl_fabric.agent.children", "fdl_fabric.agent.checks",
+            "fdl_fabric.agent.stacks", "fdl_fabric.agent.watchdog", "fdl_fabric.agent.main")
+#: Digits of the payload's length header.
+_HEADER_DIGITS = 10
+
+#: The command-line part: check the Python version, read exactly the payload, run it.
+#: os.read, not sys.stdin: a buffered reader would swallow the frames that follow.
+BOOTSTRAP = (
+    "import os,sys\n"
+    "if sys.version_info<(3,8):\n"
+    " sys.stderr.write('fdl-fabric agent: needs Python 3.8 or newer, found %s\\n'"
+    "%sys.version.split()[0]);sys.exit(3)\n"
+    "def r(n):\n"
+    " b=b''\n"
+    " while len(b)<n:\n"
+    "  c=os.read(0,n-len(b))\n"
+    "  if not c:sys.stderr.write('fdl-fabric agent: payload cut short\\n');sys.exit(3)\n"
+    "  b+=c\n"
+    " return b\n"
+    f"exec(compile(r(int(r({_HEADER_DIGITS}))),'<fdl-agent>','exec'))\n"
+)
+
+_LOADER = '''\
+import marshal, sys
+from importlib.machinery import ModuleSpec
+BUNDLE = marshal.loads(r(int(r({digits}))))
+SOURCES = BUNDLE["src"]
+PACKAGES = set(BUNDLE["packages"])
+# Code compiled by the launcher, used when this Python reads it as its own (same cache
+# tag): compiling the agent's sources costs every host ~12 ms of CPU per start.
+CODE = BUNDLE["code"] if BUNDLE["tag"] == sys.implementation.cache_tag else {{}}
+class _Finder:
+    # A meta path finder and loader by protocol (importlib.abc costs 12 ms of imports).
+    def find_spec(self, name, path=None, target=None):
+        if name in SOURCES:
+            return ModuleSpec(name, self, is_package=name in PACKAGES)
+        return None
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        name = module.__name__
+        code = None
+        if name in CODE:
+            try:
+                code = marshal.loads(CODE[name])
+            except (ValueError, EOFError, TypeError):
+                code = None
+        if code is None:
+            path = "fdl-agent/" + name.replace(".", "/") + (
+                "/__init__.py" if name in PACKAGES else ".py")
+            code = compile(SOURCES[name], path, "exec")
+        exec(code, module.__dict__)
+sys.meta_path.insert(0, _Finder())
+from fdl_fabric.agent.main import main
+sys.exit(main())
+'''
+
+
+def _source_of(name: str) -> str:
+    root = Path(__file__).resolve().parent.parent.parent
+    rel = Path(*name.split("."))
+    path = root / rel / "__init__.py" if name in _PACKAGES else root / rel.with_suffix(".py")
+    if name == "fdl_fabric":
+        return '"""fdl-fabric, as shipped to a host: the agent and the rank client only."""\n'
+    return path.read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=2)
+def payload(tag: str = sys.implementation.cache_tag) -> bytes:
+    """What follows the bootstrap on stdin (built once): the loader's source, then the
+    bundle it reads itself, each behind a length header. The bundle is a marshalled dict
+    of plain values (readable by any Python 3): every module's source, and the same
+    modules compiled by this Python, which the host uses only if it is the same version."""
+    sources = {name: _source_of(name) for name in (*_PACKAGES, *_MODULES)}
+    compiled = {name: marshal.dumps(compile(src, "fdl-agent/" + name.replace(".", "/") + (
+        "/__init__.py" if name in _PACKAGES else ".py"), "exec"))
+        for name, src in sources.items()}
+    bundle = marshal.dumps({"src": sources, "packages": list(_PACKAGES),
+                            "tag": tag, "code": compiled}, 4)
+    loader = _LOADER.format(digits=_HEADER_DIGITS).encode()
+    return (f"{len(loader):0{_HEADER_DIGITS}d}".encode() + loader
+            + f"{len(bundle):0{_HEADER_DIGITS}d}".encode() + bundle)
+
+
+def remote_command() -> str:
+    """The command an SSH session runs: the host's python3 with the bootstrap."""
+    boot = quote(BOOTSTRAP)
+    return f'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c {boot}'
+
+
+def local_command(python: str) -> str:
+    """The command a local agent runs (through invoke's shell): ``python`` with the bootstrap."""
+    return f"exec {quote(python)} -I -S -c {quote(BOOTSTRAP)}"
+
+
+def source_paths() -> list[str]:
+    """Files the bundle is made of (for tests that check they stay standalone)."""
+    root = Path(__file__).resolve().parent.parent.parent
+    out = []
+    for name in (*_PACKAGES[1:], *_MODULES):
+        rel = Path(*name.split("."))
+        path = root / rel / "__init__.py" if name in _PACKAGES else root / rel.with_suffix(".py")
+        out.append(os.fspath(path))
+    return out

@@ -1,0 +1,367 @@
+"""The launcher's end of one agent: start it, speak the protocol, post what it reports.
+
+One `AgentSession` per host. A remote agent is one SSH session on the host's Fabric
+Connection (`RawRemote`); a local agent is one process started through invoke
+(`RawLocal`), and so is a Slurm node's, through the srun step that runs it there
+(`fdl_fabric.transport.slurm`). Either way the agent's stdin and stdout carry
+`fdl_fabric.agent.wire` frames; the runner's reader thread feeds stdout into a
+`wire.Reader` and every frame becomes a `reports` record, posted to the supervisor's
+inbox. Nothing here prints: transport never imports presentation.
+
+Writes (the spec, start, stop, signals) come from the launcher's threads and are
+serialised by a lock; a write to an agent that is gone is dropped, because its end is
+reported separately (`reports.AgentGone`).
+
+Rank output is handed to ``on_output`` on the reading thread itself (the console and the
+logs, `fdl_fabric.presentation.rankoutput`): a slow console slows this one reader, never
+the supervisor. Every byte read counts as a sign of life (`last_heard`), and so does time
+spent waiting on a slow console.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+from invoke.config import Config as InvokeConfig
+from invoke.context import Context
+
+from ..agent import wire
+from ..supervision import reports
+from . import bundle
+from .runners import RawLocal
+
+#: Bytes of an agent's stderr kept to explain how it ended.
+STDERR_TAIL = 4096
+
+Post = Callable[[reports.Report], None]
+#: Where rank output goes on the reading thread; it may block while the console is slow.
+OutputSink = Callable[[reports.Output], None]
+
+
+class _Stdout:
+    """Frames from the agent's stdout, turned into reports."""
+
+    def __init__(self, session: AgentSession) -> None:
+        self.session = session
+        self.reader = wire.Reader(wire.UP_TYPES, handshake=True)
+
+    def feed(self, data: bytes) -> None:
+        self.session.heard()
+        if self.session.broken:
+            return
+        try:
+            frames = self.reader.feed(data)
+        except wire.ProtocolError as exc:
+            self.session.protocol_error(str(exc))
+            return
+        post = self.session.post
+        host = self.session.host
+        for kind, body in frames:
+            try:
+                if kind == wire.OUTPUT:
+                    rank, stream, partial, chunk = wire.parse_output(body)
+                    report = reports.Output(host, rank, stream == wire.STDERR, chunk, partial)
+                    self.session.output(report)
+                    post(report)
+                elif kind == wire.HEARTBEAT:
+                    continue
+                else:
+                    self.session.handle(kind, wire.parse_json(body))
+            except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
+                self.session.protocol_error(f"bad frame {kind}: {exc}")
+                return
+
+    def close(self) -> None:
+        self.session.stream_closed()
+
+
+class _Stderr:
+    """The agent's own stderr (a crash's traceback): kept, last bytes only."""
+
+    def __init__(self, session: AgentSession) -> None:
+        self.session = session
+        self.tail = b""
+
+    def feed(self, data: bytes) -> None:
+        self.tail = (self.tail + data)[-STDERR_TAIL:]
+
+    def close(self) -> None:
+        self.session.stream_closed()
+
+
+class AgentSession:
+    """One host's agent, local or remote; see the module docstring."""
+
+    def __init__(self, host: str, post: Post, *, connection: Any = None,
+                 python: str = sys.executable, env: Optional[Mapping[str, str]] = None,
+                 command: Optional[str] = None,
+                 on_output: Optional[OutputSink] = None) -> None:
+        self.host = host
+        #: A local command line that reaches the host's agent (an srun step); default: the
+        #: agent itself, here.
+        self.command = command
+        self.post = post
+        self.connection = connection
+        self.python = python
+        self.env = dict(env) if env is not None else None
+        self.promise: Optional[Any] = None
+        self.broken = False
+        self.done = False
+        self._closed_streams = 0
+        self._stdout = _Stdout(self)
+        self._stderr = _Stderr(self)
+        self._lock = threading.Lock()
+        self._gone = False
+        self._problem = ""
+        self.on_output = on_output
+        self._heard = time.monotonic()
+        self._in_sink = 0
+
+    # -- liveness -------------------------------------------------------------------------
+    @property
+    def last_heard(self) -> float:
+        """When the agent last sent anything; now, while its output waits on the console
+        (the agent is talking, the launcher is the one not listening)."""
+        return time.monotonic() if self._in_sink else self._heard
+
+    def heard(self) -> None:
+        self._heard = time.monotonic()
+
+    def output(self, report: reports.Output) -> None:
+        sink = self.on_output
+        if sink is None:
+            return
+        self._in_sink += 1
+        try:
+            sink(report)
+        finally:
+            self._in_sink -= 1
+            self._heard = time.monotonic()
+    @property
+    def local(self) -> bool:
+        return self.connection is None
+
+    # -- starting -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the agent process and ship its source; raises if the session cannot open."""
+        options: dict[str, Any] = {
+            "asynchronous": True, "pty": False, "warn": True, "hide": False, "echo": False,
+            "in_stream": False, "out_stream": self._stdout, "err_stream": self._stderr,
+        }
+        if self.local:
+            env = self.env if self.env is not None else local_environment()
+            runner = RawLocal(Context(config=InvokeConfig()))
+            self.promise = runner.run(self.command or bundle.local_command(self.python),
+                                      env=env, replace_env=True, shell="/bin/sh", **options)
+        else:
+            from .ssh import RawRemote  # Fabric's SSH stack, only when a host is remote
+
+            runner = RawRemote(context=self.connection, inline_env=True)
+            self.promise = runner.run(bundle.remote_command(), **options)
+        self.write(bundle.payload())
+
+    # -- writing --------------------------------------------------------------------------
+    def write(self, data: bytes) -> None:
+        promise = self.promise
+        if promise is None or self._gone:
+            return
+        # The agent may be gone; its end is reported by the reader, not here.
+        with self._lock, contextlib.suppress(Exception):
+            promise.runner._write_proc_stdin(data)
+
+    def send(self, kind: int, obj: Optional[dict[str, Any]] = None) -> None:
+        self.write(wire.message(kind, obj))
+
+    def spec(self, spec: dict[str, Any]) -> None:
+        self.send(wire.SPEC, spec)
+
+    def probe(self, *, gpus: bool) -> None:
+        self.send(wire.PROBE, {"gpus": gpus})
+
+    def start_ranks(self) -> None:
+        self.send(wire.START)
+
+    def stop(self, signal: str = "TERM", rank: Optional[int] = None) -> None:
+        """Graceful stop of every rank (``signal`` first: TERM, or INT for a Ctrl-C), or
+        of one rank (a rank the coordinator declared dead)."""
+        self.send(wire.STOP, {"signal": signal, "rank": rank})
+
+    def suspend(self) -> None:
+        self.send(wire.SUSPEND)
+
+    def resume(self) -> None:
+        self.send(wire.RESUME)
+
+    def stacks(self, request_id: int, run: Optional[str] = None,
+               host: Optional[str] = None) -> None:
+        """Ask for every rank's stack: this run's, or a recorded run's (``run``, ``host``)."""
+        self.send(wire.STACKS, {"id": request_id, "run": run, "host": host})
+
+    def list_runs(self, cluster: Optional[str] = None) -> None:
+        self.send(wire.LIST, {"cluster": cluster})
+
+    def kill(self) -> None:
+        self.send(wire.KILL)
+
+    def signal(self, name: str, rank: Optional[int] = None) -> None:
+        if name not in wire.SIGNALS:
+            raise ValueError(f"cannot forward signal {name}")
+        self.send(wire.SIGNAL, {"signal": name, "rank": rank})
+
+    def ping(self) -> None:
+        self.send(wire.PING)
+
+    def sweep(self, request: dict[str, Any]) -> None:
+        self.send(wire.SWEEP, request)
+
+    def close_input(self) -> None:
+        """EOF on the agent's stdin: the leash (it stops its ranks and exits)."""
+        promise = self.promise
+        if promise is None:
+            return
+        with self._lock, contextlib.suppress(Exception):
+            promise.runner.close_proc_stdin()
+
+    def abandon(self) -> None:
+        """Last resort for an agent that stopped answering: cut its session or process.
+
+        A remote agent sees EOF and runs its leash; a local one is killed (its watchdog
+        then stops its ranks).
+        """
+        self.close_input()
+        promise = self.promise
+        if promise is None:
+            return
+        with contextlib.suppress(Exception):
+            promise.runner.kill()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the runner's threads (after the agent is gone)."""
+        promise = self.promise
+        if promise is None:
+            return
+        for thread in getattr(promise.runner, "threads", {}).values():
+            thread.join(timeout)
+
+    # -- reading (runner threads) -----------------------------------------------------------
+    def handle(self, kind: int, obj: dict[str, Any]) -> None:
+        host, post = self.host, self.post
+        if kind == wire.HELLO:
+            post(reports.AgentReady(host, obj))
+        elif kind == wire.FACTS:
+            gpus = obj.get("gpus")
+            post(reports.Facts(host, [int(g) for g in gpus] if isinstance(gpus, list) else None,
+                               str(obj.get("gpu_error", ""))))
+        elif kind == wire.PREFLIGHT:
+            post(reports.Preflight(host, {str(k): str(v) for k, v in obj["values"].items()}))
+        elif kind == wire.SWEPT:
+            post(reports.Swept(host, obj))
+        elif kind == wire.SPAWNED:
+            post(reports.Spawned(host, int(obj["rank"]), int(obj["pid"])))
+        elif kind == wire.SPAWN_FAILED:
+            post(reports.SpawnFailed(host, int(obj["rank"]), str(obj["reason"])))
+        elif kind == wire.EXITED:
+            code, sig = obj.get("code"), obj.get("signal")
+            post(reports.Exited(host, int(obj["rank"]), None if code is None else int(code),
+                                None if sig is None else int(sig), str(obj.get("error", ""))))
+        elif kind == wire.VERIFIED:
+            post(reports.Verified(host, list(obj.get("stopped", [])),
+                                  list(obj.get("remaining", []))))
+        elif kind == wire.ERROR:
+            rank = obj.get("rank")
+            post(reports.AgentError(host, str(obj.get("message", "")),
+                                    None if rank is None else int(rank)))
+        elif kind == wire.DONE:
+            self.done = True
+            post(reports.AgentDone(host))
+        elif kind == wire.SIGNALED:
+            by = obj.get("by")
+            post(reports.Signaled(host, str(obj["signal"]), bool(obj.get("stopping")),
+                                  bool(obj.get("forwarded")), by if isinstance(by, dict)
+                                  else None))
+        elif kind == wire.STACKS_REPORT:
+            ranks = obj.get("ranks") or {}
+            post(reports.Stacks(host, int(obj.get("id") or 0), obj.get("run"),
+                                {int(k): v for k, v in ranks.items() if isinstance(v, dict)},
+                                bool(obj.get("py_spy")), str(obj.get("error") or "")))
+        elif kind == wire.RUNS:
+            post(reports.Runs(host, [r for r in obj.get("runs") or [] if isinstance(r, dict)],
+                              [str(e) for e in obj.get("errors") or []]))
+
+    def protocol_error(self, reason: str) -> None:
+        """A malformed stream: stop reading it, end the agent, say why (naming the host)."""
+        if self.broken:
+            return
+        self.broken = True
+        self._problem = f"protocol error from the agent: {reason}"
+        self.abandon()
+
+    def stream_closed(self) -> None:
+        with self._lock:
+            self._closed_streams += 1
+            if self._closed_streams < 2 or self._gone:
+                return
+            self._gone = True
+        status = self._exit_status()
+        clean = self.done and status == 0 and not self.broken
+        self.post(reports.AgentGone(self.host, clean, "" if clean else self._why(status)))
+
+    def _exit_status(self) -> Optional[int]:
+        promise = self.promise
+        if promise is None:
+            return None
+        runner: Any = promise.runner
+        try:
+            if self.local:
+                runner.process.wait()
+                code: Optional[int] = runner.process.returncode
+                return code
+            channel = runner.channel
+            if not channel.status_event.wait(5.0):
+                return None
+            status = int(channel.exit_status)
+            if getattr(channel, "exit_signal", None) and status > 128:
+                return 128 - status  # killed by signal N: -N, as subprocess says it
+            return None if status == -1 else status
+        except Exception:
+            return None
+
+    def _why(self, status: Optional[int]) -> str:
+        parts = []
+        if self._problem:
+            parts.append(self._problem)
+        noise = self._stdout.reader.noise
+        if not self._stdout.reader.synced:
+            if noise:
+                parts.append(f"the login shell printed {noise[-200:]!r} and no agent started")
+            else:
+                parts.append("the agent never started")
+        if status is None:
+            parts.append("the agent process vanished" if self.local
+                         else "the SSH session or connection was lost")
+        elif status < 0:
+            parts.append(f"the agent was killed by signal {-status}")
+        elif status:
+            parts.append(f"the agent exited with status {status}")
+        elif not self.done:
+            parts.append("the agent ended without reporting")
+        tail = self._stderr.tail.decode("utf-8", "replace").strip()
+        if tail:
+            parts.append("its last words: " + tail.splitlines()[-1][:300])
+        return "; ".join(parts)
+
+
+def local_environment() -> dict[str, str]:
+    """The launcher's environment minus launcher-internal variables: what a local agent
+    (or the srun that starts a Slurm node's agent) is given.
+
+    A launcher started from inside another run must not leak that run's envelope or
+    identity into its own ranks.
+    """
+    return {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")}
