@@ -137,6 +137,7 @@ def test_connecting_32_hosts_20_times_never_fails(tmp_path: Path) -> None:
     """No mutable configuration shared between connection threads (it once made one
     connect in 26 fail at 32 hosts with "No attribute or config key found")."""
     from fdl_fabric.clusterfile import load_cluster
+    from fdl_fabric.transport import for_cluster
     from fdl_fabric.transport.fanout import close_all, connect_each
     from fdl_fabric.transport.sshconfig import resolve_all_settings
 
@@ -145,9 +146,10 @@ def test_connecting_32_hosts_20_times_never_fails(tmp_path: Path) -> None:
         settings = resolve_all_settings(cluster)
         failures: list[str] = []
         for _ in range(20):
-            connections, errors = connect_each(settings)
+            transports = for_cluster(cluster, settings)
+            errors = connect_each(transports.values())
             failures += [f"{h}: {why}" for h, why in errors.items()]
-            close_all(connections.values())
+            close_all(transports.values())
         assert failures == []
 
 

@@ -23,8 +23,8 @@ from fdl_fabric.clusterfile import parse_cluster
 from fdl_fabric.planning.envelope import new_salt
 from fdl_fabric.planning.plan import build_plan
 from fdl_fabric.supervision import reports
+from fdl_fabric.transport import for_worker
 from fdl_fabric.transport.session import AgentSession
-from fdl_fabric.transport.ssh import open_connection
 from fdl_fabric.transport.sshconfig import resolve_settings
 
 pytestmark = pytest.mark.lab
@@ -59,9 +59,10 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Any:
                    options: {json.dumps(lab.ssh_options())}}}
         """)
     cluster = parse_cluster(doc, file="q.yml", folder=str(root), local_hostname="ctl")
-    conn = open_connection(resolve_settings(cluster.workers[0]))
-    yield cluster, conn, Path(h.path)
-    conn.close()
+    transport = for_worker(cluster.workers[0], {"lab1": resolve_settings(cluster.workers[0])})
+    transport.connect()
+    yield cluster, transport, Path(h.path)
+    transport.close()
     lab.stop()
 
 
@@ -69,7 +70,7 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @given(value=values, args=st.lists(values, max_size=4), dirname=dirnames)
 def test_env_values_arguments_and_paths_reach_the_remote_rank_exactly(
         remote: Any, value: str, args: list[str], dirname: str) -> None:
-    cluster, conn, base = remote
+    cluster, transport, base = remote
     workdir = base / dirname
     workdir.mkdir(exist_ok=True)
     worker = cluster.workers[0]
@@ -80,7 +81,7 @@ def test_env_values_arguments_and_paths_reach_the_remote_rank_exactly(
     plan = build_plan(cluster, argv=["python3", "-c", REPORT, *args], run_id="q",
                       salt=new_salt(), launcher_env={})
     inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
-    session = AgentSession("lab1", inbox.put, connection=conn)
+    session = AgentSession(transport, inbox.put)
     session.start()
     session.spec(plan.agent_spec("lab1", start_now=True))
     out = b""

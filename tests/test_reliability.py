@@ -36,8 +36,8 @@ from fdl_fabric.clusterfile import load_cluster
 from fdl_fabric.commands.cleanup import sweep_request, sweep_with_agents
 from fdl_fabric.planning.plan import cluster_key
 from fdl_fabric.testing import REGISTRY_MOUNTPOINT, LabHost, SshdLab
+from fdl_fabric.transport import for_cluster
 from fdl_fabric.transport.fanout import close_all, connect_all
-from fdl_fabric.transport.session import AgentSession
 from fdl_fabric.transport.sshconfig import resolve_all_settings
 from labutil import (
     PROBE,
@@ -439,7 +439,8 @@ def test_sweeping_four_hosts_takes_about_as_long_as_sweeping_one(
     cluster = cluster_file(lab)
     key = key_of(cluster)
     parsed = load_cluster(str(cluster))
-    connections = connect_all(resolve_all_settings(parsed))
+    transports = for_cluster(parsed, resolve_all_settings(parsed))
+    connect_all(transports)
     try:
         timings = {}
         for n in (1, 4):
@@ -449,16 +450,14 @@ def test_sweeping_four_hosts_takes_about_as_long_as_sweeping_one(
                                         ignore_term=True)
                          for i, h in enumerate(hosts)]
             t0 = time.monotonic()
-            reports = sweep_with_agents(
-                [h.name for h in hosts],
-                lambda host, post: AgentSession(host, post, connection=connections[host]),
-                sweep_request(cluster=key))
+            reports = sweep_with_agents([transports[h.name] for h in hosts],
+                                        sweep_request(cluster=key))
             timings[n] = time.monotonic() - t0
             assert [r.host for r in reports] == [h.name for h in hosts]
             assert all(r.clean and len(r.stopped) == 1 for r in reports), reports
             assert all(p.wait(5) == -signal.SIGKILL for p in leftovers)
     finally:
-        close_all(connections.values())
+        close_all(transports.values())
     print(f"\nsweep of 1 lab host: {timings[1]:.2f}s; of 4 lab hosts: {timings[4]:.2f}s")
     assert timings[1] >= 1.0, "each sweep waits the grace for a TERM-ignoring leftover"
     assert timings[4] < 2 * timings[1] + 1.0, timings

@@ -12,8 +12,7 @@ import pytest
 from fdl_fabric.clusterfile import ConfigError, parse_cluster
 from fdl_fabric.errors import EXIT_USAGE, FdlError
 from fdl_fabric.planning.plan import build_plan, cluster_key
-from fdl_fabric.transport import slurm
-from fdl_fabric.transport.fanout import agent_session
+from fdl_fabric.transport import for_worker, slurm
 
 NODE_LINES = {
     "n1,n2,n3": "NodeName=n1 Arch=x86_64 NodeAddr=10.0.0.1 NodeHostName=n1\n"
@@ -114,10 +113,9 @@ def test_variables_that_would_shrink_the_agents_step_are_not_given_to_srun() -> 
 def test_a_slurm_workers_agent_is_reached_by_its_srun_step_never_over_ssh() -> None:
     worker = slurm.cluster_for(parse_cluster("scheduler: slurm\nnproc_per_node: 1\n"),
                                slurm.allocation(ALLOC_ENV, run=canned)).workers[1]
-    session = agent_session(worker, {}, lambda report: None)
-    assert session.connection is None
-    assert session.command == slurm.step_command("42", "n2")
-    assert session.env is not None and "SLURM_EXACT" not in session.env
+    transport = for_worker(worker)
+    assert isinstance(transport, slurm.SlurmTransport) and transport.job == "42"
+    assert "srun --jobid=42" in transport.describe() and "--nodelist=n2" in transport.describe()
 
 
 def test_cleanup_lists_and_cancels_only_this_jobs_agent_steps() -> None:

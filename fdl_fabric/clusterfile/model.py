@@ -49,6 +49,9 @@ class WorkerSpec:
     #: The Slurm job whose allocation holds this node: its agent starts as an srun step
     #: of that job, never over SSH (`fdl_fabric.transport.slurm`).
     slurm_job: Optional[str] = None
+    #: How the host is reached: a kind of `fdl_fabric.transport` (``local``, ``ssh``,
+    #: ``slurm``); only the transport package reads it.
+    transport: str = "ssh"
 
     @property
     def ssh_target(self) -> str:

@@ -396,6 +396,7 @@ def _read_worker(
         env=env,
         data_path=None if raw_data_path is None else _resolve_path(raw_data_path, folder, is_local),
         is_local=is_local,
+        transport="local" if is_local else "ssh",
         line=line_of(w.node),
         env_forward=env_forward,
     )

@@ -19,15 +19,18 @@ import os
 import queue
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..clusterfile import SshSpec, WorkerSpec
 from ..errors import EXIT_USAGE, FdlError
+from ..planning.plan import cluster_key
+from ..presentation.output import Console
 from ..supervision import reports
-from ..transport.fanout import agent_session, close_all, connect_each
-from ..transport.session import AgentSession, Post
-from ..transport.slurm import CLEANUP_STEP
+from ..transport import Transport, for_cluster, kind, resolve_cluster
+from ..transport.fanout import close_all, connect_each, start_each
+from ..transport.sshconfig import resolve_all_settings
 
 #: Seconds a sweep may take on a host (TERM, the sweep grace, KILL, plus start-up).
 SWEEP_TIMEOUT = 60.0
@@ -83,25 +86,14 @@ def stopper(command: str) -> dict[str, Any]:
     return {"command": command, "pid": os.getpid(), "host": socket.gethostname()}
 
 
-OpenSession = Callable[[str, Post], AgentSession]
-
-
-def sweep_with_agents(hosts: Sequence[str], open_session: OpenSession,
-                      request: Mapping[str, Any], *, timeout: float = SWEEP_TIMEOUT
-                      ) -> list[HostReport]:
-    """Start one agent per host (``open_session``) and sweep them all at once."""
+def sweep_with_agents(transports: Sequence[Transport], request: Mapping[str, Any], *,
+                      timeout: float = SWEEP_TIMEOUT) -> list[HostReport]:
+    """Start one agent per (connected) host and sweep them all at once."""
     inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
-    found: dict[str, HostReport] = {}
-    sessions: dict[str, AgentSession] = {}
-    for host in hosts:
-        session = open_session(host, inbox.put)
-        try:
-            session.start()
-        except Exception as exc:
-            found[host] = HostReport(host, error=f"cannot start its agent: {exc}")
-            continue
+    sessions, errors = start_each(transports, inbox.put)
+    found = {host: HostReport(host, error=why) for host, why in errors.items()}
+    for session in sessions.values():
         session.sweep(dict(request))
-        sessions[host] = session
     pending = set(sessions)
     deadline = time.monotonic() + timeout
     while pending:
@@ -114,10 +106,10 @@ def sweep_with_agents(hosts: Sequence[str], open_session: OpenSession,
             break
         if isinstance(report, reports.Swept):
             data = report.report
-            errors = data.get("errors") or []
+            problems = data.get("errors") or []
             found[report.host] = HostReport(report.host, list(data.get("stopped", [])),
                                             list(data.get("leftovers", [])),
-                                            "; ".join(errors) if errors else None,
+                                            "; ".join(problems) if problems else None,
                                             list(data.get("live", [])))
         elif isinstance(report, reports.AgentGone):
             pending.discard(report.host)
@@ -125,7 +117,7 @@ def sweep_with_agents(hosts: Sequence[str], open_session: OpenSession,
                 found[report.host] = HostReport(report.host, error=report.reason)
     for session in sessions.values():
         session.close_input()
-    return [found[h] for h in hosts if h in found]
+    return [found[t.host] for t in transports if t.host in found]
 
 
 def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
@@ -134,69 +126,39 @@ def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
     """``inv cleanup``: sweep every host of a cluster (with ``slurm``: every node of this
     allocation, for this job's runs only); 0 clean, 1 leftovers, 2 config or usage. Live
     runs are left alone unless named by ``run_id`` or ``force``d."""
-    from ..clusterfile import ConfigError
-    from ..planning.plan import cluster_key
-    from ..presentation.output import Console
-    from ..transport.sshconfig import load_with_settings
-
     console = console or Console()
     try:
         if slurm:
-            from ..transport import slurm as slurm_
-
             for flag, given in (("--all", all_runs), ("--pattern", pattern)):
                 if given:
                     raise FdlError(f"{flag}: not with --slurm, which sweeps this job's runs "
-                                      "only (another job may share the nodes)", EXIT_USAGE)
-            cluster = slurm_.load(cluster_file, nproc_per_node=1)
-            settings: dict[str, Any] = {}
-        else:
-            cluster, settings = load_with_settings(cluster_file or "cluster.yml",
-                                                   console.message)
-    except ConfigError as exc:
-        console.message(str(exc))
-        return EXIT_USAGE
+                                   "only (another job may share the nodes)", EXIT_USAGE)
+        cluster = resolve_cluster(cluster_file, slurm=slurm, nproc_per_node=1 if slurm else None)
+        settings = resolve_all_settings(cluster, console.message)
     except FdlError as exc:
         console.message(str(exc))
         return exc.exit_code
     key = cluster_key(cluster)
-    connections, errors = connect_each(settings)
-    workers = {w.host: w for w in cluster.workers}
+    transports = for_cluster(cluster, settings, purpose="cleanup")
+    errors = connect_each(transports.values())
+    command = "inv cleanup" + (f" --run-id {run_id}" if run_id else "") + \
+        (" --force" if force else "")
     try:
-        command = "inv cleanup" + (f" --run-id {run_id}" if run_id else "") + \
-            (" --force" if force else "")
         request = sweep_request(runs=[run_id] if run_id else [],
                                 cluster=None if (run_id or all_runs) else key,
                                 all_runs=all_runs, pattern=pattern,
                                 scope=key if slurm else None, force=force,
                                 by=stopper(command))
-        hosts = [w.host for w in cluster.workers if w.host not in errors]
         found = {r.host: r for r in sweep_with_agents(
-            hosts, lambda host, post: agent_session(workers[host], connections, post,
-                                                    step_name=CLEANUP_STEP),
-            request)}
+            [t for h, t in transports.items() if h not in errors], request)}
     finally:
-        close_all(connections.values())
+        close_all(transports.values())
     for host, reason in errors.items():
         found[host] = HostReport(host, error=reason)
-    if slurm and cluster.slurm is not None and cluster.slurm.job_id is not None:
-        _cancel_agent_steps(cluster.slurm.job_id, console)
+    for kind_name in dict.fromkeys(w.transport for w in cluster.workers):
+        for line in kind(kind_name).after_sweep(cluster.workers):
+            console.message(line)
     return report_and_verdict([found[w.host] for w in cluster.workers], console)
-
-
-def _cancel_agent_steps(job: str, console: Any) -> None:
-    """Agent steps of this job that outlived their launcher (the sweep stopped their
-    ranks): cancelled by step id, so nothing of another job is touched."""
-    from ..transport import slurm
-
-    try:
-        steps = slurm.agent_steps(job)
-        if steps:
-            slurm.cancel_steps(steps)
-            console.message(f"cleanup: cancelled agent steps {', '.join(steps)} of job {job}")
-    except FdlError as exc:
-        console.message(f"cleanup: could not list or cancel the agent steps of job {job}: "
-                        f"{exc}")
 
 
 def report_and_verdict(reports_: Sequence[HostReport], console: Any) -> int:
@@ -219,40 +181,31 @@ def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
     """``fab -H a,b cleanup``: every host in parallel; a failing host never stops the others.
     Runs whose launcher is alive are left alone, unless named (``run_id``) or ``force``d.
 
-    fab builds its Connections with Fabric's AutoAddPolicy; they get our accept-new
-    policy before they open, like every other connection we make.
+    fab builds its Connections; they get our host-key policy and SSH transport before
+    they open (`SshTransport.from_connection`), like every other connection we make.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..presentation.output import Console
-    from ..transport.ssh import apply_host_key_policy, describe_connect_error
+    from ..transport.ssh import SshTransport
 
     console = console or Console()
-    errors: dict[str, str] = {}
-    by_host: dict[str, Any] = {}
-
-    def open_one(conn: Any) -> None:
-        try:
-            if not conn.is_connected:
-                apply_host_key_policy(conn.client)
-            conn.open()
-            by_host[conn.original_host] = conn
-        except Exception as exc:  # unreachable, refused, ...: a row, not an abort
-            errors[conn.original_host] = describe_connect_error(exc)
-
-    with ThreadPoolExecutor(max_workers=max(1, min(32, len(conns)))) as pool:
-        list(pool.map(open_one, conns))
+    transports = [SshTransport.from_connection(adhoc_worker(i, c.original_host), c)
+                  for i, c in enumerate(conns)]
+    errors = connect_each(transports)
     command = "fab cleanup" + (f" --run-id {run_id}" if run_id else "") + \
         (" --force" if force else "")
     request = sweep_request(runs=[run_id] if run_id else [], all_runs=not run_id,
                             pattern=pattern, force=force, by=stopper(command))
-    hosts = [c.original_host for c in conns]
     found = {r.host: r for r in sweep_with_agents(
-        [h for h in hosts if h in by_host],
-        lambda host, post: AgentSession(host, post, connection=by_host[host]), request)}
+        [t for t in transports if t.host not in errors], request)}
     for host, reason in errors.items():
         found[host] = HostReport(host, error=reason)
-    return report_and_verdict([found[h] for h in hosts], console)
+    return report_and_verdict([found[t.host] for t in transports], console)
+
+
+def adhoc_worker(index: int, host: str) -> WorkerSpec:
+    """A host named on the command line (``fab -H``), with no cluster file behind it."""
+    return WorkerSpec(index=index, host=host, nproc=1, local_devices=None, path="~",
+                      addr=host, nccl_socket_ifname=None, ssh=SshSpec(), tunnel=False,
+                      env={}, data_path=None, is_local=False, line=0, transport="ssh")
 
 
 __all__ = ["HostReport", "FdlError", "adhoc_cleanup_hosts", "run_cleanup",

@@ -40,7 +40,7 @@ from types import FrameType
 from typing import Any, Optional, Union
 
 from .. import shell
-from ..clusterfile import ClusterSpec, ConfigError, load_cluster, parse_max_failure
+from ..clusterfile import ClusterSpec, ConfigError, parse_max_failure
 from ..errors import EXIT_FAILURE, EXIT_USAGE, FdlError
 from ..events import EventBus, Kind
 from ..limits import RANKS_MAX, RANKS_PER_WORKER_MAX
@@ -61,7 +61,8 @@ from ..presentation.rankoutput import RankOutput
 from ..supervision import reports
 from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
 from ..supervision.supervisor import RunResult, Supervisor, Verdict, summary_rows
-from ..transport.fanout import agent_session, close_all, connect_all, connect_each, start_agents
+from ..transport import Transport, for_cluster, resolve_cluster
+from ..transport.fanout import close_all, connect_all, connect_each, start_agents
 from ..transport.session import AgentSession
 from ..transport.sshconfig import SshSettings, resolve_all_settings
 
@@ -103,22 +104,9 @@ class LaunchOptions:
 
 def load_for(opts: LaunchOptions) -> ClusterSpec:
     """The cluster a launch runs: ``opts.cluster``, the cluster file, or (``--slurm``)
-    the nodes of the allocation this runs in (`fdl_fabric.transport.slurm`)."""
-    if opts.slurm:
-        from ..transport import slurm
-
-        return slurm.load(opts.cluster_file, nproc_per_node=opts.nproc_per_node)
-    cluster = opts.cluster or load_cluster(opts.cluster_file or "cluster.yml")
-    if cluster.slurm is not None:
-        from ..transport import slurm
-
-        return slurm.resolve(cluster, flag=f"{cluster.file}: scheduler: slurm",
-                             nproc_per_node=opts.nproc_per_node)
-    if opts.nproc_per_node is not None:
-        raise FdlError("--nproc-per-node: only for a Slurm launch (--slurm, or "
-                          "`scheduler: slurm` in the cluster file); SSH workers set nproc "
-                          "in the cluster file", EXIT_USAGE)
-    return cluster
+    the nodes of the allocation this runs in (`fdl_fabric.transport.resolve_cluster`)."""
+    return resolve_cluster(opts.cluster_file, opts.cluster, slurm=opts.slurm,
+                           nproc_per_node=opts.nproc_per_node)
 
 
 def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
@@ -276,7 +264,8 @@ class Launch:
         self.events = events
         self.inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
         self.sessions: dict[str, AgentSession] = {}
-        self.connections: dict[str, Any] = {}
+        #: Every host's transport (its connection, for an SSH host), by host.
+        self.transports: dict[str, Transport] = {}
         self.stack = contextlib.ExitStack()
         self.monitor: Optional[Any] = None
         self.log: Optional[RunLog] = None
@@ -333,7 +322,7 @@ class Launch:
             self.stack.close()
         if self.monitor is not None:
             self.monitor.close()
-        close_all(self.connections.values())
+        close_all(self.transports.values())
 
     # -- before any host is contacted ------------------------------------------------------
     def _resolve(self) -> Optional[_Settings]:
@@ -380,8 +369,9 @@ class Launch:
         if opts.log_dir:
             self.log = RunLog(opts.log_dir, self.run_id, on_error=self._log_failed)
             self.events.add(self.log)
-        self.connections = dict(connect_all(r.settings, self._connected))
-        self.sessions = self._start_agents(cluster, self.inbox)
+        self.transports = for_cluster(cluster, r.settings)
+        connect_all(self.transports, self._connected)
+        self.sessions = self._start_agents(self.inbox)
         devices = self._resolve_devices(cluster)
         plan = self._plan(r, devices, run_id=self.run_id)
         if self.log is not None:
@@ -398,7 +388,7 @@ class Launch:
                 inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
                 self._reconnect(r)
                 plan = self._plan(r, devices, run_id=self.run_id, attempt=attempt)
-                self.sessions = self._start_agents(cluster, inbox)
+                self.sessions = self._start_agents(inbox)
                 self.inbox = inbox
             result = self._attempt(r, plan, attempt)
             self.results.append(result)
@@ -415,10 +405,9 @@ class Launch:
                 self.results[-1].verdict is not Verdict.INTERRUPTED:
             self._interrupted(self.signals.received)
 
-    def _start_agents(self, cluster: ClusterSpec,
-                      inbox: queue.SimpleQueue[reports.Report]) -> dict[str, AgentSession]:
-        return start_agents(cluster.workers, self.connections, inbox.put,
-                            on_output=self.output)
+    def _start_agents(self, inbox: queue.SimpleQueue[reports.Report]
+                      ) -> dict[str, AgentSession]:
+        return start_agents(self.transports, inbox.put, on_output=self.output)
 
     def _attempt(self, r: _Settings, plan: LaunchPlan, attempt: int) -> RunResult:
         """One attempt: the coordinator, every agent's spec, the supervisor to a verdict."""
@@ -439,7 +428,7 @@ class Launch:
                 for w in plan.cluster.workers:
                     if w.tunnel:
                         self._open_tunnel(plan.cluster, w.host)
-                self._watch_connections(r.settings)
+                self._watch_connections()
             result = self._supervise(r, plan, coordinator, inbox)
         finally:
             coordinator.stop()
@@ -480,51 +469,44 @@ class Launch:
             self.console.stop_status()
 
     # -- connections -------------------------------------------------------------------------
-    def _connected(self, host: str, settings: SshSettings) -> None:
-        self.events(Kind.CONNECT, f"cluster launcher: connected to {host} ({settings.target})",
-                    host=host)
+    def _connected(self, transport: Transport) -> None:
+        self.events(Kind.CONNECT, f"cluster launcher: connected to {transport.host}",
+                    host=transport.host)
 
     def _reconnect(self, r: _Settings) -> None:
         """Before a restart: a fresh connection to every host whose connection is gone or
         whose agent stopped answering (its link may be dead while paramiko thinks not)."""
-        stale = {h: s for h, s in r.settings.items()
-                 if h in self.faulted or not getattr(self.connections.get(h), "is_connected",
-                                                     False)}
+        stale = [t for h, t in self.transports.items() if h in self.faulted or not t.connected]
         if not stale:
             return
-        close_all([self.connections.pop(h) for h in stale if h in self.connections])
-        opened, errors = connect_each(stale, self._connected)
-        self.connections.update(opened)
+        close_all(stale)
+        errors = connect_each(stale, self._connected)
         if errors:
             lines = tuple(f"cluster launcher: host {h!r} {unreachable(why)}"
                           for h, why in errors.items())
             if len(lines) == 1:
                 raise FdlError(lines[0])
             raise FdlError(f"cluster launcher: {len(lines)} hosts unreachable "
-                              f"({', '.join(errors)})", details=lines)
-        for host in opened:
+                           f"({', '.join(errors)})", details=lines)
+        for transport in stale:
             if self.monitor is not None:
-                self.monitor.watch(host, opened[host].transport, r.settings[host])
-            if any(w.host == host and w.tunnel for w in r.cluster.workers):
-                self._open_tunnel(r.cluster, host)
+                transport.watch(self.monitor)
+            if any(w.host == transport.host and w.tunnel for w in r.cluster.workers):
+                self._open_tunnel(r.cluster, transport.host)
 
     def _open_tunnel(self, cluster: ClusterSpec, host: str) -> None:
         port = cluster.controller.port
         # The forward delivers to wherever the coordinator listens.
         target = coordinator_bind_host(cluster)
-        conn = self.connections[host]
         try:
-            self.stack.enter_context(_quiet_exit(
-                conn.forward_remote(port, local_port=port, local_host=target)))
+            self.stack.enter_context(self.transports[host].tunnel(port, target))
         except Exception as exc:
             raise FdlError(f"cluster launcher: host {host!r}: tunnel could not bind "
-                              f"127.0.0.1:{port} on the remote side: {exc}") from None
+                           f"127.0.0.1:{port} on the remote side: {exc}") from None
         self.events(Kind.CONNECT, f"cluster launcher: tunnel {host}:127.0.0.1:{port} -> "
                     f"controller {target}:{port}", host=host)
 
-    def _watch_connections(self, settings: Mapping[str, SshSettings]) -> None:
-        if not self.connections:
-            return
+    def _watch_connections(self) -> None:
         from ..transport.keepalive import KeepaliveMonitor
 
         def dead(host: str, silent: float) -> None:
@@ -533,10 +515,8 @@ class Launch:
                         host=host)
 
         self.monitor = KeepaliveMonitor(dead)
-        for host, conn in self.connections.items():
-            transport = getattr(conn, "transport", None)
-            if transport is not None:
-                self.monitor.watch(host, transport, settings[host])
+        for transport in self.transports.values():
+            transport.watch(self.monitor)
 
     def _resumed(self) -> None:
         if self.monitor is not None:
@@ -617,21 +597,18 @@ class Launch:
         r = self.resolved
         if r is None or self.run_id is None:
             return
-        hosts = [w for w in r.cluster.workers if w.host in self.faulted and w.slurm_job is None]
+        hosts = [t for h, t in self.transports.items()
+                 if h in self.faulted and t.sweep_after_loss]
         if not hosts:
             return
         from .cleanup import sweep_request, sweep_with_agents
 
         # A connection to a host that stopped answering is not to be trusted, whatever
         # paramiko thinks of it: every faulted host gets a fresh one.
-        settings = {w.host: r.settings[w.host] for w in hosts if w.host in r.settings}
-        close_all([self.connections.pop(h) for h in settings if h in self.connections])
-        opened, errors = connect_each(settings)
-        self.connections.update(opened)
-        workers = {w.host: w for w in hosts}
+        close_all(hosts)
+        errors = connect_each(hosts)
         found = {rep.host: rep for rep in sweep_with_agents(
-            [w.host for w in hosts if w.host not in errors],
-            lambda host, post: agent_session(workers[host], self.connections, post),
+            [t for t in hosts if t.host not in errors],
             sweep_request(runs=[self.run_id], by={"command": "the launcher's final sweep"}),
             timeout=SWEEP_TIMEOUT)}
         for host, why in errors.items():
@@ -679,17 +656,6 @@ class Launch:
             "attempts": len(self.results), "run_id": self.run_id,
             "faults": dict(self.faulted)})
         return final.exit_code
-
-
-@contextlib.contextmanager
-def _quiet_exit(context: Any) -> Iterator[Any]:
-    """A context (a tunnel) whose exit may fail quietly: its connection may be long gone."""
-    value = context.__enter__()
-    try:
-        yield value
-    finally:
-        with contextlib.suppress(Exception):
-            context.__exit__(None, None, None)
 
 
 def unreachable(why: str) -> str:

@@ -172,7 +172,7 @@ def cluster_for(args: argparse.Namespace) -> ClusterSpec:
     worker = WorkerSpec(index=0, host="localhost", nproc=nproc(args.nproc_per_node),
                         local_devices=None, path=cwd, addr=args.master_addr,
                         nccl_socket_ifname=None, ssh=SshSpec(), tunnel=False, env={},
-                        data_path=None, is_local=True, line=0)
+                        data_path=None, is_local=True, line=0, transport="local")
     return ClusterSpec(
         file="fdl-fabric run", folder=cwd,
         controller=ControllerSpec(host="127.0.0.1", port=free_port()),

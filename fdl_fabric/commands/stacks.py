@@ -15,13 +15,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from ..clusterfile import ConfigError
-from ..errors import EXIT_FAILURE, EXIT_USAGE, FdlError
+from ..clusterfile import ClusterSpec
+from ..errors import EXIT_FAILURE, FdlError
+from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from ..presentation.stacks import stacks_text
 from ..supervision import reports
-from ..transport.fanout import agent_session, close_all, connect_each
+from ..transport import for_cluster
+from ..transport.fanout import close_all, connect_each, start_each
 from ..transport.session import AgentSession
+from ..transport.sshconfig import load_with_settings
 
 #: Seconds every host has to list its runs, and then to report its ranks' stacks.
 ANSWER_TIMEOUT = 30.0
@@ -72,67 +75,61 @@ def run_stacks(cluster_file: str, *, run_id: Optional[str] = None,
                console: Optional[Console] = None) -> int:
     """``fdl-fabric stacks``: 0 when stacks were shown, 1 when no live run was found or a
     host failed, 2 on a bad cluster file."""
-    from ..planning.plan import cluster_key
-    from ..transport.sshconfig import load_with_settings
-
     console = console or Console()
     try:
         cluster, settings = load_with_settings(cluster_file, console.message)
-    except ConfigError as exc:
-        console.message(str(exc))
-        return EXIT_USAGE
     except FdlError as exc:
         console.message(str(exc))
         return exc.exit_code
     inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
-    connections, errors = connect_each(settings)
+    transports = for_cluster(cluster, settings, purpose="cleanup")
+    errors = connect_each(transports.values())
     sessions: dict[str, AgentSession] = {}
     try:
-        for w in cluster.workers:
-            if w.host in errors:
-                continue
-            session = agent_session(w, connections, inbox.put)
-            try:
-                session.start()
-            except Exception as exc:
-                errors[w.host] = f"cannot start its agent: {exc}"
-                continue
-            sessions[w.host] = session
-        key = cluster_key(cluster)
-        for session in sessions.values():
-            session.list_runs(None if run_id else key)
-        listed, problems = _collect(inbox, set(sessions), reports.Runs, ANSWER_TIMEOUT)
-        problems.update(errors)
-        runs = [r for rep in listed.values() for r in rep.runs]
-        chosen = run_id or newest_live_run(runs)
-        if chosen is None:
-            for host, why in sorted(problems.items()):
-                console.message(f"stacks: {host}: {why}")
-            console.message(f"stacks: no live run of {cluster.file} on its "
-                            f"{len(cluster.workers)} host(s)")
-            return EXIT_FAILURE
-        holders = {rep.host for rep in listed.values()
-                   if any(r.get("run") == chosen for r in rep.runs)}
-        for host in holders:
-            sessions[host].stacks(0, run=chosen, host=host)
-        answers, late = _collect(inbox, holders, reports.Stacks, ANSWER_TIMEOUT)
-        problems.update(late)
-        data: dict[str, Any] = {"reason": f"run {chosen}", "ranks": {}, "hosts": {},
-                                "problems": problems, "py_spy": {}}
-        for host, rep in answers.items():
-            data["py_spy"][host] = rep.py_spy
-            if rep.error and not rep.ranks:
-                problems[host] = rep.error
-            for rank, entry in rep.ranks.items():
-                data["ranks"][str(rank)] = entry
-                data["hosts"][str(rank)] = host
-        if not holders:
-            console.message(f"stacks: run {chosen} is not recorded on any host of "
-                            f"{cluster.file}")
-            return EXIT_FAILURE
-        console.result(stacks_text(data))
-        return EXIT_FAILURE if problems else 0
+        sessions, failed = start_each([t for h, t in transports.items() if h not in errors],
+                                      inbox.put)
+        errors.update(failed)
+        return _show(cluster, sessions, inbox, errors, run_id, console)
     finally:
         for session in sessions.values():
             session.close_input()
-        close_all(connections.values())
+        close_all(transports.values())
+
+
+def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
+          inbox: queue.SimpleQueue[reports.Report], errors: dict[str, str],
+          run_id: Optional[str], console: Console) -> int:
+    """List the runs, pick one, ask its hosts for stacks, print the grouped view."""
+    key = cluster_key(cluster)
+    for session in sessions.values():
+        session.list_runs(None if run_id else key)
+    listed, problems = _collect(inbox, set(sessions), reports.Runs, ANSWER_TIMEOUT)
+    problems.update(errors)
+    runs = [r for rep in listed.values() for r in rep.runs]
+    chosen = run_id or newest_live_run(runs)
+    if chosen is None:
+        for host, why in sorted(problems.items()):
+            console.message(f"stacks: {host}: {why}")
+        console.message(f"stacks: no live run of {cluster.file} on its "
+                        f"{len(cluster.workers)} host(s)")
+        return EXIT_FAILURE
+    holders = {rep.host for rep in listed.values()
+               if any(r.get("run") == chosen for r in rep.runs)}
+    if not holders:
+        console.message(f"stacks: run {chosen} is not recorded on any host of {cluster.file}")
+        return EXIT_FAILURE
+    for host in holders:
+        sessions[host].stacks(0, run=chosen, host=host)
+    answers, late = _collect(inbox, holders, reports.Stacks, ANSWER_TIMEOUT)
+    problems.update(late)
+    data: dict[str, Any] = {"reason": f"run {chosen}", "ranks": {}, "hosts": {},
+                            "problems": problems, "py_spy": {}}
+    for host, rep in answers.items():
+        data["py_spy"][host] = rep.py_spy
+        if rep.error and not rep.ranks:
+            problems[host] = rep.error
+        for rank, entry in rep.ranks.items():
+            data["ranks"][str(rank)] = entry
+            data["hosts"][str(rank)] = host
+    console.result(stacks_text(data))
+    return EXIT_FAILURE if problems else 0

@@ -163,12 +163,11 @@ def worker_devices(
 
 
 def cluster_key(cluster: ClusterSpec) -> str:
-    """A stable id of the cluster file, so a launch finds its predecessors' leftovers; for
-    a Slurm launch, its job (a later job on the same nodes must never sweep this one's)."""
+    """A stable id of the cluster file, so a launch finds its predecessors' leftovers,
+    unless the cluster names its own (a Slurm launch: its job, so a later job on the same
+    nodes never sweeps this one's; ``fdl-fabric run``: each run its own)."""
     if cluster.key is not None:
         return cluster.key
-    if cluster.slurm is not None and cluster.slurm.job_id is not None:
-        return f"slurm-{cluster.slurm.job_id}"
     path = os.path.join(cluster.folder, os.path.basename(cluster.file))
     return hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
 

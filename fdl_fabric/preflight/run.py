@@ -1,18 +1,19 @@
 """Running the full pre-flight (``inv prebuild-check``): every host in parallel, one report.
 
-Each remote host gets one SSH connection and one script run (plus a ``true`` and a
-keepalive round trip that time the shell and the clock); local hosts run the script with
-bash. The controller answers the port check itself, on the coordinator's port.
+Each host runs one script through its transport (`fdl_fabric.transport`): an SSH host
+gets one connection and one script run, plus a ``true`` and a keepalive round trip that
+time the shell and the clock; this machine runs it with bash; a Slurm node in an srun
+step. The controller answers the port check itself, on the coordinator's port.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import secrets
 import select
-import shutil
 import socket
 import subprocess
 import threading
@@ -24,8 +25,8 @@ from typing import Any, Optional
 from ..clusterfile import ClusterSpec
 from ..planning.envelope import ENV_PREBUILD, EnvelopeError, PrebuiltBinary, parse_prebuilt
 from ..planning.plan import controller_dial_host, coordinator_bind_host
-from ..shell import quote
 from ..supervision.coordinator import bind_listener
+from ..transport import Transport, for_cluster
 from ..transport.sshconfig import SshSettings, resolve_all_settings
 from .probe import SENTINEL, Dial, HostPlan, parse_sentinels, probe_script
 from .report import CONTROLLER, Check, Report, Status
@@ -34,8 +35,8 @@ from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate
 #: Seconds the whole host script may take (nvidia-smi can hang on a broken driver).
 PROBE_TIMEOUT = 60.0
 
-_ROW_ORDER = ("command", "prebuild", "ssh", "probe", "shell", "paths", "program", "platform",
-              "stacks", "gpus", "data_path", "clock", "port")
+_ROW_ORDER = ("command", "prebuild", "ssh", "slurm", "probe", "shell", "paths", "program",
+              "platform", "stacks", "gpus", "data_path", "clock", "port")
 
 
 
@@ -116,169 +117,36 @@ def _open_listener(cluster: ClusterSpec, token: str) -> tuple[Check, Optional[_T
         return row, None
 
 
-def _known_host_state(settings: SshSettings, config: Any) -> tuple[str, str]:
-    """(``known``/``unknown``/``unchecked``, key name) before connecting.
-
-    Read from the known_hosts files the connection will use, under the name paramiko
-    will look up (``[addr]:port`` unless the port is 22), after ~/.ssh/config aliases.
-    """
-    if settings.strict_host_key_checking == "no":
-        return "unchecked", ""
-    import paramiko
-
-    from ..transport.ssh import make_connection
-
-    scratch = make_connection(settings, config)  # resolves aliases; opens no socket
-    name = scratch.host if int(scratch.port) == 22 else f"[{scratch.host}]:{scratch.port}"
-    for path in (settings.known_hosts_file, "/etc/ssh/ssh_known_hosts"):
-        if not os.path.exists(path):
-            continue
-        try:
-            if paramiko.HostKeys(path).lookup(name):
-                return "known", name
-        except (OSError, paramiko.SSHException):
-            continue
-    return "unknown", name
-
-
-class _TimedSink:
-    """An invoke out_stream that records when the clock sentinel line arrived."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.clock_at: Optional[float] = None
-        self._marker = f"{SENTINEL} clock="
-
-    def write(self, text: str) -> int:
-        now = time.time()
-        self.parts.append(text)
-        if self.clock_at is None:
-            joined = "".join(self.parts)
-            at = joined.find(self._marker)
-            if at >= 0 and "\n" in joined[at:]:
-                self.clock_at = now
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return False
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-
-def _ms(start: float) -> float:
-    return (time.monotonic() - start) * 1000.0
-
-
-def _check_remote(plan: HostPlan, settings: SshSettings, config: Any,
-                  ctl: ControllerFacts) -> list[Check]:
-    from ..transport.ssh import SshConnectError, open_connection
-
-    host = plan.host
-    state, key_name = _known_host_state(settings, config)
-    start = time.monotonic()
-    try:
-        conn = open_connection(settings, config)
-    except SshConnectError as exc:
-        reason = exc.reason
-        if "CHANGED" in reason:
-            reason += f" (known_hosts: {settings.known_hosts_file}, entry {key_name})"
-        elif reason.startswith("authentication refused") and settings.identity_files:
-            reason += f" (identity: {', '.join(settings.identity_files)})"
-        return [Check(host, "ssh", Status.FAIL, reason)]
-    connect_ms = _ms(start)
-    try:
-        facts = HostFacts(values={})
-        if not plan.fast:
-            t = time.monotonic()
-            conn.run("true", hide=True, warn=True, pty=False, in_stream=False,
-                     timeout=PROBE_TIMEOUT)
-            facts.shell_ms = _ms(t)
-        with contextlib.ExitStack() as stack:
-            dial = plan.dial
-            if dial is not None and dial.tunnel:
-                try:
-                    stack.enter_context(conn.forward_remote(
-                        dial.configured_port, local_port=dial.listen_port,
-                        local_host="127.0.0.1"))
-                except Exception as exc:
-                    facts.tunnel_error = str(exc) or type(exc).__name__
-                    plan = _without_dial_run(plan)
-            rtt = 0.0
-            if not plan.fast:
-                # A pure network round trip (no shell): bounds the clock estimate.
-                t = time.monotonic()
-                conn.transport.global_request("keepalive@openssh.com", wait=True)
-                rtt = time.monotonic() - t
-            out, err = _TimedSink(), _TimedSink()
-            t = time.monotonic()
-            try:
-                result = conn.run(f"exec sh -c {quote(probe_script(plan))}", hide=False, warn=True,
-                                  pty=False, in_stream=False, echo=False, out_stream=out,
-                                  err_stream=err, timeout=PROBE_TIMEOUT)
-                facts.exit_status = result.exited
-            except Exception as exc:  # CommandTimedOut, a dropped connection
-                facts.exit_status = None
-                err.write(f"\n{type(exc).__name__}: {exc}")
-            facts.probe_ms = _ms(t)
-        facts.values = parse_sentinels(out.text)
-        facts.stderr = err.text
-        if out.clock_at is not None:
-            facts.clock_ref = out.clock_at - rtt / 2
-            facts.clock_error = rtt / 2
-    finally:
-        with contextlib.suppress(Exception):
-            conn.close()
-    if state == "known":
-        key = "host key known"
-        key_status = Status.OK
-    elif state == "unknown":
-        key = "new host key recorded in known_hosts (accept-new)"
-        key_status = Status.OK
-    else:
-        key = "host key NOT verified (StrictHostKeyChecking=no)"
-        key_status = Status.WARN
-    who = f"{settings.user + '@' if settings.user else ''}{key_name or settings.target}"
-    ssh_row = Check(host, "ssh", key_status, f"connected to {who} in {connect_ms:.0f} ms; {key};"
-                    f" checks took {facts.probe_ms:.0f} ms")
-    return [ssh_row, *evaluate(plan, facts, ctl)]
+def _check_host(plan: HostPlan, transport: Transport, ctl: ControllerFacts) -> list[Check]:
+    """One host's checks: the script run through its transport, then the verdicts. How
+    the host was reached (an SSH connection, an srun step) is a row of its own, named
+    after the transport; nothing more is checked where that failed."""
+    dial = plan.dial
+    tunnel = (dial.configured_port, dial.listen_port) if dial is not None and dial.tunnel \
+        else None
+    result = transport.probe(probe_script(plan), timed=not plan.fast, tunnel=tunnel,
+                             timeout=PROBE_TIMEOUT, clock_marker=f"{SENTINEL} clock=")
+    reach = []
+    if result.reach is not None:
+        status = {"ok": Status.OK, "warn": Status.WARN}.get(result.reach_status, Status.FAIL)
+        reach = [Check(plan.host, transport.kind, status, result.reach)]
+        if status is Status.FAIL:
+            return reach
+    if result.tunnel_error is not None:
+        plan = _without_dial_run(plan)
+    facts = HostFacts(values=parse_sentinels(result.out), shell_ms=result.shell_ms,
+                      exit_status=result.exit_status, stderr=result.err,
+                      probe_ms=result.probe_ms, tunnel_error=result.tunnel_error)
+    if result.clock_at is not None:
+        facts.clock_ref = result.clock_at - result.rtt / 2
+        facts.clock_error = result.rtt / 2
+    return [*reach, *evaluate(plan, facts, ctl)]
 
 
 def _without_dial_run(plan: HostPlan) -> HostPlan:
     """After a failed tunnel there is nothing to dial; keep asking for the netns identity."""
-    import dataclasses
-
     assert plan.dial is not None
     return dataclasses.replace(plan, dial=dataclasses.replace(plan.dial, host="", port=0))
-
-
-def _local_shell() -> str:
-    return shutil.which("bash") or shutil.which("sh") or "/bin/sh"
-
-
-def _check_local(plan: HostPlan, ctl: ControllerFacts) -> list[Check]:
-    """A local worker runs the same script with bash, in the launcher's environment."""
-    shell = _local_shell()
-    facts = HostFacts(values={})
-    if not plan.fast:
-        t = time.monotonic()
-        subprocess.run([shell, "-c", "true"], stdin=subprocess.DEVNULL, check=False)
-        facts.shell_ms = _ms(t)
-    t = time.monotonic()
-    try:
-        proc = subprocess.run([shell, "-c", probe_script(plan)], stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, errors="replace",
-                              timeout=PROBE_TIMEOUT, check=False)
-        facts.values = parse_sentinels(proc.stdout)
-        facts.exit_status, facts.stderr = proc.returncode, proc.stderr
-    except subprocess.TimeoutExpired:
-        facts.exit_status, facts.stderr = None, f"timed out after {PROBE_TIMEOUT:.0f} s"
-    facts.probe_ms = _ms(t)
-    return evaluate(plan, facts, ctl)
 
 
 def _guarded(host: str, fn: Callable[..., list[Check]], *args: Any) -> list[Check]:
@@ -335,16 +203,16 @@ def run_checks(
     argv: Sequence[str],
     fast: bool = False,
     settings: Optional[dict[str, SshSettings]] = None,
-    config: Any = None,
     environ: Optional[Mapping[str, str]] = None,
 ) -> Report:
     """Check every host of ``cluster`` in parallel and return the report.
 
     ``argv`` is the rank command (its first word is resolved on every host);
     ``fast`` keeps only what ``inv launch`` checks before spawning (ssh, paths,
-    program, port); ``settings`` and ``config`` default to what a launch would use;
-    ``environ`` (default os.environ) supplies FLODL_INTERNAL_PREBUILD_PER_HOST.
-    An unreachable host FAILs its own ssh row; every other host is still checked.
+    program, port); ``settings`` defaults to what a launch would use; ``environ``
+    (default os.environ) supplies FLODL_INTERNAL_PREBUILD_PER_HOST. Every host is
+    reached through its transport (an SSH connection, an srun step, this machine); an
+    unreachable host FAILs its own row, every other host is still checked.
     """
     started = time.monotonic()
     env = os.environ if environ is None else environ
@@ -359,6 +227,7 @@ def run_checks(
     token = secrets.token_hex(8)
     port_row, listener = _open_listener(cluster, token)
     rows.append(port_row)
+    transports = for_cluster(cluster, settings, purpose="cleanup")
     try:
         ctl = _controller_facts(cluster, fast)
         jobs: list[tuple[str, Callable[..., list[Check]], tuple[Any, ...]]] = []
@@ -374,11 +243,9 @@ def run_checks(
             plan = HostPlan(worker=w, fast=fast, argv=tuple(argv), prebuilt=prebuilt.get(w.host),
                             dial=dial, path_env=path_env)
             if w.tunnel and dial is not None and ctl.bind_host not in ("127.0.0.1", *BIND_ALL):
-                jobs.append((w.host, _tunnel_mismatch, (plan, ctl, settings[w.host], config)))
-            elif w.is_local:
-                jobs.append((w.host, _check_local, (plan, ctl)))
+                jobs.append((w.host, _tunnel_mismatch, (plan, transports[w.host], ctl)))
             else:
-                jobs.append((w.host, _check_remote, (plan, settings[w.host], config, ctl)))
+                jobs.append((w.host, _check_host, (plan, transports[w.host], ctl)))
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(jobs)))) as pool:
             futures = [pool.submit(_guarded, h, fn, *args) for h, fn, args in jobs]
             for fut in futures:
@@ -389,8 +256,8 @@ def run_checks(
     return Report(_ordered(rows), elapsed=time.monotonic() - started)
 
 
-def _tunnel_mismatch(plan: HostPlan, ctl: ControllerFacts, settings: SshSettings,
-                     config: Any) -> list[Check]:
+def _tunnel_mismatch(plan: HostPlan, transport: Transport,
+                     ctl: ControllerFacts) -> list[Check]:
     """A tunneled worker in a cluster whose coordinator binds a non-loopback address.
 
     The launcher's remote forward delivers to 127.0.0.1:<port> on the controller, where
@@ -399,10 +266,8 @@ def _tunnel_mismatch(plan: HostPlan, ctl: ControllerFacts, settings: SshSettings
     paramiko's transport thread when the local connect is refused.
     """
     assert plan.dial is not None
-    plan_no_dial = HostPlan(plan.worker, plan.fast, plan.argv, plan.prebuilt, None,
-                            plan.path_env)
-    rows = _check_remote(plan_no_dial, settings, config, ctl)
-    if any(r.name == "ssh" and r.status is Status.FAIL for r in rows):
+    rows = _check_host(dataclasses.replace(plan, dial=None), transport, ctl)
+    if any(r.name == transport.kind and r.status is Status.FAIL for r in rows):
         return rows
     status, only_join = (Status.WARN, " (only ranks that join the cohort dial it)") \
         if plan.fast else (Status.FAIL, "")

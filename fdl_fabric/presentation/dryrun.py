@@ -10,7 +10,6 @@ same data, as JSON, is the ``cluster.json`` of ``--log-dir``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +17,7 @@ from .. import shell
 from ..agent.checks import gpu_indices
 from ..clusterfile import ClusterSpec
 from ..planning.plan import LaunchPlan, coordinator_bind_host
+from ..transport import for_worker
 from ..transport.sshconfig import SshSettings
 from .output import redact_env
 
@@ -55,9 +55,8 @@ def plan_as_json(plan: LaunchPlan) -> dict[str, Any]:
         "env": redact_env(dict(c.env)),
         "workers": [
             {"host": w.host, "local": w.is_local, "path": w.path, "addr": w.addr,
-             "ssh_target": None if w.is_local or w.slurm_job else w.ssh_target,
-             "slurm_job": w.slurm_job, "tunnel": w.tunnel,
-             "env": redact_env(dict(w.env))}
+             "ssh_target": None, "slurm_job": None, **for_worker(w).details(),
+             "tunnel": w.tunnel, "env": redact_env(dict(w.env))}
             for w in c.workers
         ],
         "ranks": [
@@ -71,21 +70,6 @@ def plan_as_json(plan: LaunchPlan) -> dict[str, Any]:
 
 def _env_words(env: Mapping[str, str]) -> str:
     return " ".join(f"{k}={shell.quote(v)}" for k, v in redact_env(dict(env)).items())
-
-
-def _ssh_line(settings: SshSettings) -> str:
-    """How the host is reached, resolved like the launch would (no socket is opened)."""
-    from ..transport.ssh import make_connection
-
-    conn = make_connection(settings)
-    parts = [f"ssh {conn.user}@{conn.host} port {conn.port}"]
-    if settings.identity_files:
-        parts.append("identity " + ", ".join(settings.identity_files))
-    else:
-        parts.append("identity: ssh-agent and default keys")
-    if settings.proxy_jump:
-        parts.append(f"via {settings.proxy_jump}")
-    return ", ".join(parts)
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -106,18 +90,7 @@ def describe_dry_run(plan: LaunchPlan, settings: Mapping[str, SshSettings]) -> s
         ranks = plan.host_ranks(host)
         gpus = [str(r.device) for r in ranks if r.device is not None]
         devices = f"gpu {', '.join(gpus)}" if gpus else "cpu"
-        if worker.slurm_job is not None:
-            from ..transport.slurm import step_argv
-
-            argv = step_argv(worker.slurm_job, host)
-            how = ("Slurm node; its agent is an srun step of job "
-                   f"{worker.slurm_job}:\n  " + " ".join(shell.quote(w) for w in argv[:-1])
-                   + f" <the agent's bootstrap, {len(argv[-1])} bytes: the host's python3 "
-                   "-I -S reads the agent from stdin>")
-        elif worker.is_local:
-            how = f"local, its agent started by invoke ({sys.executable} -I -S)"
-        else:
-            how = f"{_ssh_line(settings[host])}; one session runs the agent"
+        how = for_worker(worker, settings).describe()
         note = "  (local_devices: all, resolved by the agent at launch)" \
             if worker.local_devices == "all" and not worker.is_local else ""
         lines += ["", f"host {host}: {how}",

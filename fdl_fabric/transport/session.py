@@ -21,23 +21,19 @@ spent waiting on a slow console.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any, Callable, Optional
-
-from invoke.config import Config as InvokeConfig
-from invoke.context import Context
 
 from ..agent import wire
 from ..supervision import reports
 from . import bundle
-from .runners import RawLocal
+from .base import AgentProcess, Transport
 
 #: Bytes of an agent's stderr kept to explain how it ended.
 STDERR_TAIL = 4096
+#: Seconds to wait for an agent's exit status once its streams ended.
+STATUS_WAIT = 5.0
 
 Post = Callable[[reports.Report], None]
 #: Where rank output goes on the reading thread; it may block while the console is slow.
@@ -82,35 +78,34 @@ class _Stdout:
 
 
 class _Stderr:
-    """The agent's own stderr (a crash's traceback): kept, last bytes only."""
+    """The agent's own stderr (a crash's traceback): kept, last bytes only. What came
+    before the agent's handshake is the login shell's (an rc file's complaints), kept
+    apart: it explains an agent that never started, not one that died."""
 
     def __init__(self, session: AgentSession) -> None:
         self.session = session
         self.tail = b""
+        self.shell = b""
 
     def feed(self, data: bytes) -> None:
-        self.tail = (self.tail + data)[-STDERR_TAIL:]
+        if self.session._stdout.reader.synced:
+            self.tail = (self.tail + data)[-STDERR_TAIL:]
+        else:
+            self.shell = (self.shell + data)[-STDERR_TAIL:]
 
     def close(self) -> None:
         self.session.stream_closed()
 
 
 class AgentSession:
-    """One host's agent, local or remote; see the module docstring."""
+    """One host's agent, over its host's `Transport`; see the module docstring."""
 
-    def __init__(self, host: str, post: Post, *, connection: Any = None,
-                 python: str = sys.executable, env: Optional[Mapping[str, str]] = None,
-                 command: Optional[str] = None,
+    def __init__(self, transport: Transport, post: Post, *,
                  on_output: Optional[OutputSink] = None) -> None:
-        self.host = host
-        #: A local command line that reaches the host's agent (an srun step); default: the
-        #: agent itself, here.
-        self.command = command
+        self.transport = transport
+        self.host = transport.host
         self.post = post
-        self.connection = connection
-        self.python = python
-        self.env = dict(env) if env is not None else None
-        self.promise: Optional[Any] = None
+        self.process: Optional[AgentProcess] = None
         self.broken = False
         self.done = False
         self._closed_streams = 0
@@ -143,37 +138,21 @@ class AgentSession:
         finally:
             self._in_sink -= 1
             self._heard = time.monotonic()
-    @property
-    def local(self) -> bool:
-        return self.connection is None
 
     # -- starting -------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the agent process and ship its source; raises if the session cannot open."""
-        options: dict[str, Any] = {
-            "asynchronous": True, "pty": False, "warn": True, "hide": False, "echo": False,
-            "in_stream": False, "out_stream": self._stdout, "err_stream": self._stderr,
-        }
-        if self.local:
-            env = self.env if self.env is not None else local_environment()
-            runner = RawLocal(Context(config=InvokeConfig()))
-            self.promise = runner.run(self.command or bundle.local_command(self.python),
-                                      env=env, replace_env=True, shell="/bin/sh", **options)
-        else:
-            from .ssh import RawRemote  # Fabric's SSH stack, only when a host is remote
-
-            runner = RawRemote(context=self.connection, inline_env=True)
-            self.promise = runner.run(bundle.remote_command(), **options)
+        """Start the agent and ship its source; raises if it cannot start."""
+        self.process = self.transport.start_agent(self._stdout, self._stderr)
         self.write(bundle.payload())
 
     # -- writing --------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
-        promise = self.promise
-        if promise is None or self._gone:
+        process = self.process
+        if process is None or self._gone:
             return
         # The agent may be gone; its end is reported by the reader, not here.
         with self._lock, contextlib.suppress(Exception):
-            promise.runner._write_proc_stdin(data)
+            process.write(data)
 
     def send(self, kind: int, obj: Optional[dict[str, Any]] = None) -> None:
         self.write(wire.message(kind, obj))
@@ -222,11 +201,11 @@ class AgentSession:
 
     def close_input(self) -> None:
         """EOF on the agent's stdin: the leash (it stops its ranks and exits)."""
-        promise = self.promise
-        if promise is None:
+        process = self.process
+        if process is None:
             return
         with self._lock, contextlib.suppress(Exception):
-            promise.runner.close_proc_stdin()
+            process.close_input()
 
     def abandon(self) -> None:
         """Last resort for an agent that stopped answering: cut its session or process.
@@ -235,19 +214,16 @@ class AgentSession:
         then stops its ranks).
         """
         self.close_input()
-        promise = self.promise
-        if promise is None:
+        process = self.process
+        if process is None:
             return
         with contextlib.suppress(Exception):
-            promise.runner.kill()
+            process.kill()
 
     def join(self, timeout: Optional[float] = None) -> None:
-        """Wait for the runner's threads (after the agent is gone)."""
-        promise = self.promise
-        if promise is None:
-            return
-        for thread in getattr(promise.runner, "threads", {}).values():
-            thread.join(timeout)
+        """Wait for the reading threads (after the agent is gone)."""
+        if self.process is not None:
+            self.process.join(timeout)
 
     # -- reading (runner threads) -----------------------------------------------------------
     def handle(self, kind: int, obj: dict[str, Any]) -> None:
@@ -313,24 +289,8 @@ class AgentSession:
         self.post(reports.AgentGone(self.host, clean, "" if clean else self._why(status)))
 
     def _exit_status(self) -> Optional[int]:
-        promise = self.promise
-        if promise is None:
-            return None
-        runner: Any = promise.runner
-        try:
-            if self.local:
-                runner.process.wait()
-                code: Optional[int] = runner.process.returncode
-                return code
-            channel = runner.channel
-            if not channel.status_event.wait(5.0):
-                return None
-            status = int(channel.exit_status)
-            if getattr(channel, "exit_signal", None) and status > 128:
-                return 128 - status  # killed by signal N: -N, as subprocess says it
-            return None if status == -1 else status
-        except Exception:
-            return None
+        process = self.process
+        return None if process is None else process.exit_status(STATUS_WAIT)
 
     def _why(self, status: Optional[int]) -> str:
         parts = []
@@ -338,13 +298,17 @@ class AgentSession:
             parts.append(self._problem)
         noise = self._stdout.reader.noise
         if not self._stdout.reader.synced:
+            said = self._stderr.shell.decode("utf-8", "replace").strip()
             if noise:
                 parts.append(f"the login shell printed {noise[-200:]!r} and no agent started")
+            elif said:
+                parts.append(f"the agent never started; the login shell said: "
+                             f"{said.splitlines()[-1][:300]}")
             else:
                 parts.append("the agent never started")
         if status is None:
-            parts.append("the agent process vanished" if self.local
-                         else "the SSH session or connection was lost")
+            parts.append(self.process.lost_reason if self.process is not None
+                         else "the agent never started")
         elif status < 0:
             parts.append(f"the agent was killed by signal {-status}")
         elif status:
@@ -355,13 +319,3 @@ class AgentSession:
         if tail:
             parts.append("its last words: " + tail.splitlines()[-1][:300])
         return "; ".join(parts)
-
-
-def local_environment() -> dict[str, str]:
-    """The launcher's environment minus launcher-internal variables: what a local agent
-    (or the srun that starts a Slurm node's agent) is given.
-
-    A launcher started from inside another run must not leak that run's envelope or
-    identity into its own ranks.
-    """
-    return {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")}

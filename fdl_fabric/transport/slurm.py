@@ -37,15 +37,18 @@ import os
 import re
 import socket
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..clusterfile import ClusterSpec, ControllerSpec, SlurmSpec, SshSpec, WorkerSpec
 from ..errors import EXIT_USAGE, FdlError
 from ..limits import RANKS_MAX
 from ..shell import quote
 from . import bundle
+from .base import AgentProcess, ByteSink, ProbeResult, Transport
+from .local import local_environment, start_local
 
 ENV_JOB_ID = "SLURM_JOB_ID"
 ENV_NODELIST = "SLURM_JOB_NODELIST"
@@ -211,23 +214,30 @@ def cluster_for(cluster: ClusterSpec, alloc: Allocation, *,
         WorkerSpec(index=i, host=node, nproc=nproc, local_devices=devices, path=path,
                    addr=alloc.addrs[node], nccl_socket_ifname=None, ssh=SshSpec(),
                    tunnel=False, env={}, data_path=None, is_local=False, line=spec.line,
-                   slurm_job=alloc.job_id)
+                   slurm_job=alloc.job_id, transport=SlurmTransport.kind)
         for i, node in enumerate(alloc.nodes))
     controller = cluster.controller
     if controller.host == ControllerSpec.host:  # not set in the file
         controller = dataclasses.replace(controller,
                                          host=launcher_address(alloc.addrs[alloc.nodes[0]]))
     return dataclasses.replace(cluster, workers=workers, controller=controller,
-                               slurm=dataclasses.replace(spec, job_id=alloc.job_id))
+                               slurm=dataclasses.replace(spec, job_id=alloc.job_id),
+                               key=f"slurm-{alloc.job_id}")
 
 
 # -- the agent's step -------------------------------------------------------------------------
 
-def step_argv(job: str, node: str, *, name: str = AGENT_STEP) -> list[str]:
-    """The srun command line that starts one node's agent (see the module docstring)."""
-    return ["setsid", "srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+def srun_words(job: str, node: str, *, name: str = AGENT_STEP) -> list[str]:
+    """srun and its options for a step of one task on ``node`` (see the module docstring)."""
+    return ["srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
             "--overlap", "--unbuffered", "--kill-on-bad-exit=0", "--wait=0", "--mpi=none",
-            f"--job-name={name}", "/bin/sh", "-c", bundle.remote_command()]
+            f"--job-name={name}"]
+
+
+def step_argv(job: str, node: str, *, name: str = AGENT_STEP) -> list[str]:
+    """The srun command line that starts one node's agent, in a session of its own."""
+    return ["setsid", *srun_words(job, node, name=name), "/bin/sh", "-c",
+            bundle.remote_command()]
 
 
 def step_command(job: str, node: str, *, name: str = AGENT_STEP) -> str:
@@ -260,3 +270,72 @@ def cancel_steps(steps: Sequence[str], *, run: Run = client) -> None:
             raise ValueError(f"not a step id: {step!r}")
     if steps:
         run(["scancel", *steps])
+
+
+# -- the transport ----------------------------------------------------------------------------
+
+class SlurmTransport(Transport):
+    """A node of the allocation this launch runs in: its agent is an srun step."""
+
+    kind = "slurm"
+    #: srun to a node whose slurmd died waits for it: the agent's lease clears the node.
+    sweep_after_loss = False
+
+    @property
+    def job(self) -> str:
+        assert self.worker.slurm_job is not None
+        return self.worker.slurm_job
+
+    @property
+    def step_name(self) -> str:
+        return CLEANUP_STEP if self.purpose == "cleanup" else AGENT_STEP
+
+    def start_agent(self, stdout: ByteSink, stderr: ByteSink) -> AgentProcess:
+        return start_local(step_command(self.job, self.host, name=self.step_name),
+                           step_env(local_environment()), stdout, stderr)
+
+    def probe(self, script: str, *, timed: bool, tunnel: Optional[tuple[int, int]] = None,
+              timeout: float = 60.0, clock_marker: str = "") -> ProbeResult:
+        """The pre-flight script in a step of its own on the node (like the agent's)."""
+        argv = [*srun_words(self.job, self.host, name=CLEANUP_STEP), "/bin/sh", "-c", script]
+        result = ProbeResult(reach=f"srun step of job {self.job} on {self.host}")
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, errors="replace",
+                                  timeout=timeout, stdin=subprocess.DEVNULL, check=False,
+                                  env=step_env(local_environment()))
+            result.out, result.err, result.exit_status = proc.stdout, proc.stderr, \
+                proc.returncode
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            result.err, result.reach_status = str(exc), "FAIL"
+            result.reach = f"srun step of job {self.job} on {self.host}: {exc}"
+        result.probe_ms = (time.monotonic() - started) * 1000.0
+        return result
+
+    def describe(self) -> str:
+        argv = step_argv(self.job, self.host, name=self.step_name)
+        return ("Slurm node; its agent is an srun step of job "
+                f"{self.job}:\n  " + " ".join(quote(w) for w in argv[:-1])
+                + f" <the agent's bootstrap, {len(argv[-1])} bytes: the host's python3 "
+                "-I -S reads the agent from stdin>")
+
+    def details(self) -> dict[str, Any]:
+        return {"transport": self.kind, "slurm_job": self.worker.slurm_job}
+
+    @classmethod
+    def after_sweep(cls, workers: tuple[WorkerSpec, ...]) -> list[str]:
+        """Agent steps of the job that outlived their launcher (the sweep stopped their
+        ranks): cancelled by step id, so nothing of another job is touched."""
+        jobs = sorted({w.slurm_job for w in workers if w.slurm_job is not None})
+        said = []
+        for job in jobs:
+            try:
+                steps = agent_steps(job)
+                if steps:
+                    cancel_steps(steps)
+                    said.append(f"cleanup: cancelled agent steps {', '.join(steps)} of job "
+                                f"{job}")
+            except FdlError as exc:
+                said.append(f"cleanup: could not list or cancel the agent steps of job {job}: "
+                            f"{exc}")
+        return said

@@ -13,19 +13,26 @@ import os
 import signal
 import socket
 import threading
-from typing import Any, Optional
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Optional
 
 import paramiko
 from fabric import Config, Connection
 from fabric.runners import Remote
 
-from .runners import RawOutput
+from ..clusterfile import WorkerSpec
+from ..shell import quote
+from . import bundle
+from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
+from .runners import RUN_OPTIONS, InvokeAgentProcess, RawOutput
 from .sshconfig import DEFAULT_KNOWN_HOSTS, SshSettings
+
+if TYPE_CHECKING:
+    from .keepalive import KeepaliveMonitor
 
 #: Seconds paramiko may spend opening one session channel.
 SESSION_OPEN_TIMEOUT = 15.0
-#: Seconds between the wake-ups of each connection's transport thread when idle.
-TRANSPORT_POLL = 1.0
 
 
 class SshConnectError(RuntimeError):
@@ -70,44 +77,55 @@ class _RecordOnlyPolicy(paramiko.MissingHostKeyPolicy):
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
-def _record_exit_signal() -> None:
-    """Make paramiko treat an ``exit-signal`` request as the end of the session.
+def _handle_request(chan: paramiko.Channel, m: paramiko.Message) -> None:
+    """A channel request, with ``exit-signal`` taken as the end of the session.
 
-    When a remote command dies from a signal, sshd sends ``exit-signal``
-    instead of ``exit-status``; paramiko ignores it, so the session would look
-    alive for as long as anything still holds its output open (an orphaned
-    rank, when its wrapper was killed). We record it as a shell would report
-    the status (128 + the signal number) and keep the signal name in
-    ``channel.exit_signal``, so the launcher knows the session's own process
-    died and that its rank may be orphaned.
+    When a remote command dies from a signal, sshd sends ``exit-signal`` instead of
+    ``exit-status``; paramiko ignores it, so the session would look alive for as long as
+    anything still holds its output open (an orphaned rank, when its agent was killed).
+    It is recorded as a shell would report the status (128 + the signal number), with
+    the signal's name in ``channel.exit_signal``, so the launcher knows the session's
+    own process died.
     """
-    original = paramiko.Channel._handle_request  # type: ignore[attr-defined]
-    if getattr(original, "_fdl_patched", False):
-        return
-
-    def handle(self: paramiko.Channel, m: paramiko.Message) -> None:
-        pos = m.packet.tell()
-        key = m.get_text()
-        name = ""
-        if key == "exit-signal":
-            m.get_boolean()  # want_reply
-            name = m.get_text()
-        m.packet.seek(pos)
-        original(self, m)
-        if key == "exit-signal" and not self.status_event.is_set():
-            number = getattr(signal.Signals, f"SIG{name}", None)
-            self.exit_signal = name  # type: ignore[attr-defined]
-            self.exit_status = 128 + int(number) if number is not None else -1
-            self.status_event.set()
-
-    handle._fdl_patched = True  # type: ignore[attr-defined]
-    paramiko.Channel._handle_request = handle  # type: ignore[method-assign,attr-defined]
-    # The transport dispatches through a table of the functions themselves.
-    table = paramiko.Transport._channel_handler_table  # type: ignore[attr-defined]
-    table[paramiko.common.MSG_CHANNEL_REQUEST] = handle
+    pos = m.packet.tell()
+    key = m.get_text()
+    name = ""
+    if key == "exit-signal":
+        m.get_boolean()  # want_reply
+        name = m.get_text()
+    m.packet.seek(pos)
+    chan._handle_request(m)  # type: ignore[attr-defined]
+    if key == "exit-signal" and not chan.status_event.is_set():
+        number = getattr(signal.Signals, f"SIG{name}", None)
+        chan.exit_signal = name  # type: ignore[attr-defined]
+        chan.exit_status = 128 + int(number) if number is not None else -1
+        chan.status_event.set()
 
 
-_record_exit_signal()
+class FdlTransport(paramiko.Transport):
+    """paramiko's Transport with our two settings, by subclassing (nothing is patched):
+
+    * an ``exit-signal`` ends a session (`_handle_request`);
+    * the transport thread looks for a close once a second instead of ten times: the
+      launcher's idle CPU per host falls tenfold, and closing stays immediate (close()
+      marks the packetizer closed); keepalives are our monitor's (`keepalive`).
+    """
+
+    _active_check_timeout = 1.0
+    _channel_handler_table = {
+        **paramiko.Transport._channel_handler_table,  # type: ignore[attr-defined]
+        paramiko.common.MSG_CHANNEL_REQUEST: _handle_request,
+    }
+
+
+def _transport_factory(sock: Any, **kwargs: Any) -> FdlTransport:
+    """paramiko's hook for the Transport of a new client: ours, on a socket that sends
+    small packets at once (TCP_NODELAY before the handshake: each auth step otherwise
+    waits ~40 ms for a delayed ACK)."""
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return FdlTransport(sock, **kwargs)
 
 
 class FdlConnection(Connection):  # type: ignore[misc]
@@ -171,6 +189,7 @@ def make_connection(
     connect_kwargs: dict[str, Any] = {
         "banner_timeout": settings.connect_timeout or None,
         "auth_timeout": settings.connect_timeout or None,
+        "transport_factory": _transport_factory,
     }
     if settings.identity_files:
         connect_kwargs["key_filename"] = list(settings.identity_files)
@@ -227,17 +246,239 @@ def open_connection(settings: SshSettings, config: Optional[Config] = None) -> F
     except Exception as exc:  # every transport failure becomes one clear error
         conn.close()
         raise SshConnectError(settings.host, describe_connect_error(exc)) from exc
-    # Control lines to several ranks of one host go out back to back; without
-    # TCP_NODELAY the second waits for the first one's delayed ACK (~40 ms).
-    with contextlib.suppress(OSError, AttributeError):
-        conn.transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    # paramiko's transport thread wakes every 0.1 s to look for a close; once a second
-    # is enough (closing stays immediate: close() marks the packetizer closed), and it
-    # cuts the launcher's idle CPU per host tenfold. Keepalives are our monitor's.
-    with contextlib.suppress(OSError, AttributeError):
-        conn.transport.sock.settimeout(TRANSPORT_POLL)
     return conn
 
 
 class RawRemote(RawOutput, Remote):  # type: ignore[misc]
     """An SSH session whose stdout and stderr go to `runners.ByteSink`s (an agent's)."""
+
+
+class RemoteAgentProcess(InvokeAgentProcess):
+    """An agent behind one SSH session: its exit status is the channel's."""
+
+    lost_reason = "the SSH session or connection was lost"
+
+    def exit_status(self, timeout: float) -> Optional[int]:
+        with contextlib.suppress(Exception):
+            channel = self.runner.channel
+            if not channel.status_event.wait(timeout):
+                return None
+            status = int(channel.exit_status)
+            if getattr(channel, "exit_signal", None) and status > 128:
+                return 128 - status  # killed by signal N: -N, as subprocess says it
+            return None if status == -1 else status
+        return None
+
+
+class _TimedSink:
+    """An invoke out_stream that records when the clock sentinel line arrived."""
+
+    def __init__(self, marker: str) -> None:
+        self.parts: list[str] = []
+        self.clock_at: Optional[float] = None
+        self._marker = marker
+
+    def write(self, text: str) -> int:
+        now = time.time()
+        self.parts.append(text)
+        if self.clock_at is None and self._marker:
+            joined = "".join(self.parts)
+            at = joined.find(self._marker)
+            if at >= 0 and "\n" in joined[at:]:
+                self.clock_at = now
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def known_host_state(settings: SshSettings, config: Any = None) -> tuple[str, str]:
+    """(``known``/``unknown``/``unchecked``, key name) before connecting.
+
+    Read from the known_hosts files the connection will use, under the name paramiko
+    will look up (``[addr]:port`` unless the port is 22), after ~/.ssh/config aliases.
+    """
+    if settings.strict_host_key_checking == "no":
+        return "unchecked", ""
+    scratch = make_connection(settings, config)  # resolves aliases; opens no socket
+    name = scratch.host if int(scratch.port) == 22 else f"[{scratch.host}]:{scratch.port}"
+    for path in (settings.known_hosts_file, "/etc/ssh/ssh_known_hosts"):
+        if not os.path.exists(path):
+            continue
+        try:
+            if paramiko.HostKeys(path).lookup(name):
+                return "known", name
+        except (OSError, paramiko.SSHException):
+            continue
+    return "unknown", name
+
+
+def _ms(start: float) -> float:
+    return (time.monotonic() - start) * 1000.0
+
+
+class SshTransport(Transport):
+    """A host behind an SSH server: one Fabric Connection, one session per agent."""
+
+    kind = "ssh"
+
+    def __init__(self, *args: Any, config: Optional[Config] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = config
+        self.connection: Optional[FdlConnection] = None
+
+    @classmethod
+    def from_connection(cls, worker: WorkerSpec, conn: Any) -> SshTransport:
+        """A transport over a Connection someone else built (``fab -H``'s): our host-key
+        policy and our Transport class before it opens, like every connection we make."""
+        transport = cls(worker)
+        if not conn.is_connected:
+            apply_host_key_policy(conn.client)
+            conn.connect_kwargs.setdefault("transport_factory", _transport_factory)
+        transport.connection = conn
+        return transport
+
+    @property
+    def _settings(self) -> SshSettings:
+        if self.settings is None:
+            raise TransportError(self.host, "no SSH settings for this host")
+        return self.settings
+
+    def connect(self) -> None:
+        if self.connection is not None and self.connection.is_connected:
+            return
+        if self.connection is not None and self.settings is None:  # someone else's
+            try:
+                self.connection.open()
+            except Exception as exc:
+                raise TransportError(self.host, describe_connect_error(exc)) from None
+            return
+        try:
+            self.connection = open_connection(self._settings, self.config)
+        except SshConnectError as exc:
+            raise TransportError(self.host, exc.reason) from None
+
+    @property
+    def connected(self) -> bool:
+        return self.connection is not None and bool(self.connection.is_connected)
+
+    def close(self) -> None:
+        conn, self.connection = self.connection, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # best effort: it may be long gone
+                conn.close()
+
+    def start_agent(self, stdout: ByteSink, stderr: ByteSink) -> AgentProcess:
+        if self.connection is None:
+            raise TransportError(self.host, "not connected")
+        runner = RawRemote(context=self.connection, inline_env=True)
+        promise = runner.run(bundle.remote_command(), out_stream=stdout, err_stream=stderr,
+                             **RUN_OPTIONS)
+        return RemoteAgentProcess(promise)
+
+    @contextlib.contextmanager
+    def tunnel(self, port: int, target: str) -> Iterator[None]:
+        if self.connection is None:
+            raise TransportError(self.host, "not connected")
+        forward = self.connection.forward_remote(port, local_port=port, local_host=target)
+        forward.__enter__()
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):  # its connection may be long gone
+                forward.__exit__(None, None, None)
+
+    def watch(self, monitor: KeepaliveMonitor) -> None:
+        transport = getattr(self.connection, "transport", None)
+        if transport is not None and self.settings is not None:
+            monitor.watch(self.host, transport, self.settings)
+
+    def probe(self, script: str, *, timed: bool, tunnel: Optional[tuple[int, int]] = None,
+              timeout: float = 60.0, clock_marker: str = "") -> ProbeResult:
+        """Connect (timed, with the host key's state), time a ``true`` and a round trip,
+        run the script once (with a remote forward for a tunneled worker's dial), close."""
+        settings = self._settings
+        state, key_name = known_host_state(settings, self.config)
+        result = ProbeResult()
+        start = time.monotonic()
+        try:
+            conn = open_connection(settings, self.config)
+        except SshConnectError as exc:
+            reason = exc.reason
+            if "CHANGED" in reason:
+                reason += f" (known_hosts: {settings.known_hosts_file}, entry {key_name})"
+            elif reason.startswith("authentication refused") and settings.identity_files:
+                reason += f" (identity: {', '.join(settings.identity_files)})"
+            result.reach, result.reach_status = reason, "FAIL"
+            return result
+        connect_ms = _ms(start)
+        try:
+            self._probe_on(conn, script, timed, tunnel, timeout, clock_marker, result)
+        finally:
+            with contextlib.suppress(Exception):
+                conn.close()
+        if state == "known":
+            key = "host key known"
+        elif state == "unknown":
+            key = "new host key recorded in known_hosts (accept-new)"
+        else:
+            key, result.reach_status = "host key NOT verified (StrictHostKeyChecking=no)", "warn"
+        who = f"{settings.user + '@' if settings.user else ''}{key_name or settings.target}"
+        result.reach = f"connected to {who} in {connect_ms:.0f} ms; {key}; checks took " \
+            f"{result.probe_ms:.0f} ms"
+        return result
+
+    def _probe_on(self, conn: FdlConnection, script: str, timed: bool,
+                  tunnel: Optional[tuple[int, int]], timeout: float, clock_marker: str,
+                  result: ProbeResult) -> None:
+        if timed:
+            t = time.monotonic()
+            conn.run("true", hide=True, warn=True, pty=False, in_stream=False,
+                     timeout=timeout)
+            result.shell_ms = _ms(t)
+        with contextlib.ExitStack() as stack:
+            if tunnel is not None:
+                try:
+                    stack.enter_context(conn.forward_remote(
+                        tunnel[0], local_port=tunnel[1], local_host="127.0.0.1"))
+                except Exception as exc:
+                    result.tunnel_error = str(exc) or type(exc).__name__
+            if timed:
+                # A pure network round trip (no shell): bounds the clock estimate.
+                t = time.monotonic()
+                conn.transport.global_request("keepalive@openssh.com", wait=True)
+                result.rtt = time.monotonic() - t
+            out, err = _TimedSink(clock_marker), _TimedSink(clock_marker)
+            t = time.monotonic()
+            try:
+                done = conn.run(f"exec sh -c {quote(script)}", hide=False, warn=True,
+                                pty=False, in_stream=False, echo=False, out_stream=out,
+                                err_stream=err, timeout=timeout)
+                result.exit_status = done.exited
+            except Exception as exc:  # CommandTimedOut, a dropped connection
+                err.write(f"\n{type(exc).__name__}: {exc}")
+            result.probe_ms = _ms(t)
+        result.out, result.err, result.clock_at = out.text, err.text, out.clock_at
+
+    def describe(self) -> str:
+        """How the host is reached, resolved like the launch would (no socket opened)."""
+        settings = self._settings
+        conn = make_connection(settings)
+        parts = [f"ssh {conn.user}@{conn.host} port {conn.port}"]
+        if settings.identity_files:
+            parts.append("identity " + ", ".join(settings.identity_files))
+        else:
+            parts.append("identity: ssh-agent and default keys")
+        if settings.proxy_jump:
+            parts.append(f"via {settings.proxy_jump}")
+        return ", ".join(parts) + "; one session runs the agent"
+
+    def details(self) -> dict[str, Any]:
+        return {"transport": self.kind, "ssh_target": self.worker.ssh_target}

@@ -210,7 +210,7 @@ def resolve_all_settings(
     settings: dict[str, SshSettings] = {}
     problems: list[Problem] = []
     for w in cluster.workers:
-        if w.is_local or w.slurm_job is not None:
+        if w.transport != "ssh":  # only an SSH worker has SSH settings
             continue
         warning = batchmode_warning(w.ssh.options, w.host)
         if warning and warn is not None:

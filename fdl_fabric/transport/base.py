@@ -1,0 +1,166 @@
+"""The one seam between the launcher and a kind of host: `Transport`.
+
+A host is reached one way: this machine (`local`), an SSH server (`ssh`), a node of a
+Slurm allocation (`slurm`). Everything above this package (the launch, cleanup,
+``stacks``, the pre-flight, the dry run) talks to a host only through its `Transport`,
+picked by one lookup (`fdl_fabric.transport.for_worker`), and never asks which kind it
+is. A new kind (``kubectl exec -i``, a gateway agent) is one module with one subclass,
+plus its line in `fdl_fabric.transport.KINDS`.
+
+What a transport does: open and close whatever the host needs (an SSH connection;
+nothing for the others), start the host's agent with its stdin and stdout as a byte
+stream (`AgentProcess`), and a few host-level services: a tunnel to the controller,
+keepalives, one pre-flight script run (`ProbeResult`), a line for the dry run.
+Invoke's and paramiko's private API is used only inside the implementations.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
+
+from ..clusterfile import WorkerSpec
+
+if TYPE_CHECKING:
+    from .keepalive import KeepaliveMonitor
+    from .sshconfig import SshSettings
+
+
+class TransportError(Exception):
+    """A host cannot be reached or used; ``reason`` says why in the user's terms."""
+
+    def __init__(self, host: str, reason: str) -> None:
+        super().__init__(f"host {host!r}: {reason}")
+        self.host = host
+        self.reason = reason
+
+
+class ByteSink(Protocol):
+    """Where an agent's output goes: every chunk, then one close at end of stream."""
+
+    def feed(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class AgentProcess(abc.ABC):
+    """One running agent: its stdin to write frames to, its end to learn about."""
+
+    #: Why the agent is gone when no exit status came (the session, the process, the step).
+    lost_reason: ClassVar[str] = "the agent's stream was lost"
+
+    @abc.abstractmethod
+    def write(self, data: bytes) -> None:
+        """Write to the agent's stdin (raises when it is gone)."""
+
+    @abc.abstractmethod
+    def close_input(self) -> None:
+        """EOF on the agent's stdin: the leash."""
+
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """Last resort: end the process or cut the session (its agent sees EOF)."""
+
+    @abc.abstractmethod
+    def exit_status(self, timeout: float) -> Optional[int]:
+        """Once its streams ended: the status, -N for a signal, None when none came."""
+
+    @abc.abstractmethod
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the reading threads (after the agent is gone)."""
+
+
+@dataclass
+class ProbeResult:
+    """One run of the pre-flight script on a host, as `fdl_fabric.preflight` reads it."""
+
+    out: str = ""
+    err: str = ""
+    exit_status: Optional[int] = None
+    #: When (time.time) the clock sentinel line arrived, and the round trip it rode on.
+    clock_at: Optional[float] = None
+    rtt: float = 0.0
+    shell_ms: Optional[float] = None
+    probe_ms: float = 0.0
+    #: How the host was reached, for the ``ssh`` row (None: nothing to report).
+    reach: Optional[str] = None
+    #: The reach row's status: "ok", "warn" (e.g. an unchecked host key) or "FAIL".
+    reach_status: str = "ok"
+    tunnel_error: Optional[str] = None
+
+
+class Transport(abc.ABC):
+    """How the launcher reaches one host; see the module docstring."""
+
+    #: The kind's name, as `KINDS` knows it.
+    kind: ClassVar[str] = ""
+    #: Can a launch reach this host again after losing it, to clear what is left there?
+    #: (Not a Slurm node whose slurmd died: srun would wait for it.)
+    sweep_after_loss: ClassVar[bool] = True
+
+    def __init__(self, worker: WorkerSpec, settings: Optional[SshSettings] = None, *,
+                 purpose: str = "agent") -> None:
+        self.worker = worker
+        self.host = worker.host
+        self.settings = settings
+        #: What the agent is for: ``agent`` (a run) or ``cleanup``; a Slurm step's name.
+        self.purpose = purpose
+
+    # -- the connection -----------------------------------------------------------------
+    def connect(self) -> None:
+        """Open what the host needs before agents start; `TransportError` if it cannot."""
+        return None
+
+    @property
+    def connected(self) -> bool:
+        """True while what `connect` opened is usable (always, for a host with nothing)."""
+        return True
+
+    def reconnect(self) -> None:
+        """A fresh connection: the old one is gone or cannot be trusted."""
+        self.close()
+        self.connect()
+
+    def close(self) -> None:
+        """Release the connection (idempotent)."""
+        return None
+
+    # -- the agent ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def start_agent(self, stdout: ByteSink, stderr: ByteSink) -> AgentProcess:
+        """Start this host's agent; its stdout and stderr bytes go to the sinks."""
+
+    # -- host services ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tunnel(self, port: int, target: str) -> Iterator[None]:
+        """A remote forward of ``port`` on the host to ``target:port`` here."""
+        raise TransportError(self.host, f"a {self.kind} host has no tunnel")
+        yield  # pragma: no cover
+
+    def watch(self, monitor: KeepaliveMonitor) -> None:
+        """Have ``monitor`` check this host's connection (SSH keepalives)."""
+        return None
+
+    @abc.abstractmethod
+    def probe(self, script: str, *, timed: bool, tunnel: Optional[tuple[int, int]] = None,
+              timeout: float = 60.0, clock_marker: str = "") -> ProbeResult:
+        """Run the pre-flight script once (``timed``: also time the shell and the round
+        trip, and note when the line starting ``clock_marker`` arrived); ``tunnel`` =
+        (remote port, local port) to forward meanwhile."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """How the agent is reached, for the dry run (opens nothing)."""
+
+    @classmethod
+    def after_sweep(cls, workers: tuple[WorkerSpec, ...]) -> list[str]:
+        """After a cleanup swept these workers: anything the kind itself must tidy (a
+        Slurm job's leftover agent steps); lines for the operator."""
+        return []
+
+    def details(self) -> dict[str, Any]:
+        """What the dry run's JSON says of how the host is reached."""
+        return {"transport": self.kind}
