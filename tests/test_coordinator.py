@@ -1,4 +1,7 @@
-"""The coordinator: policy arithmetic, the ledger, and the wire protocol over real loopback sockets.
+"""The coordinator: membership, the ledger, and the wire protocol over real loopback sockets.
+
+What a death means (tolerance, ``max_failure``, the verdict) is the policy's, in
+test_policy.py.
 
 Fake ranks here speak the protocol by hand (through the coordinator's own
 framing helpers), so each test can break exactly one rule and check that only
@@ -7,7 +10,6 @@ that connection pays for it.
 
 from __future__ import annotations
 
-import math
 import socket
 import struct
 import time
@@ -34,9 +36,7 @@ from fdl_fabric.supervision.coordinator import (
     CoordinatorError,
     CoordinatorSpec,
     DeadRanks,
-    max_failure_limit,
 )
-from fdl_fabric.supervision.supervisor import Verdict
 
 SALT = bytes(range(16))
 RUN = "20250101-000000-abcd1234"
@@ -172,30 +172,6 @@ def form(h: Harness, world_size: int) -> list[FakeRank]:
     return fakes
 
 
-# -- max_failure arithmetic -------------------------------------------------------------------
-@pytest.mark.parametrize(("max_failure", "world_size", "limit"), [
-    (0.2, 10, 2), (0.2, 11, 3), (0.2, 5, 1), (0.2, 3, 1), (0.0, 10, 0), (1.0, 7, 7),
-    (2.5, 4, 4), (-0.3, 4, 0), (0.25, 8, 2), (0.5, 0, 0), (3, 4, 3), (9, 4, 9), (None, 4, None),
-])
-def test_max_failure_limit_follows_the_spec_table(
-        max_failure: Any, world_size: int, limit: Optional[int]) -> None:
-    assert max_failure_limit(max_failure, world_size) == limit
-
-
-def test_percent_limit_is_exact_for_round_percentages() -> None:
-    # ceil(0.7 * 10.0) is 8 in floating point; 70% of 10 ranks is 7.
-    assert max_failure_limit(0.7, 10) == 7
-    assert max_failure_limit(0.3, 10) == 3
-
-
-@given(st.floats(allow_nan=False), st.integers(min_value=0, max_value=10_000))
-def test_percent_limit_stays_within_zero_and_world_size(p: float, world_size: int) -> None:
-    limit = max_failure_limit(p, world_size)
-    assert limit is not None and 0 <= limit <= world_size
-    if 0 < p <= 1 and world_size > 0:
-        assert limit >= 1 and limit == math.ceil(limit)
-
-
 # -- spec validation --------------------------------------------------------------------------
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("salt", b"short", "salt must be 16 bytes"),
@@ -204,9 +180,6 @@ def test_percent_limit_stays_within_zero_and_world_size(p: float, world_size: in
     ("port", 70000, "port must be in 0..65535"),
     ("heartbeat_timeout", 0, "heartbeat_timeout must be a positive"),
     ("formation_timeout", -1.0, "formation_timeout must be a positive"),
-    ("max_failure", -1, "max_failure must be >= 0"),
-    ("max_failure", "25%", "max_failure must be an int"),
-    ("max_failure", float("nan"), "must not be NaN"),
 ])
 def test_spec_rejects_bad_values_with_a_clear_message(field: str, value: Any, words: str) -> None:
     kw: dict[str, Any] = {"run_id": RUN, "salt": SALT, "world_size": 2,
@@ -303,7 +276,7 @@ def test_a_rank_outside_the_world_is_rejected(
 
 def test_a_rank_declared_dead_cannot_join_again(make: Callable[..., Harness]) -> None:
     h = make(2)
-    h.coord.report_dead([1], "status 1")
+    h.coord.mark_dead([1], "status 1")
     assert wait_for(lambda: h.coord.dead.is_dead(1))
     assert h.rank().hello(1) == {"type": "reject", "reason": "rank 1 was declared dead"}
 
@@ -457,13 +430,12 @@ def test_a_rank_that_announced_exiting_is_never_declared_dead(
     leaver.send({"type": "exiting"})
     leaver.close()
     assert wait_for(lambda: h.coord.exited == {1})
-    h.coord.report_dead([1], "status 1")
+    h.coord.mark_dead([1], "status 1")
     deadline = time.monotonic() + 0.8
     while time.monotonic() < deadline:
         keeper.send({"type": "heartbeat"})
         time.sleep(0.1)
     assert h.coord.dead.dead_count() == 0
-    assert h.coord.verdict(2, 1)[0] is Verdict.OK
 
 
 def test_a_closed_connection_alone_is_not_a_death(make: Callable[..., Harness]) -> None:
@@ -477,12 +449,12 @@ def test_a_closed_connection_alone_is_not_a_death(make: Callable[..., Harness]) 
         h.messages(Kind.INFO)[0]
 
 
-def test_report_dead_is_idempotent(make: Callable[..., Harness]) -> None:
+def test_mark_dead_is_idempotent(make: Callable[..., Harness]) -> None:
     h = make(3)
     fakes = form(h, 3)
-    h.coord.report_dead([2], "status 1")
-    h.coord.report_dead([2], "status 1")
-    h.coord.report_dead([2, 7], "signal 9")
+    h.coord.mark_dead([2], "status 1")
+    h.coord.mark_dead([2], "status 1")
+    h.coord.mark_dead([2, 7], "signal 9")
     assert wait_for(lambda: h.coord.dead.is_dead(2))
     time.sleep(0.2)
     assert h.messages(Kind.DEATH) == [
@@ -491,16 +463,17 @@ def test_report_dead_is_idempotent(make: Callable[..., Harness]) -> None:
     assert h.coord.shutdown_sent is None
 
 
-def test_max_failure_breach_broadcasts_save_and_shutdown_once(
+def test_a_shutdown_is_broadcast_once_with_the_policy_reason(
         make: Callable[..., Harness]) -> None:
-    h = make(4, max_failure=0.5)
+    h = make(4)
     fakes = form(h, 4)
-    h.coord.report_dead([1], "status 1")
-    assert wait_for(lambda: h.coord.dead.dead_count() == 1)
+    h.coord.mark_dead([1, 3], "status 1")
+    assert wait_for(lambda: h.coord.dead.dead_count() == 2)
     assert h.coord.shutdown_sent is None
-    h.coord.report_dead([3], "signal 9")
+    h.coord.broadcast_shutdown("max_failure reached (2/4 dead, threshold 2)")
     assert wait_for(lambda: h.coord.shutdown_sent is not None)
-    h.coord.report_dead([2], "status 1")
+    h.coord.broadcast_shutdown("every rank was lost (4/4 dead)")
+    h.coord.mark_dead([2], "status 1")
     assert wait_for(lambda: h.coord.dead.dead_count() == 3)
     time.sleep(0.2)
     assert h.coord.shutdown_sent == "max_failure reached (2/4 dead, threshold 2)"
@@ -512,57 +485,24 @@ def test_max_failure_breach_broadcasts_save_and_shutdown_once(
         {"type": "shutdown", "reason": "max_failure reached (2/4 dead, threshold 2)",
          "save": True}]
     assert received[-1] == {"type": "membership", "members": [0], "dead": [1, 2, 3]}
-    assert h.coord.verdict(4, 3) == (
-        Verdict.FAILED,
-        "cluster launcher: max_failure exceeded (3/4 ranks dead, threshold 2); coordinator "
-        "dispatched save-and-shutdown — consensus checkpoint saved if a save path was armed")
 
 
-def test_losing_every_rank_without_max_failure_still_broadcasts_shutdown(
-        make: Callable[..., Harness]) -> None:
-    h = make(2)
-    form(h, 2)
-    h.coord.report_dead([0, 1], "status 1")
-    assert wait_for(lambda: h.coord.shutdown_sent is not None)
-    assert h.coord.shutdown_sent == "every rank was lost (2/2 dead)"
-    assert h.coord.verdict(2, 2)[0] is Verdict.FAILED
-
-
-# -- verdicts ---------------------------------------------------------------------------------
-def _idle(world_size: int, max_failure: Any = None, dead: tuple[int, ...] = ()) -> Coordinator:
-    spec = CoordinatorSpec(run_id=RUN, salt=SALT, world_size=world_size, bind_host="127.0.0.1",
-                           port=0, max_failure=max_failure)
-    coord = Coordinator(spec, EventBus())
-    for r in dead:
-        coord.dead.declare_dead(r)
-    return coord
-
-
-@pytest.mark.parametrize(("coord", "tolerated", "verdict", "message"), [
-    (_idle(3, dead=(0, 1, 2)), 3, Verdict.FAILED,
-     "cluster launcher: every rank was lost; consensus checkpoint saved if a save path was armed"),
-    (_idle(4, 2, dead=(0, 3)), 2, Verdict.FAILED,
-     "cluster launcher: max_failure exceeded (2/4 ranks dead, threshold 2); coordinator "
-     "dispatched save-and-shutdown — consensus checkpoint saved if a save path was armed"),
-    (_idle(10, 0.2, dead=(4, 5)), 2, Verdict.FAILED,
-     "cluster launcher: max_failure exceeded (2/10 ranks dead, threshold 2); coordinator "
-     "dispatched save-and-shutdown — consensus checkpoint saved if a save path was armed"),
-    (_idle(4, 3, dead=(1, 2)), 2, Verdict.DEGRADED,
-     "cluster launcher: run completed DEGRADED — 2 of 4 ranks lost along the way (tolerated by "
-     "elastic membership); survivors carried the full workload"),
-    (_idle(4, dead=(1,)), 1, Verdict.DEGRADED,
-     "cluster launcher: run completed DEGRADED — 1 of 4 ranks lost along the way (tolerated by "
-     "elastic membership); survivors carried the full workload"),
-    (_idle(4), 2, Verdict.OK,
-     "cluster launcher: run completed; 2 child exit(s) in the teardown window were tolerated "
-     "(never registered as rank deaths) — full workload delivered, nothing redistributed"),
-    (_idle(4), 0, Verdict.OK, "cluster launcher: run completed — all 4 ranks exited 0"),
-    (_idle(4, 0.0), 0, Verdict.OK, "cluster launcher: run completed — all 4 ranks exited 0"),
-], ids=["all-lost", "absolute", "percent", "degraded", "degraded-no-limit", "teardown", "ok",
-        "zero-limit-no-deaths"])
-def test_verdict_wording_is_exact(
-        coord: Coordinator, tolerated: int, verdict: Verdict, message: str) -> None:
-    assert coord.verdict(coord.spec.world_size, tolerated) == (verdict, message)
+def test_the_supervisor_is_told_once_when_the_cohort_cannot_form() -> None:
+    told: list[str] = []
+    spec = CoordinatorSpec(run_id=RUN, salt=SALT, world_size=2, bind_host="127.0.0.1",
+                           port=0, formation_timeout=0.3)
+    coord = Coordinator(spec, EventBus(), on_abort=told.append)
+    coord.start()
+    try:
+        fake = FakeRank(coord.port)
+        fake.hello(0)
+        assert wait_for(lambda: bool(told))
+        time.sleep(0.3)
+        assert told == ["cluster launcher: cohort did not form within 0.3s: rank(s) [1] "
+                        "never joined"]
+        fake.close()
+    finally:
+        coord.stop()
 
 
 # -- lifecycle --------------------------------------------------------------------------------

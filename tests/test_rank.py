@@ -223,7 +223,7 @@ def test_heartbeats_keep_a_rank_alive_past_the_heartbeat_timeout(
 
 def test_a_shutdown_broadcast_runs_the_callback_and_sets_should_stop(
         lab: Callable[..., Lab]) -> None:
-    one = lab(2, max_failure=1)
+    one = lab(2)
     survivor = one.spawn(0, """
         rank.join(timeout=4)
         rank.on_shutdown(lambda reason: say(callback=reason))
@@ -235,12 +235,12 @@ def test_a_shutdown_broadcast_runs_the_callback_and_sets_should_stop(
     assert survivor.said() == {"joined": True}
     assert wait_for(lambda: one.coord.cohort_formed)
     victim.kill()
-    one.coord.report_dead([1], "signal 9")
+    one.coord.mark_dead([1], "signal 9")
+    one.coord.broadcast_shutdown("max_failure reached (1/2 dead, threshold 1)")
     assert survivor.said() == {"callback": "max_failure reached (1/2 dead, threshold 1)"}
     assert survivor.said() == {"stop": True, "survivors": [0]}
     assert survivor.wait() == 0
     assert wait_for(lambda: one.coord.exited == {0})
-    assert one.coord.verdict(2, 1)[1].startswith("cluster launcher: max_failure exceeded (1/2")
 
 
 def test_a_rank_declared_dead_is_told_so(lab: Callable[..., Lab]) -> None:
@@ -288,7 +288,7 @@ def test_a_clean_exit_announces_exiting(lab: Callable[..., Lab], ending: str) ->
     assert keeper.said() == {"ok": 1}
     assert leaver.wait() == 0
     assert wait_for(lambda: one.coord.exited == {1})
-    one.coord.report_dead([1], "status 0")
+    one.coord.mark_dead([1], "status 0")
     time.sleep(0.6)  # past the heartbeat timeout too
     assert one.coord.dead.dead_count() == 0
 
@@ -306,7 +306,7 @@ def test_a_failing_exit_does_not_announce_exiting(
     assert leaver.wait() == code
     assert wait_for(lambda: len(one.log.of(Kind.INFO)) >= 1)
     assert one.coord.exited == set()
-    one.coord.report_dead([1], f"status {code}")
+    one.coord.mark_dead([1], f"status {code}")
     assert wait_for(lambda: one.coord.dead.is_dead(1))
 
 

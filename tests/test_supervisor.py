@@ -11,6 +11,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,7 +24,9 @@ from fdl_fabric.planning.plan import RankPlan, build_plan
 from fdl_fabric.presentation import stacks
 from fdl_fabric.presentation.rankoutput import RankOutput
 from fdl_fabric.supervision import reports
-from fdl_fabric.supervision.supervisor import RankState, Supervisor, Verdict
+from fdl_fabric.supervision.policy import Elastic
+from fdl_fabric.supervision.supervisor import RankState, Supervisor
+from fdl_fabric.supervision.verdict import Verdict
 
 #: A script entry: (exit code, signal) the rank reports as soon as it starts, or None
 #: for a rank that runs until it is stopped.
@@ -132,13 +135,23 @@ def plans(*hosts: int) -> list[RankPlan]:
     return list(build_plan(cluster, argv=["true"], run_id="r1", salt=b"\0" * 16).ranks)
 
 
+def policy_for(cohort: Optional[FormedCohort],
+               scripts: Sequence[dict[int, Script]]) -> Optional[Elastic]:
+    """A launch's policy: elastic when there is a cohort, kill-all (the default) without."""
+    if cohort is None:
+        return None
+    return Elastic(sum(len(s) for s in scripts))
+
+
 def supervise(*scripts: dict[int, Script], grace: float = 0.05, stubborn: tuple[int, ...] = (),
-              elastic: object = None, preflight: object = None,
+              cohort: Optional[FormedCohort] = None, preflight: object = None,
+              policy: Optional[Elastic] = None,
               ) -> tuple[Supervisor, list[FakeHost], EventLog]:
     log = EventLog()
     hosts = [FakeHost(f"h{i}", s, stubborn=i in stubborn) for i, s in enumerate(scripts)]
     sup = Supervisor(plans(*(len(s) for s in scripts)), {h.name: h for h in hosts},
-                     kill_grace=grace, events=EventBus(log), elastic=elastic,  # type: ignore[arg-type]
+                     kill_grace=grace, events=EventBus(log), cohort=cohort,
+                     policy=policy or policy_for(cohort, scripts),
                      preflight=preflight, tick=0.001)  # type: ignore[arg-type]
     for h in hosts:
         h.sup = sup
@@ -330,25 +343,22 @@ def test_rank_output_reaches_the_renderer_with_the_rank_label() -> None:
 
 
 class FormedCohort:
+    """The coordinator's side the supervisor sees, for a cohort that has formed."""
+
     def __init__(self) -> None:
         self.dead: list[int] = []
+        self.shutdowns: list[str] = []
+        self.exited: set[int] = set()
 
     @property
     def cohort_formed(self) -> bool:
         return True
 
-    def report_dead(self, ranks: list[int], reason: str) -> None:
+    def mark_dead(self, ranks: Sequence[int], reason: str) -> None:
         self.dead.extend(ranks)
 
-    def abort_reason(self) -> Optional[str]:
-        return None
-
-    @property
-    def shutdown_sent(self) -> Optional[str]:
-        return None
-
-    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]:
-        return Verdict.DEGRADED, f"degraded {len(self.dead)}/{world_size}"
+    def broadcast_shutdown(self, reason: str) -> None:
+        self.shutdowns.append(reason)
 
     last_progress = 0.0
 
@@ -358,19 +368,32 @@ class FormedCohort:
 
 def test_after_formation_a_death_is_tolerated_and_reported() -> None:
     cohort = FormedCohort()
-    sup, (h0,), log = supervise({0: (9, None), 1: (0, None)}, elastic=cohort)
+    sup, (h0,), log = supervise({0: (9, None), 1: (0, None)}, cohort=cohort)
     result = sup.run()
     assert cohort.dead == [0] and not h0.stopped
     assert result.ranks[0].state is RankState.TOLERATED
-    assert result.exit_code == 0 and result.message == "degraded 1/2"
+    assert result.exit_code == 0 and result.verdict is Verdict.DEGRADED
+    assert result.message.startswith("cluster launcher: run completed DEGRADED — 1 of 2 ranks")
     assert "tolerating (elastic membership): reporting rank(s) [0] dead" in \
         log.of(Kind.TOLERATED)[0].message
+
+
+def test_when_the_policy_says_shutdown_the_cohort_is_told_and_survivors_finish() -> None:
+    cohort = FormedCohort()
+    sup, (h0,), _ = supervise({0: (9, None), 1: (0, None), 2: (0, None)}, cohort=cohort,
+                              policy=Elastic(3, 1))
+    result = sup.run()
+    assert cohort.dead == [0] and not h0.stopped
+    assert cohort.shutdowns == ["max_failure reached (1/3 dead, threshold 1)"]
+    assert result.verdict is Verdict.FAILED and result.exit_code == 1
+    assert result.message.startswith("cluster launcher: max_failure exceeded (1/3 ranks dead")
 
 
 
 # -- liveness: unresponsive hosts, declared-dead ranks, forwarded signals, hangs, stacks ----------
 
-def supervise_live(*scripts: dict[int, Script], grace: float = 0.05, elastic: object = None,
+def supervise_live(*scripts: dict[int, Script], grace: float = 0.05,
+                   cohort: Optional[FormedCohort] = None,
                    agent_timeout: Optional[float] = None, hang_timeout: Optional[float] = None,
                    on_resume: object = None, inbox: object = None,
                    ) -> tuple[Supervisor, list[FakeHost], EventLog]:
@@ -378,7 +401,8 @@ def supervise_live(*scripts: dict[int, Script], grace: float = 0.05, elastic: ob
     log = EventLog()
     hosts = [FakeHost(f"h{i}", s) for i, s in enumerate(scripts)]
     sup = Supervisor(plans(*(len(s) for s in scripts)), {h.name: h for h in hosts},
-                     kill_grace=grace, events=EventBus(log), elastic=elastic,  # type: ignore[arg-type]
+                     kill_grace=grace, events=EventBus(log), cohort=cohort,
+                     policy=policy_for(cohort, scripts),
                      tick=0.001, agent_timeout=agent_timeout, hang_timeout=hang_timeout,
                      on_resume=on_resume, inbox=inbox)  # type: ignore[arg-type]
     for h in hosts:
@@ -430,7 +454,7 @@ def test_a_silent_host_is_unresponsive_its_ranks_are_lost_and_every_other_rank_s
 def test_after_formation_an_unresponsive_hosts_ranks_are_reported_dead_and_the_run_goes_on(
         ) -> None:
     cohort = FormedCohort()
-    sup, (h0, h1), _ = supervise_live({0: (0, None)}, {1: None}, elastic=cohort,
+    sup, (h0, h1), _ = supervise_live({0: (0, None)}, {1: None}, cohort=cohort,
                                       agent_timeout=0.05)
     h1.silent_since = time.monotonic() - 100
     result = sup.run()
@@ -456,7 +480,7 @@ def test_a_host_that_keeps_talking_is_never_unresponsive() -> None:
 
 def test_a_rank_declared_dead_is_stopped_on_its_host_and_its_exit_is_tolerated() -> None:
     sup, (h0, h1), log = supervise_live({0: (0, None)}, {1: None, 2: (0, None)},
-                                        elastic=FormedCohort())
+                                        cohort=FormedCohort())
     start = h1.start_ranks
     h1.start_ranks = lambda: (start(),  # type: ignore[method-assign]
                               h1.post(reports.DeclaredDead(1, "no heartbeat for 30s")))
@@ -577,7 +601,7 @@ def test_joined_ranks_reporting_progress_are_not_hung_even_when_silent() -> None
         def last_progress(self) -> float:  # type: ignore[override]
             return time.monotonic()
 
-    sup, (h0,), log = supervise_live({0: None}, elastic=Progressing(), hang_timeout=0.05)
+    sup, (h0,), log = supervise_live({0: None}, cohort=Progressing(), hang_timeout=0.05)
     start = h0.start_ranks
     h0.start_ranks = lambda: (start(),  # type: ignore[method-assign]
                               threading.Timer(0.3, sup.request_interrupt,
@@ -681,7 +705,7 @@ def test_a_pause_of_the_launcher_restarts_every_silence_clock_and_blames_no_host
     inbox = PausingInbox()
     resumed: list[float] = []
     sup, (h0,), log = supervise_live(
-        {0: None}, elastic=cohort, agent_timeout=0.2, hang_timeout=0.2, inbox=inbox,
+        {0: None}, cohort=cohort, agent_timeout=0.2, hang_timeout=0.2, inbox=inbox,
         on_resume=lambda: (resumed.append(time.monotonic()),
                            sup.request_interrupt(signal.SIGTERM)))
     h0.silent_since = time.monotonic()  # its agent said nothing since the start

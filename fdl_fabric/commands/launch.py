@@ -60,7 +60,9 @@ from ..presentation.output import Console, RunLog, summary_table
 from ..presentation.rankoutput import RankOutput
 from ..supervision import reports
 from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
-from ..supervision.supervisor import RunResult, Supervisor, Verdict, summary_rows
+from ..supervision.policy import Elastic, Restarts
+from ..supervision.supervisor import RunResult, Supervisor, summary_rows
+from ..supervision.verdict import Verdict
 from ..transport import Transport, for_cluster, resolve_cluster
 from ..transport.fanout import close_all, connect_all, connect_each, start_agents
 from ..transport.session import AgentSession
@@ -140,7 +142,7 @@ def resolve_max_failure(opts: LaunchOptions, cluster: ClusterSpec) -> MaxFailure
         raise FdlError(f"--max-failure: {exc}", EXIT_USAGE) from None
 
 
-def coordinator_spec(plan: LaunchPlan, max_failure: MaxFailure, scale: float) -> CoordinatorSpec:
+def coordinator_spec(plan: LaunchPlan, scale: float) -> CoordinatorSpec:
     """The coordinator for this plan: loopback when no worker dials it over the network."""
     cluster = plan.cluster
     return CoordinatorSpec(
@@ -151,7 +153,6 @@ def coordinator_spec(plan: LaunchPlan, max_failure: MaxFailure, scale: float) ->
         port=cluster.controller.port,
         formation_timeout=cluster.elastic.formation_timeout * scale,
         heartbeat_timeout=cluster.elastic.heartbeat_timeout * scale,
-        max_failure=max_failure,
         hello_timeout=10.0 * scale,
     )
 
@@ -383,6 +384,7 @@ class Launch:
         if any(plan.defaults(h) for h in plan.hosts()):
             self.events(Kind.INFO, OMP_NOTICE)
         max_restarts = cluster.elastic.max_restarts
+        restarts = Restarts(max_restarts)
         for attempt in range(max_restarts + 1):
             if attempt:
                 inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
@@ -393,8 +395,8 @@ class Launch:
             result = self._attempt(r, plan, attempt)
             self.results.append(result)
             self.faulted.update(result.faults)
-            if self.signals.received is not None or not result.restartable \
-                    or attempt == max_restarts:
+            if not restarts.another(result.restartable, attempt,
+                                    self.signals.received is not None):
                 break
             self.events(Kind.RESTART, f"cluster launcher: attempt {attempt} failed "
                         f"({cause_text(result)}); restarting every rank (restart "
@@ -416,9 +418,10 @@ class Launch:
         if self.log is not None:
             self.log.attempt = attempt
         coordinator = Coordinator(
-            coordinator_spec(plan, r.max_failure, r.scale), self.events,
+            coordinator_spec(plan, r.scale), self.events,
             on_join=lambda rank: inbox.put(reports.Joined(rank)),
-            on_dead=lambda rank, why: inbox.put(reports.DeclaredDead(rank, why)))
+            on_dead=lambda rank, why: inbox.put(reports.DeclaredDead(rank, why)),
+            on_abort=lambda why: inbox.put(reports.Request("abort", why)))
         try:
             coordinator.start()
         except CoordinatorError as exc:
@@ -449,7 +452,8 @@ class Launch:
 
         supervisor = Supervisor(
             plan.ranks, self.sessions, kill_grace=cluster.kill_grace, events=self.events,
-            elastic=coordinator, preflight=judge_host if self.opts.preflight else None,
+            cohort=coordinator, policy=Elastic(plan.world_size, r.max_failure),
+            preflight=judge_host if self.opts.preflight else None,
             inbox=inbox, agent_timeout=cluster.agent_timeout * r.scale,
             hang_timeout=cluster.hang_timeout, on_resume=self._resumed)
         self.signals.supervisor = supervisor

@@ -1,12 +1,13 @@
-"""The coordinator inside the launcher: cohort formation, dead ranks, save-and-shutdown.
+"""The coordinator inside the launcher: cohort membership and its sockets, nothing else.
 
-Every rank dials one TCP port and says ``hello``. Once every rank 0..W-1 has
-joined, the cohort is formed, and from then on a rank death is a membership
-event instead of a reason to kill the run (flodl spec section 5.3). The
-coordinator keeps the dead-rank ledger, declares silent ranks dead after the
-heartbeat timeout, and broadcasts a save-and-shutdown once when the run can no
-longer continue (``max_failure`` reached, or every rank lost). It implements
-`supervisor.ElasticPolicy`, which is all the supervisor sees of it.
+Every rank dials one TCP port and says ``hello``. Once every rank 0..W-1 has joined,
+the cohort is formed (flodl spec section 5.3). The coordinator keeps who is in the
+cohort: it declares a silent rank dead after the heartbeat timeout (and tells the
+supervisor, whose agent then stops it), refuses a dead rank that comes back, broadcasts
+membership when the supervisor marks a rank dead, broadcasts save-and-shutdown when the
+supervisor says so, and notices a cohort that does not form in time. What a death
+means for the run (kill-all, tolerance, ``max_failure``) and the verdict are the
+failure policy's (`policy`), on the supervisor's side; the coordinator only reports.
 
 The wire protocol is ours, not flodl's bincode frames, and docs/protocol.md is
 its contract: a 4-byte big-endian length, a 32-byte HMAC-SHA256 tag keyed by
@@ -16,7 +17,7 @@ standalone on any host), imported here.
 
 One I/O thread does everything that touches sockets (accept, read, the 50 ms
 tick, broadcasts), so connection state needs no locking. The supervisor thread
-only reads a few fields and queues `report_dead` calls; a lock covers those.
+only reads a few fields and queues requests; a lock covers those.
 Standard library only.
 """
 
@@ -31,12 +32,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from ..events import EventBus, Kind
 from ..rank import MAX_FRAME, FrameError, decode_payload, encode_frame, frame_tag, take_frame
-from .supervisor import Verdict
 
 #: How often the coordinator drains reported deaths and checks heartbeats.
 TICK_INTERVAL = 0.05
@@ -59,7 +58,6 @@ _DIAGNOSE_MAX_PAYLOAD = 64 * 1024
 _RANK_MESSAGES = frozenset({"hello", "heartbeat", "exiting", "ack_shutdown", "probe"})
 _RECV_CHUNK = 65536
 
-MaxFailure = Union[int, float, None]
 
 
 def bind_listener(host: str, port: int, backlog: int = socket.SOMAXCONN) -> socket.socket:
@@ -95,31 +93,6 @@ def _tag_failure(salt: bytes, run_id: str, expected: int, tag: bytes, payload: b
     return "bad tag"
 
 
-# -- policy arithmetic -------------------------------------------------------------------------
-def max_failure_limit(max_failure: MaxFailure, world_size: int) -> Optional[int]:
-    """How many dead ranks breach ``max_failure`` (spec section 5.5); None means no limit.
-
-    An int is absolute and may exceed the world size. A float is a fraction,
-    clamped to [0, 1], of the world size, rounded up. The fraction is taken as
-    the decimal it was written as (``repr``, then `Fraction`), so 0.7 of 10 is
-    7, not the 8 that ``ceil(0.7 * 10.0)`` gives, and 0.2 of 10 is 2.
-    """
-    if max_failure is None:
-        return None
-    if isinstance(max_failure, bool):
-        raise TypeError("max_failure must be an int, a float or None, not a bool")
-    if isinstance(max_failure, int):
-        return max_failure
-    if math.isnan(max_failure):
-        raise ValueError("max_failure must not be NaN")
-    world = max(world_size, 0)
-    if max_failure <= 0:
-        return 0
-    if max_failure >= 1:
-        return world
-    return math.ceil(Fraction(repr(float(max_failure))) * world)
-
-
 def _seconds(value: float) -> str:
     return f"{value:g}s"
 
@@ -135,7 +108,6 @@ class CoordinatorSpec:
     port: int
     formation_timeout: float = 300.0
     heartbeat_timeout: float = 30.0
-    max_failure: MaxFailure = None
     #: A connection that has not sent a valid hello by then is dropped (spec: 10 s, scaled).
     hello_timeout: float = 10.0
 
@@ -159,15 +131,6 @@ class CoordinatorSpec:
                     or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"coordinator: {name} must be a positive number of seconds, "
                                  f"got {value!r}")
-        mf = self.max_failure
-        if mf is not None:
-            if isinstance(mf, bool) or not isinstance(mf, (int, float)):
-                raise ValueError(f"coordinator: max_failure must be an int (ranks), a float "
-                                 f"(fraction) or None, got {mf!r}")
-            if isinstance(mf, int) and mf < 0:
-                raise ValueError(f"coordinator: max_failure must be >= 0 ranks, got {mf}")
-            if isinstance(mf, float) and math.isnan(mf):
-                raise ValueError("coordinator: max_failure must not be NaN")
 
 
 class DeadRanks:
@@ -225,12 +188,15 @@ class Coordinator:
 
     def __init__(self, spec: CoordinatorSpec, events: EventBus,
                  on_join: Optional[Callable[[int], None]] = None,
-                 on_dead: Optional[Callable[[int, str], None]] = None) -> None:
+                 on_dead: Optional[Callable[[int, str], None]] = None,
+                 on_abort: Optional[Callable[[str], None]] = None) -> None:
         self.spec = spec
         self.events = events
         self.on_join = on_join
         #: Told of each rank declared dead for silence (its agent must stop it).
         self.on_dead = on_dead
+        #: Told once why the run cannot go on (the cohort did not form; a crash here).
+        self.on_abort = on_abort
         self._dead = DeadRanks(spec.world_size)
         self._lock = threading.Lock()
         # Guarded by _lock: read by the supervisor thread.
@@ -240,6 +206,7 @@ class Coordinator:
         self._abort: Optional[str] = None
         self._shutdown: Optional[str] = None
         self._reports: list[tuple[list[int], str]] = []
+        self._shutdown_wanted: Optional[str] = None
         #: When any joined rank last reported progress (`fdl_fabric.rank.progress`).
         self._last_progress = 0.0
         self._resume_pending = False
@@ -255,7 +222,7 @@ class Coordinator:
         self._selector: Optional[selectors.BaseSelector] = None
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
-        # Written by other threads (stop, report_dead) so the I/O thread acts at once
+        # Written by other threads (stop, mark_dead) so the I/O thread acts at once
         # instead of at its next tick: a death is declared, and a run ends, without waiting.
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -315,46 +282,31 @@ class Coordinator:
         with contextlib.suppress(OSError):  # full (already woken) or closed (stopped)
             self._wake_w.send(b"\0")
 
-    # -- ElasticPolicy --------------------------------------------------------------------------
+    # -- the supervisor's side ------------------------------------------------------------------
     @property
     def cohort_formed(self) -> bool:
         """True once every rank 0..W-1 has sent a valid hello."""
         with self._lock:
             return self._formed
 
-    def report_dead(self, ranks: Sequence[int], reason: str) -> None:
-        """Queue process deaths seen by the supervisor; the next tick declares them."""
+    def mark_dead(self, ranks: Sequence[int], reason: str) -> None:
+        """Ranks the supervisor found dead: out of the cohort; the next tick tells the
+        others (membership) and closes their connections."""
         with self._lock:
             self._reports.append(([int(r) for r in ranks], reason))
         self._wake()
 
+    def broadcast_shutdown(self, reason: str) -> None:
+        """The policy's call: survivors save and stop. Sent once, at the next tick."""
+        with self._lock:
+            if self._shutdown is None and self._shutdown_wanted is None:
+                self._shutdown_wanted = reason
+        self._wake()
+
     def abort_reason(self) -> Optional[str]:
-        """Why the run must be killed (formation timeout, coordinator failure), else None."""
+        """Why the run cannot go on (formation timeout, coordinator failure), else None."""
         with self._lock:
             return self._abort
-
-    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]:
-        """The end-of-run verdict from the ledger (spec section 5.6, exact wording)."""
-        dead = self._dead.dead_count()
-        w = world_size
-        if dead >= w:
-            return (Verdict.FAILED, "cluster launcher: every rank was lost; consensus checkpoint "
-                    "saved if a save path was armed")
-        limit = max_failure_limit(self.spec.max_failure, w)
-        # `dead > 0`: a limit of 0 means "any death trips it", not "a clean run fails".
-        if limit is not None and dead > 0 and dead >= limit:
-            return (Verdict.FAILED, f"cluster launcher: max_failure exceeded ({dead}/{w} ranks "
-                    f"dead, threshold {limit}); coordinator dispatched save-and-shutdown — "
-                    "consensus checkpoint saved if a save path was armed")
-        if dead > 0:
-            return (Verdict.DEGRADED, f"cluster launcher: run completed DEGRADED — {dead} of {w} "
-                    "ranks lost along the way (tolerated by elastic membership); survivors "
-                    "carried the full workload")
-        if tolerated > 0:
-            return (Verdict.OK, f"cluster launcher: run completed; {tolerated} child exit(s) in "
-                    "the teardown window were tolerated (never registered as rank deaths) — "
-                    "full workload delivered, nothing redistributed")
-        return Verdict.OK, f"cluster launcher: run completed — all {w} ranks exited 0"
 
     @property
     def last_progress(self) -> float:
@@ -420,10 +372,17 @@ class Coordinator:
         except Exception as exc:  # any bug becomes a visible abort, not a silent hang
             if self._stopping.is_set():
                 return
-            reason = f"cluster launcher: coordinator failed: {exc!r}"
-            with self._lock:
-                self._abort = self._abort or reason
-            self.events(Kind.WARNING, reason)
+            self.events(Kind.WARNING, f"cluster launcher: coordinator failed: {exc!r}")
+            self._aborted(f"cluster launcher: coordinator failed: {exc!r}")
+
+    def _aborted(self, reason: str) -> None:
+        """The run cannot go on; the supervisor is told once."""
+        with self._lock:
+            if self._abort is not None:
+                return
+            self._abort = reason
+        if self.on_abort is not None:
+            self.on_abort(reason)
 
     def _accept(self) -> None:
         assert self._listener is not None and self._selector is not None
@@ -562,12 +521,13 @@ class Coordinator:
             self._broadcast({"type": "formed", "members": self._members()})
 
     def _tick(self, now: float) -> None:
-        """Drain reported deaths, then staleness, then the unrecoverable check, then timeouts."""
+        """Drain marked deaths, then staleness, then a wanted shutdown, then timeouts."""
         with self._lock:
             reports, self._reports = self._reports, []
             formed = self._formed
             exited = set(self._exited)
             resumed, self._resume_pending = self._resume_pending, False
+            shutdown, self._shutdown_wanted = self._shutdown_wanted, None
         if resumed:
             for rank in self._last_frame:
                 self._last_frame[rank] = now
@@ -594,8 +554,8 @@ class Coordinator:
         if self.on_dead is not None:
             for rank, reason in silent_ranks:
                 self.on_dead(rank, reason)
-        if newly:
-            self._check_unrecoverable()
+        if shutdown is not None:
+            self._shutdown_now(shutdown)
         self._check_timeouts(now, formed)
 
     def _declare(self, rank: int, reason: str) -> None:
@@ -611,21 +571,11 @@ class Coordinator:
             # A dead rank is out of the cohort even if it comes back; closing tells it so.
             self._close(conn)
 
-    def _check_unrecoverable(self) -> None:
-        """Broadcast save-and-shutdown once when max_failure is reached or every rank is lost."""
+    def _shutdown_now(self, reason: str) -> None:
+        """Broadcast save-and-shutdown, once."""
         with self._lock:
             if self._shutdown is not None:
                 return
-        ws = self.spec.world_size
-        dead = self._dead.dead_count()
-        limit = max_failure_limit(self.spec.max_failure, ws)
-        if limit is not None and dead >= limit:
-            reason = f"max_failure reached ({dead}/{ws} dead, threshold {limit})"
-        elif dead >= ws:
-            reason = f"every rank was lost ({dead}/{ws} dead)"
-        else:
-            return
-        with self._lock:
             self._shutdown = reason
         self.events(Kind.SHUTDOWN,
                     f"cluster coordinator: {reason} — broadcasting save-and-shutdown",
@@ -638,10 +588,9 @@ class Coordinator:
                 and now - self._first_hello > self.spec.formation_timeout:
             with self._lock:
                 missing = [r for r in range(self.spec.world_size) if r not in self._joined]
-                if self._abort is None:
-                    self._abort = (f"cluster launcher: cohort did not form within "
-                                   f"{_seconds(self.spec.formation_timeout)}: rank(s) {missing} "
-                                   "never joined")
+            self._aborted(f"cluster launcher: cohort did not form within "
+                          f"{_seconds(self.spec.formation_timeout)}: rank(s) {missing} never "
+                          "joined")
         for conn in list(self._conns):
             if conn.rank is None and now - conn.opened > self.spec.hello_timeout:
                 self._drop(conn, f"no hello within {_seconds(self.spec.hello_timeout)}")

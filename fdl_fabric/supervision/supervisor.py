@@ -10,11 +10,11 @@ joins from the coordinator, and requests from signal handlers. It acts on hosts
 through the small `HostHandle` interface (start, stop, kill, signal, abandon), so the
 policy is tested with fake hosts and no process at all.
 
-The policy has two phases. Before the cohort forms (or when the program never joins a
-coordinator), the first failure is fatal: a half-formed collective hangs in
-connect-retry, so every other rank is stopped at once (kill-all). After the cohort
-forms, a death is a membership event and the run carries on until the elastic policy
-(`ElasticPolicy`, the coordinator) says otherwise.
+What a failure means is the failure policy's (`policy`): before the cohort forms (or
+when the program never joins a coordinator), the first failure is fatal, so every
+other rank is stopped at once (kill-all); after the cohort forms, a death is a
+membership event and the run carries on until ``max_failure``. The supervisor asks the
+policy and acts; the coordinator (`Cohort`) keeps membership and sockets only.
 
 Nothing waits for an exit that may never come. A host whose agent sends nothing for
 ``agent_timeout`` (frozen agent, frozen sshd, cut link) is *unresponsive*: its ranks are
@@ -43,6 +43,8 @@ from ..events import EventBus, Kind
 from ..planning.plan import RankPlan
 from . import errorfile, reports
 from .errorfile import RankError
+from .policy import Decision, FailurePolicy, KillAll
+from .verdict import Verdict
 
 #: Longest the loop sleeps with nothing in its inbox; bounds the elastic checks' delay.
 TICK = 0.05
@@ -184,13 +186,6 @@ class Rank:
         return (self.ended or time.monotonic()) - self.started
 
 
-class Verdict(str, Enum):
-    OK = "ok"
-    DEGRADED = "degraded"
-    FAILED = "failed"
-    #: No rank wrote a line or reported progress for ``hang_timeout``: stopped, restartable.
-    HUNG = "hung"
-    INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True)
@@ -235,20 +230,19 @@ class HostHandle(Protocol):
         """When (monotonic) the agent last said anything, or is known to be talking."""
 
 
-class ElasticPolicy(Protocol):
-    """The post-formation hook (the coordinator implements it)."""
+class Cohort(Protocol):
+    """The membership the supervisor reads and tells (the coordinator implements it)."""
 
     @property
     def cohort_formed(self) -> bool: ...
 
-    def report_dead(self, ranks: Sequence[int], reason: str) -> None: ...
-
-    def abort_reason(self) -> Optional[str]: ...
-
     @property
-    def shutdown_sent(self) -> Optional[str]: ...
+    def exited(self) -> set[int]:
+        """Ranks that announced a clean exit (never counted dead)."""
 
-    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]: ...
+    def mark_dead(self, ranks: Sequence[int], reason: str) -> None: ...
+
+    def broadcast_shutdown(self, reason: str) -> None: ...
 
     @property
     def last_progress(self) -> float:
@@ -301,7 +295,8 @@ class Supervisor:
         *,
         kill_grace: float,
         events: EventBus,
-        elastic: Optional[ElasticPolicy] = None,
+        cohort: Optional[Cohort] = None,
+        policy: Optional[FailurePolicy] = None,
         preflight: Optional[PreflightJudge] = None,
         inbox: Optional[queue.SimpleQueue[reports.Report]] = None,
         tick: float = TICK,
@@ -316,7 +311,8 @@ class Supervisor:
             self.hosts[r.host].ranks.append(r)
         self.kill_grace = kill_grace
         self.events = events
-        self.elastic = elastic
+        self.cohort = cohort
+        self.policy: FailurePolicy = policy or KillAll()
         self.preflight = preflight
         self.inbox: queue.SimpleQueue[reports.Report] = inbox or queue.SimpleQueue()
         self.tick = tick
@@ -401,7 +397,7 @@ class Supervisor:
             while report is not None:
                 self._handle(report)
                 report = self._next()
-            self._check_elastic()
+            self._check_shutdown()
             self._check_pause()  # a stop while handling reports must blame no host
             self._check_hosts()
             self._check_hang()
@@ -589,12 +585,15 @@ class Supervisor:
             return
         if self.root_cause is None:
             self.root_cause = r
-        if self.elastic is not None and self.elastic.cohort_formed and self.failure is None:
+        decision = self._decide(r.rank) if self.failure is None else Decision.STOP_ALL
+        if decision is not Decision.STOP_ALL:
             self._end(r, info, RankState.TOLERATED)
             self.tolerated += 1
             self.events(Kind.TOLERATED, f"{msg} — tolerating (elastic membership): reporting "
                         f"rank(s) [{r.rank}] dead", host=r.host, rank=r.rank, data=data)
-            self.elastic.report_dead([r.rank], info.describe())
+            if self.cohort is not None:
+                self.cohort.mark_dead([r.rank], info.describe())
+            self._apply(decision)
             return
         self._end(r, info, RankState.LOST if info.lost is not None else RankState.FAILED)
         self.events(Kind.DEATH, msg, host=r.host, rank=r.rank, data=data)
@@ -615,13 +614,34 @@ class Supervisor:
             self._stopped_by_forward = (info.signal, r)
             self._stop_all()
 
+    def _decide(self, rank: int) -> Decision:
+        """The policy's word on a death (the cohort's facts at hand)."""
+        cohort = self.cohort
+        formed = cohort is not None and cohort.cohort_formed
+        announced = cohort is not None and rank in cohort.exited
+        return self.policy.on_death(rank, formed=formed, announced=announced)
+
+    def _apply(self, decision: Decision) -> None:
+        """A tolerated death that leaves the run unable to continue: survivors save and
+        stop (the coordinator broadcasts it; the grace timer starts)."""
+        if decision is not Decision.SHUTDOWN:
+            return
+        reason = self.policy.shutdown_reason() or "the run cannot continue"
+        if self.cohort is not None:
+            self.cohort.broadcast_shutdown(reason)
+        if self._shutdown_seen is None:
+            self._shutdown_seen = time.monotonic()
+
     def _declared_dead(self, report: reports.DeclaredDead) -> None:
-        """The coordinator heard nothing from a joined rank for its heartbeat timeout: its
-        agent stops it (TERM, KILL after the kill grace), so its exit comes."""
+        """The coordinator heard nothing from a joined rank for its heartbeat timeout: the
+        policy counts it now, and its agent stops it (TERM, KILL after the kill grace),
+        so its exit comes."""
         r = self.by_rank.get(report.rank)
         if r is None or r.state.terminal or r.declared_dead is not None:
             return
         r.declared_dead = report.reason
+        if self.failure is None:
+            self._apply(self._decide(r.rank))
         host = self.hosts[r.host]
         if not host.gone:
             host.handle.stop("TERM", r.rank)
@@ -685,8 +705,8 @@ class Supervisor:
 
     def _restart_clocks(self, now: float) -> None:
         self._watch_from = self._last_activity = self._pinged = now
-        if self.elastic is not None:
-            self.elastic.resumed()
+        if self.cohort is not None:
+            self.cohort.resumed()
         if self.on_resume is not None:
             self.on_resume()
 
@@ -717,8 +737,8 @@ class Supervisor:
             return
         now = time.monotonic()
         last = self._last_activity
-        if self.elastic is not None:
-            last = max(last, self.elastic.last_progress)
+        if self.cohort is not None:
+            last = max(last, self.cohort.last_progress)
         if now - max(last, self._watch_from) <= self.hang_timeout:
             return
         self._hung = (f"cluster launcher: run hung — no rank wrote a line or reported "
@@ -771,7 +791,8 @@ class Supervisor:
             "hosts": {str(r): labels[r][0] for r in request.found},
             "labels": {str(r): labels[r][1] for r in request.found},
             "problems": request.problems, "py_spy": request.py_spy})
-        if request.hang and self._hung is not None:
+        if request.hang and self._hung is not None \
+                and self.policy.on_hang() is Decision.STOP_ALL:
             self._fail(self._hung, announce=True)
 
     def _signaled(self, report: reports.Signaled) -> None:
@@ -886,18 +907,12 @@ class Supervisor:
             if not host.gone:
                 host.handle.kill()
 
-    def _check_elastic(self) -> None:
-        if self.elastic is None or self.failure is not None or self.phase is not RunPhase.RUNNING:
+    def _check_shutdown(self) -> None:
+        """Survivors told to save and stop get `SHUTDOWN_GRACE` seconds, then are stopped."""
+        if self._shutdown_seen is None or self._stop_started is not None \
+                or self.failure is not None:
             return
-        reason = self.elastic.abort_reason()
-        if reason is not None:
-            self._fail(reason, announce=False)
-            return
-        if self.elastic.shutdown_sent is None or self._stop_started is not None:
-            return
-        if self._shutdown_seen is None:
-            self._shutdown_seen = time.monotonic()
-        elif time.monotonic() - self._shutdown_seen > SHUTDOWN_GRACE:
+        if time.monotonic() - self._shutdown_seen > SHUTDOWN_GRACE:
             self.events(Kind.STOPPING, f"cluster launcher: {len(self.live())} rank(s) did not "
                         f"exit within {SHUTDOWN_GRACE:g}s of save-and-shutdown; stopping them")
             self._stop_all()
@@ -967,12 +982,9 @@ class Supervisor:
         if self.failure is not None:
             verdict = Verdict.HUNG if self.failure == self._hung else Verdict.FAILED
             return RunResult(verdict, 1, self.failure, ranks, self.root_cause)
-        if self.elastic is not None:
-            verdict, message = self.elastic.verdict(world, self.tolerated)
-            return RunResult(verdict, 0 if verdict in (Verdict.OK, Verdict.DEGRADED) else 1,
-                             message, ranks, self.root_cause)
-        return RunResult(Verdict.OK, 0,
-                         f"cluster launcher: run completed — all {world} ranks exited 0", ranks)
+        verdict, message = self.policy.verdict(world, self.tolerated)
+        return RunResult(verdict, 0 if verdict in (Verdict.OK, Verdict.DEGRADED) else 1,
+                         message, ranks, self.root_cause)
 
 
 def describe_stopper(note: Mapping[str, object], host: str) -> str:
