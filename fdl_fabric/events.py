@@ -1,9 +1,15 @@
-"""Run events: what the launcher's workers report, decoupled from display.
+"""Run events: what happened, as data; the words are the renderer's.
 
-Transport and supervision code never prints. They emit `Event`s; one place
-(`output.Console`) renders them, and the log writer records them. This keeps
-the supervisor testable and lets the live view, plain CI output and the
-events.jsonl log all describe the same run.
+Nothing outside `fdl_fabric.presentation` prints or composes a sentence for the
+operator. Code that has something to say emits an `Event`: a `Name` (what happened,
+one of a closed set, each with its `Kind`) and its data. `presentation.words.render`
+is the one place that turns an event into words; the console shows them, the run log
+(``--log-dir``) keeps each event as JSON with its name, its data and those words, and
+a caller of the Python API gets the events themselves. A new output format (JSON
+lines, a web view) is one sink; a new message is one `Name` here and one entry in
+`presentation.words`.
+
+This module is the shared vocabulary of every layer, so it imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from typing import Any, Optional, Protocol
 
 
 class Kind(str, Enum):
+    """The family of an event: what the console filters on (``-v``, ``-q``) and the
+    ``event`` field of events.jsonl."""
+
     LAUNCH = "launch"
     CONNECT = "connect"
     SPAWN = "spawn"
@@ -30,30 +39,157 @@ class Kind(str, Enum):
     SHUTDOWN = "shutdown"
     HANG = "hang"
     STACKS = "stacks"
+    #: The end-of-run tables: summary, attempts, root cause.
+    SUMMARY = "summary"
     VERDICT = "verdict"
+    #: What a command was asked for (a dry run, a check report, stacks): on stdout.
+    RESULT = "result"
     WARNING = "warning"
     INFO = "info"
     DEBUG = "debug"
 
 
+class Name(str, Enum):
+    """What happened. Each name has one kind and one wording (`presentation.words`)."""
+
+    kind: Kind
+
+    def __new__(cls, value: str, kind: Kind) -> Name:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.kind = kind
+        return member
+
+    # -- the launch ------------------------------------------------------------------------
+    LAUNCH = ("launch", Kind.LAUNCH)
+    CONNECTED = ("connected", Kind.CONNECT)
+    TUNNEL_OPENED = ("tunnel_opened", Kind.CONNECT)
+    PLAN_LOOPBACK_MASTER = ("plan_loopback_master", Kind.WARNING)
+    PLAN_LOOPBACK_CONTROLLER = ("plan_loopback_controller", Kind.WARNING)
+    OMP_DEFAULTED = ("omp_defaulted", Kind.INFO)
+    BATCHMODE_OFF = ("batchmode_off", Kind.WARNING)
+    KEEPALIVE_LOST = ("keepalive_lost", Kind.WARNING)
+    LOG_FAILED = ("log_failed", Kind.WARNING)
+    FAILURE_DETAIL = ("failure_detail", Kind.WARNING)
+    RESTARTING = ("restarting", Kind.RESTART)
+    SWEEP_UNREACHABLE = ("sweep_unreachable", Kind.WARNING)
+    SWEEP_INCOMPLETE = ("sweep_incomplete", Kind.WARNING)
+    SWEEP_STOPPED = ("sweep_stopped", Kind.WARNING)
+    OUTPUT_DROPPED = ("output_dropped", Kind.INFO)
+    MAX_FAILURE_UNUSED = ("max_failure_unused", Kind.WARNING)
+    LIBRARY_LOG = ("library_log", Kind.DEBUG)
+    THREAD_CRASHED = ("thread_crashed", Kind.WARNING)
+    TRACEBACK = ("traceback", Kind.DEBUG)
+    # -- hosts and their agents --------------------------------------------------------------
+    AGENT_WARNING = ("agent_warning", Kind.WARNING)
+    PREFLIGHT_WARNING = ("preflight_warning", Kind.WARNING)
+    PREFLIGHT_FAILED_CHECK = ("preflight_failed_check", Kind.WARNING)
+    PREFLIGHT_PASSED = ("preflight_passed", Kind.DEBUG)
+    LEFTOVER_ERROR = ("leftover_error", Kind.WARNING)
+    LEFTOVERS_STOPPED = ("leftovers_stopped", Kind.WARNING)
+    LEFTOVER_KEPT = ("leftover_kept", Kind.WARNING)
+    LIVE_RUN_LEFT = ("live_run_left", Kind.INFO)
+    AFTER_RUN_STOPPED = ("after_run_stopped", Kind.WARNING)
+    AFTER_RUN_REMAINS = ("after_run_remains", Kind.WARNING)
+    HOST_LOST = ("host_lost", Kind.WARNING)
+    HOST_UNRESPONSIVE = ("host_unresponsive", Kind.DEATH)
+    HOST_ABANDONED = ("host_abandoned", Kind.WARNING)
+    OUTSIDE_SIGNAL = ("outside_signal", Kind.INFO)
+    AGENT_SIGNALED = ("agent_signaled", Kind.STOPPING)
+    # -- ranks -------------------------------------------------------------------------------
+    RANK_STARTED = ("rank_started", Kind.SPAWN)
+    RANK_OUTPUT = ("rank_output", Kind.OUTPUT)
+    RANK_START_FAILED = ("rank_start_failed", Kind.DEATH)
+    RANK_EXITED = ("rank_exited", Kind.EXIT)
+    RANK_FAILED = ("rank_failed", Kind.DEATH)
+    RANK_TOLERATED = ("rank_tolerated", Kind.TOLERATED)
+    RANK_DEAD_STOPPED = ("rank_dead_stopped", Kind.TOLERATED)
+    RANK_FORWARD_STOPPED = ("rank_forward_stopped", Kind.EXIT)
+    # -- the coordinator -----------------------------------------------------------------------
+    RANK_JOINED = ("rank_joined", Kind.JOIN)
+    COHORT_FORMED = ("cohort_formed", Kind.FORMED)
+    RANK_DECLARED_DEAD = ("rank_declared_dead", Kind.DEATH)
+    RANK_EXITING = ("rank_exiting", Kind.DEBUG)
+    RANK_DISCONNECTED = ("rank_disconnected", Kind.DEBUG)
+    RANK_CONNECTION_LOST = ("rank_connection_lost", Kind.INFO)
+    SHUTDOWN_BROADCAST = ("shutdown_broadcast", Kind.SHUTDOWN)
+    PROBE_RECEIVED = ("probe_received", Kind.DEBUG)
+    PEER_CLOSED = ("peer_closed", Kind.DEBUG)
+    PEER_DROPPED = ("peer_dropped", Kind.WARNING)
+    PEER_REJECTED = ("peer_rejected", Kind.WARNING)
+    PEERS_REFUSED = ("peers_refused", Kind.WARNING)
+    ACCEPT_FAILED = ("accept_failed", Kind.WARNING)
+    COORDINATOR_FAILED = ("coordinator_failed", Kind.WARNING)
+    # -- stopping, hangs, signals ------------------------------------------------------------
+    STOPPING_ON_SIGNAL = ("stopping_on_signal", Kind.STOPPING)
+    KILLING_NOW = ("killing_now", Kind.STOPPING)
+    STOPPING_ON_FAILURE = ("stopping_on_failure", Kind.STOPPING)
+    STOPPING_AFTER_SHUTDOWN = ("stopping_after_shutdown", Kind.STOPPING)
+    FAILURE_ANNOUNCED = ("failure_announced", Kind.STOPPING)
+    HANG_DETECTED = ("hang_detected", Kind.HANG)
+    STACKS_ASKED = ("stacks_asked", Kind.INFO)
+    STACKS = ("stacks", Kind.STACKS)
+    SUSPENDED = ("suspended", Kind.INFO)
+    # -- why a run ended (the cause of a verdict) --------------------------------------------
+    COMPLETED = ("completed", Kind.VERDICT)
+    COMPLETED_TEARDOWN = ("completed_teardown", Kind.VERDICT)
+    DEGRADED = ("degraded", Kind.VERDICT)
+    EVERY_RANK_LOST = ("every_rank_lost", Kind.VERDICT)
+    MAX_FAILURE_EXCEEDED = ("max_failure_exceeded", Kind.VERDICT)
+    MAX_FAILURE_REACHED = ("max_failure_reached", Kind.SHUTDOWN)
+    ALL_RANKS_DEAD = ("all_ranks_dead", Kind.SHUTDOWN)
+    PREFLIGHT_FAILED = ("preflight_failed", Kind.VERDICT)
+    HOST_ENDED_EARLY = ("host_ended_early", Kind.VERDICT)
+    COHORT_NOT_FORMED = ("cohort_not_formed", Kind.VERDICT)
+    HUNG = ("hung", Kind.VERDICT)
+    INTERRUPTED = ("interrupted", Kind.VERDICT)
+    STOPPED_BY_CLEANUP = ("stopped_by_cleanup", Kind.VERDICT)
+    INTERRUPTED_BY_FORWARD = ("interrupted_by_forward", Kind.VERDICT)
+    INTERRUPTED_OUTSIDE_RUN = ("interrupted_outside_run", Kind.VERDICT)
+    LAUNCH_FAILED = ("launch_failed", Kind.VERDICT)
+    # -- the end of a launch -----------------------------------------------------------------
+    SUMMARY = ("summary", Kind.SUMMARY)
+    ATTEMPTS = ("attempts", Kind.SUMMARY)
+    ROOT_CAUSE = ("root_cause", Kind.SUMMARY)
+    VERDICT = ("verdict", Kind.VERDICT)
+    DRY_RUN = ("dry_run", Kind.RESULT)
+    # -- the other commands ------------------------------------------------------------------
+    REFUSED = ("refused", Kind.WARNING)
+    CLEANUP_HOST = ("cleanup_host", Kind.INFO)
+    STEPS_CANCELLED = ("steps_cancelled", Kind.INFO)
+    STEPS_NOT_CANCELLED = ("steps_not_cancelled", Kind.WARNING)
+    CLEANUP_FAILED = ("cleanup_failed", Kind.VERDICT)
+    CLEANUP_VERIFIED = ("cleanup_verified", Kind.VERDICT)
+    CHECK_REPORT = ("check_report", Kind.RESULT)
+    CHECK_VERDICT = ("check_verdict", Kind.RESULT)
+    STACKS_PROBLEM = ("stacks_problem", Kind.WARNING)
+    STACKS_NO_LIVE_RUN = ("stacks_no_live_run", Kind.VERDICT)
+    STACKS_RUN_UNKNOWN = ("stacks_run_unknown", Kind.VERDICT)
+    STACKS_VIEW = ("stacks_view", Kind.RESULT)
+    PLOT_FAILED = ("plot_failed", Kind.VERDICT)
+    PLOT_DRAWN = ("plot_drawn", Kind.RESULT)
+
+
 @dataclass(frozen=True)
 class Event:
-    kind: Kind
-    message: str
+    """One thing that happened: its name, where, and its data (JSON-able values)."""
+
+    name: Name
     host: Optional[str] = None
     rank: Optional[int] = None
     data: dict[str, Any] = field(default_factory=dict)
-    time: float = field(default_factory=time.time)
+    #: When it happened (not part of what happened: equal events may differ in time).
+    time: float = field(default_factory=time.time, compare=False)
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"time": round(self.time, 6), "event": self.kind.value,
-                               "message": self.message}
-        if self.host is not None:
-            out["host"] = self.host
-        if self.rank is not None:
-            out["rank"] = self.rank
-        out.update(self.data)
-        return out
+    @property
+    def kind(self) -> Kind:
+        return self.name.kind
+
+
+def event(name: Name, /, *, host: Optional[str] = None, rank: Optional[int] = None,
+          **data: Any) -> Event:
+    """An event built the way `EventBus.__call__` builds one (for a verdict's cause)."""
+    return Event(name, host=host, rank=rank, data=data)
 
 
 class EventSink(Protocol):
@@ -77,9 +213,9 @@ class EventBus:
         for handler in handlers:
             handler.emit(event)
 
-    def __call__(self, kind: Kind, message: str, **kw: Any) -> None:
-        data = kw.pop("data", {})
-        self.emit(Event(kind, message, data=data, **kw))
+    def __call__(self, name: Name, /, *, host: Optional[str] = None, rank: Optional[int] = None,
+                 **data: Any) -> None:
+        self.emit(Event(name, host=host, rank=rank, data=data))
 
 
 class EventLog:
@@ -96,3 +232,7 @@ class EventLog:
     def of(self, kind: Kind) -> list[Event]:
         with self._lock:
             return [e for e in self.events if e.kind is kind]
+
+    def named(self, name: Name) -> list[Event]:
+        with self._lock:
+            return [e for e in self.events if e.name is name]

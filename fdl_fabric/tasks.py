@@ -17,9 +17,15 @@ from invoke.tasks import task
 
 from .clusterfile import parse_max_failure
 from .commands import flags
+from .commands.cleanup import run_cleanup
 from .commands.launch import LaunchOptions
 from .commands.launch import launch as run_launch
+from .commands.stacks import run_stacks
 from .errors import FdlError
+from .events import EventBus, Name
+from .preflight import check_cluster
+from .presentation.output import Console
+from .presentation.plot import plot_run as draw
 
 #: Defaults for the ``fdl`` config section: set them in invoke.yaml / fabric.yaml
 #: (``fdl: {cluster: lab.yml, log_dir: runs/logs}``) or the environment
@@ -174,8 +180,6 @@ def cleanup(
     carry the run's id. A run whose launcher is alive is left alone unless named with
     --run-id or --force is given. Exit 1 if anything survives.
     """
-    from .commands.cleanup import run_cleanup
-
     file = cluster if slurm else flags.cluster_file(cluster, _settings(c)["cluster"])
     code = run_cleanup(file, run_id=run_id, all_runs=all, pattern=pattern, slurm=slurm,
                        force=force)
@@ -196,8 +200,6 @@ def stacks(c: Context, cluster: Optional[str] = None, run_id: Optional[str] = No
     run goes on). With py-spy on a host (`pip install fdl-fabric[stacks]`), every
     thread's Python stack; without it, what /proc says.
     """
-    from .commands.stacks import run_stacks
-
     code = run_stacks(flags.cluster_file(cluster, _settings(c)["cluster"]), run_id=run_id)
     if code:
         raise Exit(code=code)
@@ -226,8 +228,6 @@ def prebuild_check(
     data_path, clock skew and the controller port, all hosts in parallel.
     Exit 0 when nothing FAILs, 1 otherwise, 2 on a config error.
     """
-    from .preflight import check_cluster
-
     code = check_cluster(cluster or _settings(c)["cluster"], cmd=cmd, words=_remainder(),
                          as_json=json, fast=fast)
     if code:
@@ -238,16 +238,13 @@ def prebuild_check(
             "output": "SVG file to write (default: <run-dir>/timeline.svg)"})
 def plot_run(c: Context, run_dir: str, output: str = "") -> None:
     """Draw a run's timeline (ranks against time, deaths, cohort formation) as SVG."""
-    from .presentation.output import Console
-    from .presentation.plot import plot_run as draw
-
-    console = Console()
+    events = EventBus(Console())
     try:
         drawn = draw(run_dir, output)
     except (OSError, ValueError) as exc:  # no such run folder, no events in it
-        console.message(f"plot-run: cannot draw {run_dir}: {exc}")
+        events(Name.PLOT_FAILED, run_dir=run_dir, error=str(exc))
         raise Exit(code=2) from None
-    console.result(str(drawn))
+    events(Name.PLOT_DRAWN, path=str(drawn))
 
 
 def _usage_errors_exit_2() -> None:

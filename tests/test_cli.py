@@ -165,6 +165,8 @@ def test_max_failure_on_a_script_that_never_joins_the_cohort_warns_at_the_end(
 
 def test_a_loopback_master_addr_with_a_remote_worker_on_a_real_address_warns() -> None:
     from fdl_fabric.commands.launch import plan_warnings
+    from fdl_fabric.events import event
+    from fdl_fabric.presentation.words import render
 
     cluster = parse_cluster(textwrap.dedent("""\
         workers:
@@ -177,7 +179,7 @@ def test_a_loopback_master_addr_with_a_remote_worker_on_a_real_address_warns() -
             path: /srv
         """), local_hostname="x")
     plan = build_plan(cluster, argv=["true"], run_id="r", salt=b"\0" * 16)
-    warnings = plan_warnings(plan)
+    warnings = [render(event(name, **data)) for name, data in plan_warnings(plan)]
     assert any("MASTER_ADDR is 127.0.0.1" in w and "gpu-b.example.invalid (192.0.2.10)" in w
                for w in warnings)
     assert any("controller.host is 127.0.0.1" in w for w in warnings)

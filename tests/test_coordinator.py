@@ -20,7 +20,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fdl_fabric.events import EventBus, EventLog, Kind
+from fdl_fabric.events import Event, EventBus, EventLog, Kind, Name, event
+from fdl_fabric.presentation.words import cause_data
 from fdl_fabric.rank import (
     MAX_FRAME,
     FrameError,
@@ -39,6 +40,8 @@ from fdl_fabric.supervision.coordinator import (
 )
 
 SALT = bytes(range(16))
+#: How the supervisor marks a rank that exited with status 1.
+STATUS_1 = {"exit": {"code": 1, "signal": None, "lost": None}}
 RUN = "20250101-000000-abcd1234"
 
 
@@ -137,8 +140,9 @@ class Harness:
         self.ranks.append(fake)
         return fake
 
-    def messages(self, kind: Kind) -> list[str]:
-        return [e.message for e in self.log.of(kind)]
+    def said(self, kind: Kind) -> list[tuple[Name, Optional[str], Optional[int], dict[str, Any]]]:
+        """What the coordinator said of this kind: name, host, rank and data."""
+        return [(e.name, e.host, e.rank, e.data) for e in self.log.of(kind)]
 
 
 @pytest.fixture
@@ -232,12 +236,10 @@ def test_cohort_forms_when_every_rank_says_hello(make: Callable[..., Harness]) -
     assert wait_for(lambda: h.coord.cohort_formed)
     for fake in fakes:
         assert fake.recv() == {"type": "formed", "members": [0, 1, 2]}
-    assert h.messages(Kind.JOIN) == [
-        "cluster coordinator: rank 0 of alpha joined",
-        "cluster coordinator: rank 1 of alpha joined",
-        "cluster coordinator: rank 2 of beta joined",
-    ]
-    assert h.messages(Kind.FORMED) == ["cluster coordinator: cohort formed — 3 ranks"]
+    assert [(name, host, rank) for name, host, rank, _ in h.said(Kind.JOIN)] == [
+        (Name.RANK_JOINED, "alpha", 0), (Name.RANK_JOINED, "alpha", 1),
+        (Name.RANK_JOINED, "beta", 2)]
+    assert h.said(Kind.FORMED) == [(Name.COHORT_FORMED, None, None, {"world_size": 3})]
     assert h.coord.joined == {0, 1, 2}
     assert h.coord.abort_reason() is None
 
@@ -250,9 +252,8 @@ def test_a_duplicate_rank_is_rejected_and_the_first_keeps_its_place(
     dup = h.rank()
     assert dup.hello(0) == {"type": "reject", "reason": "rank 0 already joined"}
     assert dup.is_closed()
-    assert h.messages(Kind.WARNING) == [
-        f"cluster coordinator: rejected hello from 127.0.0.1:{dup.local_port}: "
-        "rank 0 already joined"]
+    assert h.said(Kind.WARNING) == [(Name.PEER_REJECTED, None, None, {
+        "peer": f"127.0.0.1:{dup.local_port}", "reason": "rank 0 already joined", "refused": 1})]
     assert h.rank().hello(1)["type"] == "welcome"
     assert wait_for(lambda: h.coord.cohort_formed)
 
@@ -276,7 +277,7 @@ def test_a_rank_outside_the_world_is_rejected(
 
 def test_a_rank_declared_dead_cannot_join_again(make: Callable[..., Harness]) -> None:
     h = make(2)
-    h.coord.mark_dead([1], "status 1")
+    h.coord.mark_dead([1], STATUS_1)
     assert wait_for(lambda: h.coord.dead.is_dead(1))
     assert h.rank().hello(1) == {"type": "reject", "reason": "rank 1 was declared dead"}
 
@@ -363,8 +364,8 @@ def test_a_bad_connection_is_dropped_with_one_line_and_the_run_carries_on(
     assert bad.is_closed()
     assert wait_for(lambda: len(h.log.of(Kind.WARNING)) >= 1)
     time.sleep(0.1)
-    assert h.messages(Kind.WARNING) == [
-        f"cluster coordinator: dropped connection from 127.0.0.1:{bad.local_port}: {reason}"]
+    assert h.said(Kind.WARNING) == [(Name.PEER_DROPPED, None, None, {
+        "peer": f"127.0.0.1:{bad.local_port}", "reason": reason, "refused": 1})]
     good.send({"type": "heartbeat"})
     for r in (1, 2):
         if r not in h.coord.joined:
@@ -378,9 +379,9 @@ def test_a_connection_that_never_says_hello_is_dropped(make: Callable[..., Harne
     h = make(2, hello_timeout=0.2)
     idle = h.rank()
     assert idle.is_closed()
-    assert h.messages(Kind.WARNING) == [
-        f"cluster coordinator: dropped connection from 127.0.0.1:{idle.local_port}: "
-        "no hello within 0.2s"]
+    assert h.said(Kind.WARNING) == [(Name.PEER_DROPPED, None, None, {
+        "peer": f"127.0.0.1:{idle.local_port}", "reason": "no hello within 0.2s",
+        "refused": 1})]
 
 
 # -- formation timeout ------------------------------------------------------------------------
@@ -390,8 +391,8 @@ def test_formation_timeout_names_the_ranks_that_never_joined(
     h.rank().hello(0)
     h.rank().hello(1)
     assert wait_for(lambda: h.coord.abort_reason() is not None)
-    assert h.coord.abort_reason() == (
-        "cluster launcher: cohort did not form within 0.3s: rank(s) [2, 3] never joined")
+    assert h.coord.abort_reason() == event(Name.COHORT_NOT_FORMED, missing=[2, 3],
+                                           formation_timeout=0.3)
     assert not h.coord.cohort_formed
     late = h.rank().hello(2)
     assert late == {"type": "reject",
@@ -418,9 +419,9 @@ def test_a_silent_rank_is_declared_dead_after_the_heartbeat_timeout(
     assert h.coord.dead.ranks() == [1]
     assert alive.recv() == {"type": "membership", "members": [0], "dead": [1]}
     assert silent.is_closed()
-    [death] = h.messages(Kind.DEATH)
-    assert death.startswith("cluster coordinator: rank 1 declared dead (no frame for 0.")
-    assert death.endswith("s, heartbeat timeout 0.5s); 1 of 2 alive")
+    [(name, _, rank, data)] = h.said(Kind.DEATH)
+    assert (name, rank, data["alive"], data["world_size"]) == (Name.RANK_DECLARED_DEAD, 1, 1, 2)
+    assert data["reason"]["heartbeat_timeout"] == 0.5 and data["reason"]["silent"] > 0.5
 
 
 def test_a_rank_that_announced_exiting_is_never_declared_dead(
@@ -430,7 +431,7 @@ def test_a_rank_that_announced_exiting_is_never_declared_dead(
     leaver.send({"type": "exiting"})
     leaver.close()
     assert wait_for(lambda: h.coord.exited == {1})
-    h.coord.mark_dead([1], "status 1")
+    h.coord.mark_dead([1], STATUS_1)
     deadline = time.monotonic() + 0.8
     while time.monotonic() < deadline:
         keeper.send({"type": "heartbeat"})
@@ -445,20 +446,20 @@ def test_a_closed_connection_alone_is_not_a_death(make: Callable[..., Harness]) 
     assert wait_for(lambda: len(h.log.of(Kind.INFO)) == 1)
     time.sleep(0.2)
     assert h.coord.dead.dead_count() == 0
-    assert "lost the connection to rank 1 of h1 without an exiting message" in \
-        h.messages(Kind.INFO)[0]
+    [(name, host, rank, _)] = h.said(Kind.INFO)
+    assert (name, host, rank) == (Name.RANK_CONNECTION_LOST, "h1", 1)
 
 
 def test_mark_dead_is_idempotent(make: Callable[..., Harness]) -> None:
     h = make(3)
     fakes = form(h, 3)
-    h.coord.mark_dead([2], "status 1")
-    h.coord.mark_dead([2], "status 1")
-    h.coord.mark_dead([2, 7], "signal 9")
+    h.coord.mark_dead([2], STATUS_1)
+    h.coord.mark_dead([2], STATUS_1)
+    h.coord.mark_dead([2, 7], {"exit": {"code": None, "signal": 9, "lost": None}})
     assert wait_for(lambda: h.coord.dead.is_dead(2))
     time.sleep(0.2)
-    assert h.messages(Kind.DEATH) == [
-        "cluster coordinator: rank 2 declared dead (status 1); 2 of 3 alive"]
+    assert h.said(Kind.DEATH) == [(Name.RANK_DECLARED_DEAD, "h2", 2, {
+        "reason": STATUS_1, "alive": 2, "world_size": 3})]
     assert fakes[0].recv_all() == [{"type": "membership", "members": [0, 1], "dead": [2]}]
     assert h.coord.shutdown_sent is None
 
@@ -467,19 +468,19 @@ def test_a_shutdown_is_broadcast_once_with_the_policy_reason(
         make: Callable[..., Harness]) -> None:
     h = make(4)
     fakes = form(h, 4)
-    h.coord.mark_dead([1, 3], "status 1")
+    h.coord.mark_dead([1, 3], STATUS_1)
     assert wait_for(lambda: h.coord.dead.dead_count() == 2)
     assert h.coord.shutdown_sent is None
-    h.coord.broadcast_shutdown("max_failure reached (2/4 dead, threshold 2)")
+    reached = event(Name.MAX_FAILURE_REACHED, dead=2, world_size=4, limit=2)
+    h.coord.broadcast_shutdown(reached)
     assert wait_for(lambda: h.coord.shutdown_sent is not None)
-    h.coord.broadcast_shutdown("every rank was lost (4/4 dead)")
-    h.coord.mark_dead([2], "status 1")
+    h.coord.broadcast_shutdown(event(Name.ALL_RANKS_DEAD, dead=4, world_size=4))
+    h.coord.mark_dead([2], STATUS_1)
     assert wait_for(lambda: h.coord.dead.dead_count() == 3)
     time.sleep(0.2)
     assert h.coord.shutdown_sent == "max_failure reached (2/4 dead, threshold 2)"
-    assert h.messages(Kind.SHUTDOWN) == [
-        "cluster coordinator: max_failure reached (2/4 dead, threshold 2) — broadcasting "
-        "save-and-shutdown"]
+    assert h.said(Kind.SHUTDOWN) == [(Name.SHUTDOWN_BROADCAST, None, None, {
+        "cause": cause_data(reached), "reason": "max_failure reached (2/4 dead, threshold 2)"})]
     received = fakes[0].recv_all()
     assert [m for m in received if m["type"] == "shutdown"] == [
         {"type": "shutdown", "reason": "max_failure reached (2/4 dead, threshold 2)",
@@ -488,7 +489,7 @@ def test_a_shutdown_is_broadcast_once_with_the_policy_reason(
 
 
 def test_the_supervisor_is_told_once_when_the_cohort_cannot_form() -> None:
-    told: list[str] = []
+    told: list[Event] = []
     spec = CoordinatorSpec(run_id=RUN, salt=SALT, world_size=2, bind_host="127.0.0.1",
                            port=0, formation_timeout=0.3)
     coord = Coordinator(spec, EventBus(), on_abort=told.append)
@@ -498,8 +499,7 @@ def test_the_supervisor_is_told_once_when_the_cohort_cannot_form() -> None:
         fake.hello(0)
         assert wait_for(lambda: bool(told))
         time.sleep(0.3)
-        assert told == ["cluster launcher: cohort did not form within 0.3s: rank(s) [1] "
-                        "never joined"]
+        assert told == [event(Name.COHORT_NOT_FORMED, missing=[1], formation_timeout=0.3)]
         fake.close()
     finally:
         coord.stop()
@@ -539,7 +539,7 @@ def test_before_its_hello_a_peer_may_send_a_small_frame_only_after_it_the_full_s
     stranger = h.rank()
     stranger.raw(struct.pack(">I", PRE_AUTH_FRAME + 1))
     assert stranger.is_closed()
-    assert f"limit {PRE_AUTH_FRAME}" in h.log.of(Kind.WARNING)[0].message
+    assert f"limit {PRE_AUTH_FRAME}" in h.log.of(Kind.WARNING)[0].data["reason"]
     member = h.rank()
     assert member.hello(0)["type"] == "welcome"
     member.send({"type": "heartbeat", "note": "x" * (4 * PRE_AUTH_FRAME)})
@@ -566,7 +566,6 @@ def test_refused_peers_make_one_line_at_once_then_one_count(make: Callable[..., 
         assert f.is_closed()
     h.coord.stop()
     warnings = h.log.of(Kind.WARNING)
-    assert len(warnings) == 2, [w.message for w in warnings]
-    assert "frame too short" in warnings[0].message
-    assert warnings[1].message.startswith("cluster coordinator: refused 39 more connection(s)")
+    assert [w.name for w in warnings] == [Name.PEER_DROPPED, Name.PEERS_REFUSED]
+    assert "frame too short" in warnings[0].data["reason"]
     assert warnings[1].data["refused"] == 39

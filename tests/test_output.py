@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fdl_fabric.events import Event, Kind
-from fdl_fabric.presentation.output import Console, RunLog, redact_env, summary_table, use_color
+from fdl_fabric.events import Event, Name, event
+from fdl_fabric.presentation.output import Console, RunLog, redact_env, use_color
+from fdl_fabric.presentation.words import render
 
 
 def _console(**kw: object) -> tuple[Console, io.StringIO, io.StringIO]:
@@ -20,9 +21,14 @@ def _console(**kw: object) -> tuple[Console, io.StringIO, io.StringIO]:
 
 def output(host: str, rank: int, text: str, *, stderr: bool = False,
            raw: bytes = b"") -> Event:
-    return Event(Kind.OUTPUT, "", host=host, rank=rank,
+    return Event(Name.RANK_OUTPUT, host=host, rank=rank,
                  data={"label": f"{host}:cpu:r{rank}", "text": text, "stderr": stderr,
                        "raw": raw or (text + "\n").encode(), "partial": False})
+
+
+def failed(host: str, rank: int, code: int) -> Event:
+    return event(Name.RANK_FAILED, host=host, rank=rank,
+                 exit={"code": code, "signal": None, "lost": None}, ok=False)
 
 
 def test_each_line_of_a_chunk_gets_the_rank_prefix_in_one_write() -> None:
@@ -54,29 +60,33 @@ def test_rank_output_is_kept_byte_for_byte_in_a_private_log_file(tmp_path: Path)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
-def test_events_are_written_as_timestamped_json_lines(tmp_path: Path) -> None:
+def test_events_are_written_as_timestamped_json_lines_with_their_data_and_words(
+        tmp_path: Path) -> None:
     log = RunLog(str(tmp_path), "run1")
-    log.emit(Event(Kind.DEATH, "rank 2 died", host="h", rank=2))
+    log.emit(failed("h", 2, 3))
     log.close()
     line = json.loads((tmp_path / "run1" / "events.jsonl").read_text())
-    assert line["event"] == "death" and line["rank"] == 2 and line["time"] > 0
+    assert line["event"] == "death" and line["name"] == "rank_failed" and line["time"] > 0
+    assert line["rank"] == 2 and line["exit"] == {"code": 3, "signal": None, "lost": None}
+    assert line["message"] == render(failed("h", 2, 3))
 
 
 def test_quiet_console_hides_rank_output_but_not_events() -> None:
     console, out, err = _console(show_rank_output=False)
     console.emit(output("h", 0, "noise"))
-    console.emit(Event(Kind.DEATH, "cluster launcher: rank 0 of h exited with status 3"))
-    assert out.getvalue() == "" and "status 3" in err.getvalue()
+    console.emit(failed("h", 0, 3))
+    assert out.getvalue() == "" and err.getvalue() == render(failed("h", 0, 3)) + "\n"
 
 
 def test_routine_events_need_verbose() -> None:
     console, _, err = _console()
-    console.emit(Event(Kind.SPAWN, "started h:cpu:r0"))
-    console.emit(Event(Kind.JOIN, "rank 0 joined"))
+    started = event(Name.RANK_STARTED, host="h", rank=0, pid=7, label="h:cpu:r0")
+    console.emit(started)
+    console.emit(event(Name.RANK_JOINED, host="h", rank=0, pid=7, peer="127.0.0.1:9"))
     assert err.getvalue() == ""
     verbose, _, err2 = _console(verbosity=2)
-    verbose.emit(Event(Kind.SPAWN, "started h:cpu:r0"))
-    assert "started" in err2.getvalue()
+    verbose.emit(started)
+    assert err2.getvalue() == render(started) + "\n"
 
 
 def test_prefix_colors_are_per_host_and_only_when_asked() -> None:
@@ -106,11 +116,20 @@ def test_secret_looking_values_are_redacted() -> None:
                                "LR": "0.1", "FLODL_INTERNAL_CLUSTER_KEY": "abc"}
 
 
-def test_summary_table_has_one_row_per_rank() -> None:
-    text = summary_table([(0, "a", "0", "ok", "1.0s"), (1, "b", "signal 9", "failed", "0.5s")])
-    lines = text.splitlines()
-    assert lines[0].split() == ["rank", "host", "exit", "cause", "duration"]
-    assert lines[2].split()[:4] == ["1", "b", "signal", "9"] and "failed" in lines[2]
+def test_the_end_of_run_tables_are_hidden_by_quiet_only() -> None:
+    summary = event(Name.SUMMARY, ranks=[])
+    console, _, err = _console(verbosity=0)
+    console.emit(summary)
+    assert err.getvalue() == render(summary) + "\n"
+    quiet, _, err2 = _console(verbosity=-1)
+    quiet.emit(summary)
+    assert err2.getvalue() == ""
+
+
+def test_what_a_command_was_asked_for_goes_to_stdout() -> None:
+    console, out, err = _console(verbosity=-1)
+    console.emit(event(Name.PLOT_DRAWN, path="/tmp/x.svg"))
+    assert out.getvalue() == "/tmp/x.svg\n" and err.getvalue() == ""
 
 
 def test_plot_run_draws_each_rank_the_formation_and_deaths(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fdl_fabric.events import Event, Name, event
 from fdl_fabric.supervision.policy import (
     Decision,
     Elastic,
@@ -77,11 +78,12 @@ def test_after_formation_deaths_are_tolerated_until_max_failure() -> None:
     assert policy.on_death(1, formed=True, announced=False) is Decision.TOLERATE
     assert policy.shutdown_reason() is None
     assert policy.on_death(3, formed=True, announced=False) is Decision.SHUTDOWN
-    assert policy.shutdown_reason() == "max_failure reached (2/4 dead, threshold 2)"
+    reached = event(Name.MAX_FAILURE_REACHED, dead=2, world_size=4, limit=2)
+    assert policy.shutdown_reason() == reached
     # The shutdown was decided once; later deaths are counted, not decided again.
     assert policy.on_death(2, formed=True, announced=False) is Decision.TOLERATE
     assert policy.dead == {1, 2, 3}
-    assert policy.shutdown_reason() == "max_failure reached (2/4 dead, threshold 2)"
+    assert policy.shutdown_reason() == reached
 
 
 def test_a_rank_counted_twice_is_one_death() -> None:
@@ -95,7 +97,7 @@ def test_losing_every_rank_without_max_failure_is_a_shutdown() -> None:
     policy = Elastic(2)
     assert policy.on_death(0, formed=True, announced=False) is Decision.TOLERATE
     assert policy.on_death(1, formed=True, announced=False) is Decision.SHUTDOWN
-    assert policy.shutdown_reason() == "every rank was lost (2/2 dead)"
+    assert policy.shutdown_reason() == event(Name.ALL_RANKS_DEAD, dead=2, world_size=2)
     assert policy.verdict(2, 2)[0] is Verdict.FAILED
 
 
@@ -120,31 +122,23 @@ def _ended(world_size: int, max_failure: Any = None, dead: tuple[int, ...] = ())
     return policy
 
 
-@pytest.mark.parametrize(("policy", "tolerated", "verdict", "message"), [
+@pytest.mark.parametrize(("policy", "tolerated", "verdict", "cause"), [
     (_ended(3, dead=(0, 1, 2)), 3, Verdict.FAILED,
-     "cluster launcher: every rank was lost; consensus checkpoint saved if a save path was armed"),
+     event(Name.EVERY_RANK_LOST, dead=3, world_size=3)),
     (_ended(4, 2, dead=(0, 3)), 2, Verdict.FAILED,
-     "cluster launcher: max_failure exceeded (2/4 ranks dead, threshold 2); coordinator "
-     "dispatched save-and-shutdown — consensus checkpoint saved if a save path was armed"),
+     event(Name.MAX_FAILURE_EXCEEDED, dead=2, world_size=4, limit=2)),
     (_ended(10, 0.2, dead=(4, 5)), 2, Verdict.FAILED,
-     "cluster launcher: max_failure exceeded (2/10 ranks dead, threshold 2); coordinator "
-     "dispatched save-and-shutdown — consensus checkpoint saved if a save path was armed"),
-    (_ended(4, 3, dead=(1, 2)), 2, Verdict.DEGRADED,
-     "cluster launcher: run completed DEGRADED — 2 of 4 ranks lost along the way (tolerated by "
-     "elastic membership); survivors carried the full workload"),
-    (_ended(4, dead=(1,)), 1, Verdict.DEGRADED,
-     "cluster launcher: run completed DEGRADED — 1 of 4 ranks lost along the way (tolerated by "
-     "elastic membership); survivors carried the full workload"),
-    (_ended(4), 2, Verdict.OK,
-     "cluster launcher: run completed; 2 child exit(s) in the teardown window were tolerated "
-     "(never registered as rank deaths) — full workload delivered, nothing redistributed"),
-    (_ended(4), 0, Verdict.OK, "cluster launcher: run completed — all 4 ranks exited 0"),
-    (_ended(4, 0.0), 0, Verdict.OK, "cluster launcher: run completed — all 4 ranks exited 0"),
+     event(Name.MAX_FAILURE_EXCEEDED, dead=2, world_size=10, limit=2)),
+    (_ended(4, 3, dead=(1, 2)), 2, Verdict.DEGRADED, event(Name.DEGRADED, dead=2, world_size=4)),
+    (_ended(4, dead=(1,)), 1, Verdict.DEGRADED, event(Name.DEGRADED, dead=1, world_size=4)),
+    (_ended(4), 2, Verdict.OK, event(Name.COMPLETED_TEARDOWN, tolerated=2, world_size=4)),
+    (_ended(4), 0, Verdict.OK, event(Name.COMPLETED, world_size=4)),
+    (_ended(4, 0.0), 0, Verdict.OK, event(Name.COMPLETED, world_size=4)),
 ], ids=["all-lost", "absolute", "percent", "degraded", "degraded-no-limit", "teardown", "ok",
         "zero-limit-no-deaths"])
-def test_verdict_wording_is_exact(
-        policy: Elastic, tolerated: int, verdict: Verdict, message: str) -> None:
-    assert policy.verdict(policy.world_size, tolerated) == (verdict, message)
+def test_the_verdict_follows_the_dead_count_and_the_limit(
+        policy: Elastic, tolerated: int, verdict: Verdict, cause: Event) -> None:
+    assert policy.verdict(policy.world_size, tolerated) == (verdict, cause)
 
 
 # -- restarts ---------------------------------------------------------------------------------

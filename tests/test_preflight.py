@@ -19,6 +19,7 @@ from typing import Any, Optional
 import pytest
 
 from fdl_fabric.clusterfile import WorkerSpec, load_cluster, parse_cluster
+from fdl_fabric.events import Name, event
 from fdl_fabric.planning.envelope import PrebuiltBinary
 from fdl_fabric.preflight import (
     CONTROLLER,
@@ -38,6 +39,7 @@ from fdl_fabric.preflight import (
     run_checks,
 )
 from fdl_fabric.presentation.output import Console, check_table, use_color
+from fdl_fabric.presentation.words import render
 
 ROOT = Path(__file__).resolve().parent.parent
 GLIBC = "ldd (Debian GLIBC 2.36-9+deb12u4) 2.36"
@@ -299,7 +301,7 @@ def test_json_shape() -> None:
 
 
 def test_plain_table_is_aligned_one_line_per_check() -> None:
-    lines = check_table(Report(ROWS), color=False).splitlines()
+    lines = render(event(Name.CHECK_REPORT, **Report(ROWS).to_json())).splitlines()
     assert lines[0].split() == ["host", "check", "status", "detail"]
     assert len(lines) == 2 + len(ROWS) and "\x1b" not in "".join(lines)
     assert lines[3].startswith("gpu-a         paths  FAIL    path /srv does not exist")
@@ -308,7 +310,7 @@ def test_plain_table_is_aligned_one_line_per_check() -> None:
 
 
 def test_color_table_is_rich_and_does_not_interpret_markup_in_reasons() -> None:
-    text = check_table(Report(ROWS), color=True)
+    text = check_table(Report(ROWS).to_json()["checks"])
     assert "\x1b[" in text and "[bold]not markup[/bold]" in text
 
 
@@ -363,7 +365,7 @@ def test_a_healthy_local_worker(tmp_path: Path) -> None:
             data_path: {tmp_path}
         """))
     report = run_checks(cluster, argv=["python3", "tests/progs/rankprobe.py"])
-    assert report.exit_code() == 0, check_table(report, color=False)
+    assert report.exit_code() == 0, report.to_json()
     names = [(c.host, c.name) for c in report.checks]
     assert names == [(CONTROLLER, "port"), *(("localhost", n) for n in (
         "shell", "paths", "program", "platform", "stacks", "data_path", "port"))]

@@ -27,7 +27,6 @@ import pytest
 
 from fdl_fabric.clusterfile import load_cluster
 from fdl_fabric.preflight import CONTROLLER, Check, Report, Status, run_checks
-from fdl_fabric.presentation.output import check_table
 from fdl_fabric.testing import SshdLab
 from fdl_fabric.testing.sshd import _find_sshd, _read_banner
 from labutil import PROBE, ROOT
@@ -39,7 +38,7 @@ ARGV = ["python3", PROBE]
 
 def _check(report: Report, host: str, name: str) -> Check:
     rows = [c for c in report.checks if c.host == host and c.name == name]
-    assert len(rows) == 1, check_table(report, color=False)
+    assert len(rows) == 1, report.to_json()
     return rows[0]
 
 
@@ -58,7 +57,7 @@ def test_a_healthy_cluster_passes_with_every_check_on_every_host(sshd_lab, tmp_p
     workers = [local] + [lab.worker(h, data_path=str(tmp_path)) for h in lab.hosts]
     cluster = lab.write_cluster(workers)
     report = _run(cluster)
-    table = check_table(report, color=False)
+    table = report.to_json()
     assert report.exit_code() == 0, table
     # The shell row may warn: this machine's own ~/.bashrc (pyenv init) is close to 200 ms.
     assert all(c.status is Status.OK for c in report.checks if c.name != "shell"), table
@@ -197,7 +196,7 @@ def test_a_slow_rc_file_warns_on_the_shell_row(sshd_lab) -> None:
     assert row.status is Status.WARN and "slow rc file?" in row.reason
     ms = int(re.search(r"shell start-up (\d+) ms", row.reason).group(1))  # type: ignore[union-attr]
     assert ms >= 300
-    assert report.exit_code() == 0, check_table(report, color=False)  # a warning does not block
+    assert report.exit_code() == 0, report.to_json()  # a warning does not block
 
 
 def test_an_unreachable_host_fails_only_its_own_row(sshd_lab) -> None:
@@ -290,7 +289,7 @@ def test_tunnels_reach_the_controller_and_loopback_dials_do_not(sshd_lab, tmp_pa
         report = _run(lab.write_cluster([worker("far", tunnel=True)]), argv=["true"], fast=True)
         row = _check(report, "far", "port")
         assert row.status is Status.OK and "through the SSH tunnel" in row.reason, \
-            check_table(report, color=False)
+            report.to_json()
         # 2. Without a tunnel, controller.host 127.0.0.1 is the worker's own loopback:
         # prebuild-check fails; before a launch it only warns (a plain script never dials).
         cluster = lab.write_cluster([worker("far")])

@@ -30,7 +30,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fdl_fabric.rank as rank_mod
-from fdl_fabric.events import EventBus, EventLog, Kind
+from fdl_fabric.events import EventBus, EventLog, Kind, Name, event
 from fdl_fabric.planning.envelope import ENV_CLUSTER_JSON, ENV_LOCAL_RANK, SlimEnvelope
 from fdl_fabric.rank import encode_frame
 from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec
@@ -235,8 +235,8 @@ def test_a_shutdown_broadcast_runs_the_callback_and_sets_should_stop(
     assert survivor.said() == {"joined": True}
     assert wait_for(lambda: one.coord.cohort_formed)
     victim.kill()
-    one.coord.mark_dead([1], "signal 9")
-    one.coord.broadcast_shutdown("max_failure reached (1/2 dead, threshold 1)")
+    one.coord.mark_dead([1], {"exit": {"code": None, "signal": 9, "lost": None}})
+    one.coord.broadcast_shutdown(event(Name.MAX_FAILURE_REACHED, dead=1, world_size=2, limit=1))
     assert survivor.said() == {"callback": "max_failure reached (1/2 dead, threshold 1)"}
     assert survivor.said() == {"stop": True, "survivors": [0]}
     assert survivor.wait() == 0
@@ -288,7 +288,7 @@ def test_a_clean_exit_announces_exiting(lab: Callable[..., Lab], ending: str) ->
     assert keeper.said() == {"ok": 1}
     assert leaver.wait() == 0
     assert wait_for(lambda: one.coord.exited == {1})
-    one.coord.mark_dead([1], "status 0")
+    one.coord.mark_dead([1], {"exit": {"code": 0, "signal": None, "lost": None}})
     time.sleep(0.6)  # past the heartbeat timeout too
     assert one.coord.dead.dead_count() == 0
 
@@ -306,7 +306,7 @@ def test_a_failing_exit_does_not_announce_exiting(
     assert leaver.wait() == code
     assert wait_for(lambda: len(one.log.of(Kind.INFO)) >= 1)
     assert one.coord.exited == set()
-    one.coord.mark_dead([1], f"status {code}")
+    one.coord.mark_dead([1], {"exit": {"code": code, "signal": None, "lost": None}})
     assert wait_for(lambda: one.coord.dead.is_dead(1))
 
 
@@ -344,7 +344,7 @@ def test_a_rank_with_another_runs_salt_is_turned_away(
     monkeypatch.setenv(ENV_LOCAL_RANK, "0")
     with pytest.raises(RuntimeError, match="closed the connection during the handshake"):
         rank_mod.join(timeout=2)
-    assert [e.message.endswith(": bad tag") for e in one.log.of(Kind.WARNING)] == [True]
+    assert [e.data["reason"] for e in one.log.of(Kind.WARNING)] == ["bad tag"]
     assert rank_mod._client is None and one.coord.joined == set()
 
 

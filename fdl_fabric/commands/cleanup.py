@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from ..clusterfile import SshSpec, WorkerSpec
 from ..errors import EXIT_USAGE, FdlError
+from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from ..supervision import reports
@@ -49,26 +50,11 @@ class HostReport:
     def clean(self) -> bool:
         return self.error is None and not self.leftovers
 
-    def summary(self) -> str:
-        if self.error:
-            return f"{self.host}: cleanup FAILED: {self.error}"
-        parts = []
-        if self.stopped:
-            what = []
-            for s in self.stopped:
-                if "pattern" in s:
-                    what.append(f"{len(s['pids'])} process(es) matching {s['pattern']!r}")
-                else:
-                    what.append(f"run {s['run']} ranks {s.get('ranks')} (pids {s['pids']})")
-            parts.append("stopped " + ", ".join(what))
-        else:
-            parts.append("nothing to stop")
-        for item in self.live:
-            parts.append(f"run {item.get('run')} is live ({item.get('launcher')}): left alone "
-                         "(name it with --run-id, or --force, to stop it)")
-        if self.leftovers:
-            parts.append(f"LEFTOVER: {self.leftovers}")
-        return f"{self.host}: " + "; ".join(parts)
+    @property
+    def data(self) -> dict[str, Any]:
+        """As the data of `Name.CLEANUP_HOST`."""
+        return {"stopped": self.stopped, "leftovers": self.leftovers, "error": self.error,
+                "live": self.live}
 
 
 def sweep_request(*, runs: Sequence[str] = (), cluster: Optional[str] = None,
@@ -127,6 +113,7 @@ def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
     allocation, for this job's runs only); 0 clean, 1 leftovers, 2 config or usage. Live
     runs are left alone unless named by ``run_id`` or ``force``d."""
     console = console or Console()
+    events = EventBus(console)
     try:
         if slurm:
             for flag, given in (("--all", all_runs), ("--pattern", pattern)):
@@ -134,9 +121,9 @@ def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
                     raise FdlError(f"{flag}: not with --slurm, which sweeps this job's runs "
                                    "only (another job may share the nodes)", EXIT_USAGE)
         cluster = resolve_cluster(cluster_file, slurm=slurm, nproc_per_node=1 if slurm else None)
-        settings = resolve_all_settings(cluster, console.message)
+        settings = resolve_all_settings(cluster, events)
     except FdlError as exc:
-        console.message(str(exc))
+        events(Name.REFUSED, error=str(exc))
         return exc.exit_code
     key = cluster_key(cluster)
     transports = for_cluster(cluster, settings, purpose="cleanup")
@@ -156,22 +143,20 @@ def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
     for host, reason in errors.items():
         found[host] = HostReport(host, error=reason)
     for kind_name in dict.fromkeys(w.transport for w in cluster.workers):
-        for line in kind(kind_name).after_sweep(cluster.workers):
-            console.message(line)
-    return report_and_verdict([found[w.host] for w in cluster.workers], console)
+        kind(kind_name).after_sweep(cluster.workers, events)
+    return report_and_verdict([found[w.host] for w in cluster.workers], events)
 
 
-def report_and_verdict(reports_: Sequence[HostReport], console: Any) -> int:
-    """Print one line per host and a verdict; non-zero when anything survived."""
+def report_and_verdict(reports_: Sequence[HostReport], events: EventBus) -> int:
+    """One event per host and a verdict; non-zero when anything survived."""
     for rep in reports_:
-        console.message(f"cleanup: {rep.summary()}")
+        events(Name.CLEANUP_HOST, host=rep.host, **rep.data)
     bad = [r.host for r in reports_ if not r.clean]
     if bad:
-        console.message(f"cleanup: FAILED — leftovers or errors on {', '.join(bad)}")
+        events(Name.CLEANUP_FAILED, hosts=bad)
         return 1
-    stopped = sum(len(r.stopped) for r in reports_)
-    console.message(f"cleanup: verified — nothing of the selected runs remains on "
-                    f"{len(reports_)} host(s) ({stopped} run(s) stopped)")
+    events(Name.CLEANUP_VERIFIED, hosts=len(reports_),
+           stopped=sum(len(r.stopped) for r in reports_))
     return 0
 
 
@@ -198,7 +183,7 @@ def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
         [t for t in transports if t.host not in errors], request)}
     for host, reason in errors.items():
         found[host] = HostReport(host, error=reason)
-    return report_and_verdict([found[t.host] for t in transports], console)
+    return report_and_verdict([found[t.host] for t in transports], EventBus(console))
 
 
 def adhoc_worker(index: int, host: str) -> WorkerSpec:

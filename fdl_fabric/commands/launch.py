@@ -42,7 +42,7 @@ from typing import Any, Optional, Union
 from .. import shell
 from ..clusterfile import ClusterSpec, ConfigError, parse_max_failure
 from ..errors import EXIT_FAILURE, EXIT_USAGE, FdlError
-from ..events import EventBus, Kind
+from ..events import Event, EventBus, Name, event
 from ..limits import RANKS_MAX, RANKS_PER_WORKER_MAX
 from ..planning.envelope import (
     ENV_NET_TIMEOUT_SCALE,
@@ -53,15 +53,16 @@ from ..planning.envelope import (
     new_salt,
     prebuilt_from_environ,
 )
-from ..planning.plan import OMP_NOTICE, LaunchPlan, build_plan, coordinator_bind_host
+from ..planning.plan import LaunchPlan, build_plan, coordinator_bind_host
 from ..preflight import Status, agent_checks, judge, launch_plan
-from ..presentation.dryrun import describe_dry_run, dry_run_devices, plan_as_json
-from ..presentation.output import Console, RunLog, summary_table
+from ..presentation.dryrun import dry_run_data, dry_run_devices, plan_as_json
+from ..presentation.output import Console, RunLog
 from ..presentation.rankoutput import RankOutput
+from ..presentation.words import cause_data, unreachable
 from ..supervision import reports
 from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
 from ..supervision.policy import Elastic, Restarts
-from ..supervision.supervisor import RunResult, Supervisor, summary_rows
+from ..supervision.supervisor import RunResult, Supervisor
 from ..supervision.verdict import Verdict
 from ..transport import Transport, for_cluster, resolve_cluster
 from ..transport.fanout import close_all, connect_all, connect_each, start_agents
@@ -232,16 +233,6 @@ class Signals:
             sup.request_resume()
 
 
-def describe_plan(plan: LaunchPlan) -> str:
-    per_host: dict[str, list[int]] = {}
-    for r in plan.ranks:
-        per_host.setdefault(r.host, []).append(r.rank)
-    hosts = ", ".join(f"{h}: r{rs[0]}-r{rs[-1]}" if len(rs) > 1 else f"{h}: r{rs[0]}"
-                      for h, rs in per_host.items())
-    return (f"cluster launcher: run {plan.run_id}: {plan.world_size} rank(s) on "
-            f"{len(per_host)} host(s) ({hosts})")
-
-
 @dataclass
 class _Settings:
     """What one launch resolved before contacting any host."""
@@ -294,11 +285,11 @@ class Launch:
                     return 0
                 self._launch(resolved)
             except ConfigError as exc:
-                self.console.message(str(exc))
+                self.events(Name.REFUSED, error=str(exc))
                 return EXIT_USAGE
             except FdlError as exc:
                 if exc.exit_code == EXIT_USAGE and not self.run_id:
-                    self.console.message(str(exc))
+                    self.events(Name.REFUSED, error=str(exc))
                     return EXIT_USAGE
                 self._failed(exc)
             except LaunchInterrupted as exc:
@@ -343,7 +334,7 @@ class Launch:
         cluster = dataclasses.replace(cluster, **changes) if changes else cluster
         max_failure = resolve_max_failure(opts, cluster)
         argv = command_argv(opts, cluster)
-        settings = resolve_all_settings(cluster, self.console.message)
+        settings = resolve_all_settings(cluster, self.events)
         try:
             prebuilt = prebuilt_from_environ()
         except EnvelopeError as exc:
@@ -357,8 +348,7 @@ class Launch:
                                              scale, max_failure)
         if opts.dry_run:
             plan = self._plan(resolved, dry_run_devices(cluster))
-            self.console.out.write(describe_dry_run(plan, settings))
-            self.console.out.flush()
+            self.events(Name.DRY_RUN, **dry_run_data(plan, settings))
             return None
         return resolved
 
@@ -377,12 +367,12 @@ class Launch:
         plan = self._plan(r, devices, run_id=self.run_id)
         if self.log is not None:
             self.log.write_cluster(plan_as_json(plan))
-        self.events(Kind.LAUNCH, describe_plan(plan), data={"run_id": plan.run_id,
-                                                            "world_size": plan.world_size})
-        for warning in plan_warnings(plan):
-            self.events(Kind.WARNING, warning)
+        self.events(Name.LAUNCH, run_id=plan.run_id, world_size=plan.world_size,
+                    ranks={h: [r.rank for r in plan.host_ranks(h)] for h in plan.hosts()})
+        for name, data in plan_warnings(plan):
+            self.events(name, **data)
         if any(plan.defaults(h) for h in plan.hosts()):
-            self.events(Kind.INFO, OMP_NOTICE)
+            self.events(Name.OMP_DEFAULTED)
         max_restarts = cluster.elastic.max_restarts
         restarts = Restarts(max_restarts)
         for attempt in range(max_restarts + 1):
@@ -398,11 +388,9 @@ class Launch:
             if not restarts.another(result.restartable, attempt,
                                     self.signals.received is not None):
                 break
-            self.events(Kind.RESTART, f"cluster launcher: attempt {attempt} failed "
-                        f"({cause_text(result)}); restarting every rank (restart "
-                        f"{attempt + 1} of {max_restarts})",
-                        data={"attempt": attempt + 1, "cause": result.message,
-                              "error": root_error(result)})
+            self.events(Name.RESTARTING, attempt=attempt + 1, max_restarts=max_restarts,
+                        cause=cause_data(result.cause, error=root_error(result)),
+                        error=root_error(result))
         if self.signals.received is not None and \
                 self.results[-1].verdict is not Verdict.INTERRUPTED:
             self._interrupted(self.signals.received)
@@ -421,7 +409,7 @@ class Launch:
             coordinator_spec(plan, r.scale), self.events,
             on_join=lambda rank: inbox.put(reports.Joined(rank)),
             on_dead=lambda rank, why: inbox.put(reports.DeclaredDead(rank, why)),
-            on_abort=lambda why: inbox.put(reports.Request("abort", why)))
+            on_abort=lambda why: inbox.put(reports.Request("abort", cause=why)))
         try:
             coordinator.start()
         except CoordinatorError as exc:
@@ -444,10 +432,11 @@ class Launch:
         checks = {w.host: launch_plan(cluster, w, r.argv, r.prebuilt.get(w.host))
                   for w in cluster.workers}
 
-        def judge_host(host: str, values: Mapping[str, str]) -> tuple[list[str], list[str]]:
+        def judge_host(host: str, values: Mapping[str, str]
+                       ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
             rows = judge(checks[host], values)
-            warn = [f"{c.name}: {c.reason}" for c in rows if c.status is Status.WARN]
-            fail = [f"{c.name}: FAIL: {c.reason}" for c in rows if c.status is Status.FAIL]
+            warn = [(c.name, c.reason) for c in rows if c.status is Status.WARN]
+            fail = [(c.name, c.reason) for c in rows if c.status is Status.FAIL]
             return warn, fail
 
         supervisor = Supervisor(
@@ -474,8 +463,7 @@ class Launch:
 
     # -- connections -------------------------------------------------------------------------
     def _connected(self, transport: Transport) -> None:
-        self.events(Kind.CONNECT, f"cluster launcher: connected to {transport.host}",
-                    host=transport.host)
+        self.events(Name.CONNECTED, host=transport.host)
 
     def _reconnect(self, r: _Settings) -> None:
         """Before a restart: a fresh connection to every host whose connection is gone or
@@ -507,16 +495,13 @@ class Launch:
         except Exception as exc:
             raise FdlError(f"cluster launcher: host {host!r}: tunnel could not bind "
                            f"127.0.0.1:{port} on the remote side: {exc}") from None
-        self.events(Kind.CONNECT, f"cluster launcher: tunnel {host}:127.0.0.1:{port} -> "
-                    f"controller {target}:{port}", host=host)
+        self.events(Name.TUNNEL_OPENED, host=host, port=port, target=target)
 
     def _watch_connections(self) -> None:
         from ..transport.keepalive import KeepaliveMonitor
 
         def dead(host: str, silent: float) -> None:
-            self.events(Kind.WARNING, f"cluster launcher: host {host!r} stopped answering "
-                        f"keepalives for {silent:.0f}s; treating its connection as lost",
-                        host=host)
+            self.events(Name.KEEPALIVE_LOST, host=host, silent=round(silent, 3))
 
         self.monitor = KeepaliveMonitor(dead)
         for transport in self.transports.values():
@@ -579,21 +564,21 @@ class Launch:
             raise FdlError(f"{r.cluster.file}: {exc}", EXIT_USAGE) from None
 
     # -- the end -------------------------------------------------------------------------------
-    def _log_failed(self, message: str) -> None:
-        self.events(Kind.WARNING, f"cluster launcher: {message}")
+    def _log_failed(self, error: str, folder: str) -> None:
+        self.events(Name.LOG_FAILED, error=error, folder=folder)
 
     def _failed(self, exc: FdlError) -> None:
         """A failure outside the ranks (connecting, starting agents, a restart's set-up)."""
         for line in exc.details:
-            self.events(Kind.WARNING, line)
-        self.results.append(RunResult(Verdict.FAILED, exc.exit_code or 1, str(exc), ()))
+            self.events(Name.FAILURE_DETAIL, text=line)
+        self.results.append(RunResult(Verdict.FAILED, exc.exit_code or 1,
+                                      event(Name.LAUNCH_FAILED, error=str(exc)), ()))
 
     def _interrupted(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        when = "between attempts" if self.results else "before any rank started"
-        self.results.append(RunResult(Verdict.INTERRUPTED, 128 + signum,
-                                      f"cluster launcher: interrupted by {name} {when} — "
-                                      "nothing is left running", ()))
+        self.results.append(RunResult(
+            Verdict.INTERRUPTED, 128 + signum,
+            event(Name.INTERRUPTED_OUTSIDE_RUN, signal=signal.Signals(signum).name,
+                  between_attempts=bool(self.results)), ()))
 
     def _sweep_faulted(self) -> None:
         """Hosts lost or unresponsive during the run: once the run is over, stop whatever
@@ -616,19 +601,14 @@ class Launch:
             sweep_request(runs=[self.run_id], by={"command": "the launcher's final sweep"}),
             timeout=SWEEP_TIMEOUT)}
         for host, why in errors.items():
-            self.events(Kind.WARNING, f"cluster launcher: host {host!r} {unreachable(why)}: "
-                        f"left its registry record of run {self.run_id}; `inv cleanup --run-id "
-                        f"{self.run_id}` removes it (and anything left) once the host is back",
-                        host=host)
+            self.events(Name.SWEEP_UNREACHABLE, host=host, reason=why, run_id=self.run_id)
         for host, rep in found.items():
             if rep.error or rep.leftovers:
-                self.events(Kind.WARNING, f"cluster launcher: host {host!r}: could not clear "
-                            f"what run {self.run_id} left: {rep.error or rep.leftovers}",
-                            host=host)
+                self.events(Name.SWEEP_INCOMPLETE, host=host, run_id=self.run_id,
+                            problem=rep.error or rep.leftovers)
             elif rep.stopped:
                 pids = sorted({p for s in rep.stopped for p in s.get("pids", [])})
-                self.events(Kind.WARNING, f"cluster launcher: host {host!r}: stopped what run "
-                            f"{self.run_id} left there (pids {pids})", host=host)
+                self.events(Name.SWEEP_STOPPED, host=host, run_id=self.run_id, pids=pids)
 
     def _conclude(self) -> int:
         """The summary, the attempts, the root cause, and the verdict as the last line."""
@@ -636,55 +616,41 @@ class Launch:
             return EXIT_FAILURE
         final = self.results[-1]
         shown = next((r for r in reversed(self.results) if r.started_any), None)
-        quiet = self.console.verbosity < 0
-        if shown is not None and not quiet:
-            self.console.message(summary_table(summary_rows(shown.ranks)))
-        if len(self.results) > 1 and not quiet:
-            self.console.message(attempts_table(self.results))
-        cause = root_cause_text(final)
-        if cause and not quiet:
-            self.console.message(cause)
+        if shown is not None:
+            self.events(Name.SUMMARY, ranks=[r.summary() for r in shown.ranks])
+        if len(self.results) > 1:
+            self.events(Name.ATTEMPTS, attempts=[
+                {"verdict": r.verdict.value, "cause": cause_data(r.cause, error=root_error(r))}
+                for r in self.results])
+        cause = root_cause(final)
+        if cause is not None:
+            self.events.emit(cause)
         dropped = self.console.dropped
         if dropped:
-            hint = "--log-dir kept every line" if self.log is not None and \
-                self.log.failed is None else "use --log-dir to keep every line"
-            self.events(Kind.INFO, f"cluster launcher: {dropped:,} line(s) of rank output "
-                        f"were not shown on the console ({hint})", data={"dropped": dropped})
+            self.events(Name.OUTPUT_DROPPED, dropped=dropped,
+                        log_kept=self.log is not None and self.log.failed is None)
         if self.resolved is not None and self.resolved.max_failure is not None \
                 and not self.joined_any and final.started_any:
-            self.events(Kind.WARNING, "cluster launcher: max_failure had no effect: no rank "
-                        "joined the cohort, so every failure was fatal (ranks join with "
-                        "fdl_fabric.rank.join())")
-        self.events(Kind.VERDICT, final.message, data={
-            "exit_code": final.exit_code, "verdict": final.verdict.value,
-            "attempts": len(self.results), "run_id": self.run_id,
-            "faults": dict(self.faulted)})
+            self.events(Name.MAX_FAILURE_UNUSED)
+        self.events(Name.VERDICT, cause=cause_data(final.cause), exit_code=final.exit_code,
+                    verdict=final.verdict.value, attempts=len(self.results),
+                    run_id=self.run_id, faults=dict(self.faulted))
         return final.exit_code
 
 
-def unreachable(why: str) -> str:
-    """``unreachable: <reason>`` for a failed connect, whatever its wording."""
-    return why if why.startswith("unreachable") else f"unreachable: {why}"
-
-
-def plan_warnings(plan: LaunchPlan) -> list[str]:
+def plan_warnings(plan: LaunchPlan) -> list[tuple[Name, dict[str, Any]]]:
     """Addresses that cannot work: loopback where a remote worker must dial in."""
-    remote = [w for w in plan.cluster.workers if not w.is_local and not w.tunnel
-              and not is_loopback(w.addr)]
+    remote = {w.host: w.addr for w in plan.cluster.workers
+              if not w.is_local and not w.tunnel and not is_loopback(w.addr)}
     if not remote:
         return []
-    names = ", ".join(f"{w.host} ({w.addr})" for w in remote)
-    warnings = []
+    warnings: list[tuple[Name, dict[str, Any]]] = []
     master = plan.ranks[0].env.get("MASTER_ADDR", "")
     if is_loopback(master):
-        warnings.append(f"cluster launcher: MASTER_ADDR is {master}, a loopback address, but "
-                        f"{names} dial it from another machine: give the first worker an "
-                        "`addr:` the others reach")
+        warnings.append((Name.PLAN_LOOPBACK_MASTER, {"address": master, "remote": remote}))
     host = plan.cluster.controller.host
     if is_loopback(host):
-        warnings.append(f"cluster launcher: controller.host is {host}, a loopback address, but "
-                        f"{names} dial the coordinator from another machine: set "
-                        "controller.host to an address they reach, or tunnel: true")
+        warnings.append((Name.PLAN_LOOPBACK_CONTROLLER, {"address": host, "remote": remote}))
     return warnings
 
 
@@ -700,39 +666,17 @@ def root_error(result: RunResult) -> Optional[str]:
     return rank.exit.error.message
 
 
-def cause_text(result: RunResult) -> str:
-    """What ended an attempt, in one line: the verdict and the root cause's exception."""
-    text = result.message.removeprefix("cluster launcher: ")
-    error = root_error(result)
-    return f"{text}: {error}" if error and error not in text else text
-
-
-def attempts_table(results: Sequence[RunResult]) -> str:
-    """One row per attempt: what ended it."""
-    rows = [("attempt", "verdict", "cause")]
-    rows += [(str(i), r.verdict.value, cause_text(r)) for i, r in enumerate(results)]
-    width = [max(len(row[i]) for row in rows) for i in range(2)]
-    return "\n".join(f"{a.ljust(width[0])}  {v.ljust(width[1])}  {c}".rstrip()
-                     for a, v, c in rows)
-
-
-def root_cause_text(result: RunResult) -> str:
+def root_cause(result: RunResult) -> Optional[Event]:
     """The first failed rank, with what its error file says (as torchrun's summary); for a
     rank whose host was lost or stopped answering, that (no error file could come)."""
     rank = result.root_cause
     if rank is None or result.verdict is Verdict.OK or rank.exit is None:
-        return ""
-    head = f"root cause: {rank.label} ({rank.plan.label}) exited with {rank.exit.describe()}"
-    if rank.exit.host_fault is not None:  # no error file can come from a lost host
-        return f"root cause: {rank.label} ({rank.plan.label}) has no exit status: " \
-            f"{rank.exit.lost}"
+        return None
     error = rank.exit.error
-    if error is None:
-        return head + " (no error file: decorate the entry point with torch's @record to " \
-            "see the exception here)"
-    lines = [f"{head}: {error.message}"]
-    lines += ["  " + line for line in error.traceback_tail()]
-    return "\n".join(lines)
+    return event(Name.ROOT_CAUSE, host=rank.host, rank=rank.rank, label=rank.plan.label,
+                 exit=rank.exit.data, host_fault=rank.exit.host_fault,
+                 error=error.message if error is not None else None,
+                 tail=error.traceback_tail() if error is not None else [])
 
 
 def make_console(opts: LaunchOptions) -> Console:
@@ -754,7 +698,7 @@ class _LogToEvents(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         with contextlib.suppress(Exception):
-            self.events(Kind.DEBUG, f"ssh: {record.name}: {record.getMessage()}")
+            self.events(Name.LIBRARY_LOG, logger=record.name, text=record.getMessage())
 
 
 @contextlib.contextmanager
@@ -775,9 +719,9 @@ def third_party_logs(events: EventBus, verbosity: int) -> Iterator[None]:
         import traceback
 
         name = args.thread.name if args.thread is not None else "?"
-        events(Kind.WARNING, f"cluster launcher: thread {name}: {args.exc_type.__name__}: "
-                             f"{args.exc_value}")
-        events(Kind.DEBUG, "".join(traceback.format_exception(
+        events(Name.THREAD_CRASHED, thread=name, error_type=args.exc_type.__name__,
+               error=str(args.exc_value))
+        events(Name.TRACEBACK, traceback="".join(traceback.format_exception(
             args.exc_type, args.exc_value, args.exc_traceback)).rstrip())
 
     threading.excepthook = hook

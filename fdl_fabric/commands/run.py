@@ -22,9 +22,13 @@ import socket
 import sys
 from typing import NoReturn, Optional
 
+from ..agent.checks import gpu_indices
 from ..clusterfile import ClusterSpec, ControllerSpec, ElasticSpec, SshSpec, WorkerSpec
 from ..errors import EXIT_USAGE, FdlError
+from ..events import EventBus, Name
+from ..presentation.output import Console
 from . import flags
+from .launch import LaunchOptions, launch
 
 #: torchrun flags that do not apply to one host, and what to use instead.
 REFUSED = {
@@ -135,8 +139,6 @@ def nproc(value: str) -> int:
 
 
 def _gpu_count() -> int:
-    from ..agent.checks import gpu_indices
-
     return len(gpu_indices().get("gpus") or [])
 
 
@@ -188,8 +190,6 @@ def cluster_for(args: argparse.Namespace) -> ClusterSpec:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``fdl-fabric run [torchrun flags] script.py args...``: returns the exit code."""
-    from .launch import LaunchOptions, launch
-
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
         _refuse_torchrun_only_flags(args_list)
@@ -202,7 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             # Nothing remote to check: the local program is found (or not) at spawn.
             preflight=False)
     except FdlError as exc:
-        print(f"fdl-fabric run: {exc}", file=sys.stderr)
+        EventBus(Console())(Name.REFUSED, command="fdl-fabric run", error=str(exc))
         return exc.exit_code
     return launch(opts)
 

@@ -17,9 +17,9 @@ from typing import Any, Optional
 
 from ..clusterfile import ClusterSpec
 from ..errors import EXIT_FAILURE, FdlError
+from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
-from ..presentation.stacks import stacks_text
 from ..supervision import reports
 from ..transport import for_cluster
 from ..transport.fanout import close_all, connect_each, start_each
@@ -76,10 +76,11 @@ def run_stacks(cluster_file: str, *, run_id: Optional[str] = None,
     """``fdl-fabric stacks``: 0 when stacks were shown, 1 when no live run was found or a
     host failed, 2 on a bad cluster file."""
     console = console or Console()
+    events = EventBus(console)
     try:
-        cluster, settings = load_with_settings(cluster_file, console.message)
+        cluster, settings = load_with_settings(cluster_file, events)
     except FdlError as exc:
-        console.message(str(exc))
+        events(Name.REFUSED, error=str(exc))
         return exc.exit_code
     inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
     transports = for_cluster(cluster, settings, purpose="cleanup")
@@ -89,7 +90,7 @@ def run_stacks(cluster_file: str, *, run_id: Optional[str] = None,
         sessions, failed = start_each([t for h, t in transports.items() if h not in errors],
                                       inbox.put)
         errors.update(failed)
-        return _show(cluster, sessions, inbox, errors, run_id, console)
+        return _show(cluster, sessions, inbox, errors, run_id, events)
     finally:
         for session in sessions.values():
             session.close_input()
@@ -98,7 +99,7 @@ def run_stacks(cluster_file: str, *, run_id: Optional[str] = None,
 
 def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
           inbox: queue.SimpleQueue[reports.Report], errors: dict[str, str],
-          run_id: Optional[str], console: Console) -> int:
+          run_id: Optional[str], events: EventBus) -> int:
     """List the runs, pick one, ask its hosts for stacks, print the grouped view."""
     key = cluster_key(cluster)
     for session in sessions.values():
@@ -109,14 +110,13 @@ def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
     chosen = run_id or newest_live_run(runs)
     if chosen is None:
         for host, why in sorted(problems.items()):
-            console.message(f"stacks: {host}: {why}")
-        console.message(f"stacks: no live run of {cluster.file} on its "
-                        f"{len(cluster.workers)} host(s)")
+            events(Name.STACKS_PROBLEM, host=host, problem=why)
+        events(Name.STACKS_NO_LIVE_RUN, file=cluster.file, hosts=len(cluster.workers))
         return EXIT_FAILURE
     holders = {rep.host for rep in listed.values()
                if any(r.get("run") == chosen for r in rep.runs)}
     if not holders:
-        console.message(f"stacks: run {chosen} is not recorded on any host of {cluster.file}")
+        events(Name.STACKS_RUN_UNKNOWN, run_id=chosen, file=cluster.file)
         return EXIT_FAILURE
     for host in holders:
         sessions[host].stacks(0, run=chosen, host=host)
@@ -131,5 +131,5 @@ def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
         for rank, entry in rep.ranks.items():
             data["ranks"][str(rank)] = entry
             data["hosts"][str(rank)] = host
-    console.result(stacks_text(data))
+    events(Name.STACKS_VIEW, **data)
     return EXIT_FAILURE if problems else 0

@@ -37,11 +37,8 @@ ROLE_NAME = "default"
 
 #: Set to 1 for every rank of a host running more than one, unless the user set it:
 #: otherwise each rank starts a thread per core and they fight for them (torchrun does
-#: the same, with the notice below).
+#: the same, with a notice: `Name.OMP_DEFAULTED`).
 OMP_DEFAULT = {"OMP_NUM_THREADS": "1"}
-OMP_NOTICE = ("cluster launcher: setting OMP_NUM_THREADS=1 for each rank of a host that runs "
-              "more than one, where it is not set already, to avoid overloading the system; "
-              "tune it for your program (env: OMP_NUM_THREADS: \"N\")")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Optional
 
 from ..clusterfile import ConfigError
 from ..errors import EXIT_USAGE
+from ..events import EventBus, Name
 from ..presentation.output import Console
 from ..shell import command_words
 from ..transport.sshconfig import load_with_settings
@@ -29,18 +30,23 @@ def check_cluster(cluster_file: str, *, cmd: Optional[str] = None, words: Sequen
     program whose presence is checked on every host, as a launch would resolve it.
     """
     console = console or Console()
+    events = EventBus(console)
     try:
-        cluster, settings = load_with_settings(cluster_file, console.message)
+        cluster, settings = load_with_settings(cluster_file, events)
     except ConfigError as exc:
-        console.message(str(exc))
+        events(Name.REFUSED, error=str(exc))
         return EXIT_USAGE
     try:
         argv = command_words(words, cmd, cluster.command)
     except ValueError as exc:
-        console.message(f"{cluster.file}: command: {exc}")
+        events(Name.REFUSED, error=f"{cluster.file}: command: {exc}")
         return EXIT_USAGE
     report = run_checks(cluster, argv=argv, fast=fast, settings=settings)
-    console.check_report(report, as_json=as_json)
+    if as_json:
+        console.json(report.to_json())
+    else:
+        events(Name.CHECK_REPORT, **report.to_json())
+        events(Name.CHECK_VERDICT, **report.verdict_data())
     return report.exit_code()
 
 

@@ -1,6 +1,7 @@
 """The pre-flight report: one row per host and check, ok / warn / FAIL and a one-line why.
 
-Rendering it (a table, or JSON) is `fdl_fabric.presentation.output`'s job.
+Rendering it (a table, or JSON) is `fdl_fabric.presentation`'s job: the command emits
+`Name.CHECK_REPORT` and `Name.CHECK_VERDICT` with this data.
 """
 
 from __future__ import annotations
@@ -68,13 +69,10 @@ class Report:
             "ok": not self.failed(),
         }
 
-    def summary(self) -> str:
-        hosts = len({c.host for c in self.checks if c.host != CONTROLLER})
-        counts = ", ".join(
-            f"{n} {s.value}"
-            for s in (Status.FAIL, Status.WARN, Status.OK)
-            if (n := sum(1 for c in self.checks if c.status is s))
-        )
-        verdict = "FAILED" if self.failed() else "passed"
-        return (f"prebuild-check: {verdict}: {counts or 'no checks'} "
-                f"({hosts} host(s) in {self.elapsed:.2f} s)")
+    def verdict_data(self) -> dict[str, Any]:
+        """The facts of the report's last line (`words`: ``prebuild-check: passed: …``)."""
+        counts = {s.value: n for s in Status if (n := sum(1 for c in self.checks
+                                                           if c.status is s))}
+        return {"failed": bool(self.failed()), "counts": counts,
+                "hosts": len({c.host for c in self.checks if c.host != CONTROLLER}),
+                "elapsed": round(self.elapsed, 3)}

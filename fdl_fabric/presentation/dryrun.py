@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import shell
 from ..agent.checks import gpu_indices
 from ..clusterfile import ClusterSpec
 from ..planning.plan import LaunchPlan, coordinator_bind_host
@@ -68,38 +67,20 @@ def plan_as_json(plan: LaunchPlan) -> dict[str, Any]:
     }
 
 
-def _env_words(env: Mapping[str, str]) -> str:
-    return " ".join(f"{k}={shell.quote(v)}" for k, v in redact_env(dict(env)).items())
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
-
-
-def describe_dry_run(plan: LaunchPlan, settings: Mapping[str, SshSettings]) -> str:
+def dry_run_data(plan: LaunchPlan, settings: Mapping[str, SshSettings]) -> dict[str, Any]:
+    """The facts a dry run shows (`words.dry_run_text` lays them out), secrets redacted."""
     c = plan.cluster
-    bind = coordinator_bind_host(c)
-    hosts = plan.hosts()
-    lines = [f"# dry run of {c.file}: {plan.world_size} rank(s) on {len(hosts)} host(s); "
-             "nothing is connected or started",
-             f"controller {c.controller.host}:{c.controller.port} (coordinator binds {bind}), "
-             f"kill_grace {c.kill_grace:g}s, master_port {c.master_port}"]
-    for host in hosts:
+    hosts = []
+    for host in plan.hosts():
         worker = next(w for w in c.workers if w.host == host)
         spec = plan.agent_spec(host)
-        ranks = plan.host_ranks(host)
-        gpus = [str(r.device) for r in ranks if r.device is not None]
-        devices = f"gpu {', '.join(gpus)}" if gpus else "cpu"
-        how = for_worker(worker, settings).describe()
-        note = "  (local_devices: all, resolved by the agent at launch)" \
-            if worker.local_devices == "all" and not worker.is_local else ""
-        lines += ["", f"host {host}: {how}",
-                  f"  ranks {_ranks_text([r.rank for r in ranks])} ({devices}){note}",
-                  f"  cwd {spec['cwd']}",
-                  "  argv " + " ".join(shell.quote(a) for a in spec["argv"]),
-                  f"  env of every rank: {_env_words(spec['env'])}",
-                  "    FLODL_INTERNAL_CLUSTER_JSON=<envelope with the salt: sent on the "
-                  "agent's stdin, never shown>"]
-        for entry in spec["ranks"]:
-            lines.append(f"  rank {entry['rank']}: {_env_words(entry['env'])}")
-    return "\n".join(lines) + "\n"
+        hosts.append({
+            "host": host, "how": for_worker(worker, settings).describe(),
+            "all_devices": worker.local_devices == "all" and not worker.is_local,
+            "cwd": spec["cwd"], "argv": list(spec["argv"]), "env": redact_env(spec["env"]),
+            "ranks": [{"rank": entry["rank"], "env": redact_env(entry["env"]),
+                       "device": r.device}
+                      for entry, r in zip(spec["ranks"], plan.host_ranks(host))]})
+    return {"file": c.file, "world_size": plan.world_size, "controller": c.controller.host,
+            "port": c.controller.port, "bind": coordinator_bind_host(c),
+            "kill_grace": c.kill_grace, "master_port": c.master_port, "hosts": hosts}

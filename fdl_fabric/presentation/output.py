@@ -19,17 +19,15 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, Optional, TextIO
+from typing import IO, Any, Callable, Optional, TextIO
 
-from ..events import Event, Kind
+from ..events import Event, Kind, Name
 from ..supervision.supervisor import Rank, RankState
 from .screen import ERR, OUT, Screen
-from .stacks import dump_text, stacks_text
-
-if TYPE_CHECKING:  # the preflight package renders through this module
-    from ..preflight.report import Report
+from .stacks import dump_text
+from .words import render
 
 #: Event kinds shown only with -v: routine progress that would drown the rank output.
 _VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.JOIN}
@@ -117,9 +115,12 @@ class Console:
         if event.kind is Kind.OUTPUT:
             self.rank_output(event)
             return
-        if event.kind is Kind.STACKS:
+        if event.kind is Kind.RESULT:
+            self.result(self._result_text(event))
+            return
+        if event.kind in (Kind.STACKS, Kind.SUMMARY):
             if self.verbosity >= 0:
-                self.message(stacks_text(event.data))
+                self.message(render(event))
             return
         if event.kind is Kind.STOPPING and event.data.get("signal") and self.screen is not None:
             # Ctrl-C or TERM: the verdict must show within the grace, whatever the
@@ -134,7 +135,12 @@ class Console:
             event.kind in _VERBOSE_KINDS or (event.kind is Kind.EXIT and event.data.get("ok"))
         ):
             return
-        self.message(event.message)
+        self.message(render(event))
+
+    def _result_text(self, event: Event) -> str:
+        if event.name is Name.CHECK_REPORT and self.color:
+            return check_table(event.data["checks"])
+        return render(event)
 
     def message(self, text: str) -> None:
         """A line for the operator (status, warnings, verdicts): on stderr."""
@@ -158,14 +164,6 @@ class Console:
     def json(self, data: Any) -> None:
         """The ``--json`` form of a command's result."""
         self.result(json.dumps(data, indent=2, ensure_ascii=False))
-
-    def check_report(self, report: Report, *, as_json: bool = False) -> None:
-        """``inv prebuild-check``'s report: JSON, a colored table, or plain columns."""
-        if as_json:
-            self.json(report.to_json())
-            return
-        self.result(check_table(report, color=self.color))
-        self.result(report.summary())
 
     def start_status(self, rows: Callable[[], Sequence[Rank]]) -> None:
         """On a terminal, the live table (host, rank, pid, state, last line) below the
@@ -228,23 +226,9 @@ _STATE_STYLES = {
 _CHECK_STYLES = {"ok": "green", "warn": "yellow", "FAIL": "bold red"}
 
 
-def check_table(report: Report, *, color: bool) -> str:
-    """A pre-flight report as text: a rich table with colors, or plain aligned columns.
-
-    Plain output (pipes, CI logs, NO_COLOR) keeps each check on one unwrapped line, so it
-    can be grepped; the colored table is for a person at a terminal.
-    """
-    if not color:
-        rows = [("host", "check", "status", "detail")]
-        rows += [(c.host, c.name, c.status.value, c.reason) for c in report.checks]
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = []
-        for i, row in enumerate(rows):
-            cells = [row[j].ljust(widths[j]) for j in range(3)]
-            lines.append("  ".join([*cells, row[3]]).rstrip())
-            if i == 0:
-                lines.append("  ".join(["-" * w for w in widths] + ["-" * 6]))
-        return "\n".join(lines) + "\n"
+def check_table(checks: Sequence[Mapping[str, str]]) -> str:
+    """A pre-flight report as a rich table with colors, for a person at a terminal (plain
+    output, one check a line, is `words`')."""
     import io
     import shutil
 
@@ -258,10 +242,10 @@ def check_table(report: Report, *, color: bool) -> str:
     table.add_column("check", no_wrap=True)
     table.add_column("status", no_wrap=True)
     table.add_column("detail", overflow="fold")
-    for c in report.checks:
+    for c in checks:
         # Text(), not str: a reason such as "[127.0.0.1]:22" is not rich markup.
-        table.add_row(Text(c.host), Text(c.name),
-                      Text(c.status.value, style=_CHECK_STYLES[c.status.value]), Text(c.reason))
+        table.add_row(Text(c["host"]), Text(c["check"]),
+                      Text(c["status"], style=_CHECK_STYLES[c["status"]]), Text(c["reason"]))
     out = io.StringIO()
     width = shutil.get_terminal_size((120, 24)).columns
     RichConsole(file=out, force_terminal=True, color_system="standard", width=width,
@@ -322,12 +306,12 @@ class RunLog:
 
     Rank output can carry tokens, so folders are 0700 and files 0600, like the run
     registry, whatever the umask. A write that fails (a full disk, an I/O error) is
-    reported once through ``on_error`` and ends the log: the run goes on, its console
-    and its verdict untouched.
+    reported once through ``on_error`` (the error, the folder) and ends the log: the run
+    goes on, its console and its verdict untouched.
     """
 
     def __init__(self, root: str, run_id: str,
-                 on_error: Optional[Callable[[str], None]] = None) -> None:
+                 on_error: Optional[Callable[[str, str], None]] = None) -> None:
         self.folder = Path(root) / run_id
         Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one is kept
         _private_dir(self.folder)
@@ -363,7 +347,7 @@ class RunLog:
             except OSError as exc:
                 failure = self.failed = exc.strerror or str(exc)
         if failure is not None and self.on_error is not None:
-            self.on_error(f"--log-dir: {failure}; rank logs stop here ({self.folder})")
+            self.on_error(failure, str(self.folder))
 
     def _write(self, event: Event) -> None:
         if event.kind is Kind.OUTPUT:
@@ -375,7 +359,7 @@ class RunLog:
         if event.kind is Kind.SPAWN and event.rank is not None:
             for stderr in (False, True):  # both exist from the start, as with torchrun
                 self._rank_file(event.rank, stderr)
-        record = event.to_json()
+        record = log_record(event)
         text = record.pop("error_file", None)
         if isinstance(text, str) and event.rank is not None:
             with _private_file(self.rank_folder(event.rank) / "error.json") as fh:
@@ -423,10 +407,15 @@ def _private_file(path: Path, *, truncate: bool = False) -> IO[bytes]:
     return os.fdopen(fd, "ab")
 
 
-def summary_table(rows: Sequence[tuple[int, str, str, str, str]]) -> str:
-    """The end-of-run table: rank, host, exit, cause, duration; plain aligned text."""
-    header = ("rank", "host", "exit", "cause", "duration")
-    table = [header, *[tuple(str(c) for c in row) for row in rows]]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
-    return "\n".join(lines)
+def log_record(event: Event) -> dict[str, Any]:
+    """An event as one line of events.jsonl: when, its kind and name, its words, where,
+    and its data (the stacks' words are left out: their files hold them)."""
+    out: dict[str, Any] = {"time": round(event.time, 6), "event": event.kind.value,
+                           "name": event.name.value,
+                           "message": "" if event.kind is Kind.STACKS else render(event)}
+    if event.host is not None:
+        out["host"] = event.host
+    if event.rank is not None:
+        out["rank"] = event.rank
+    out.update(event.data)
+    return out

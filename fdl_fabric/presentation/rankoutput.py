@@ -8,7 +8,7 @@ output came (its rank's last line, the time, for the live table and hang detecti
 
 from __future__ import annotations
 
-from ..events import EventBus, Kind
+from ..events import EventBus, Name
 from ..planning.plan import LaunchPlan
 from ..supervision import reports
 
@@ -28,6 +28,5 @@ class RankOutput:
         label = self._labels.get(report.rank, f"{report.host}:?:r{report.rank}")
         text = report.data.decode("utf-8", "replace")
         body = text[:-1] if text.endswith("\n") else text
-        self.events(Kind.OUTPUT, "", host=report.host, rank=report.rank,
-                    data={"label": label, "text": body, "raw": report.data,
-                          "stderr": report.stderr, "partial": report.partial})
+        self.events(Name.RANK_OUTPUT, host=report.host, rank=report.rank, label=label,
+                    text=body, raw=report.data, stderr=report.stderr, partial=report.partial)

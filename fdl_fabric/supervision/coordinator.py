@@ -34,7 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..events import EventBus, Kind
+from ..events import Event, EventBus, Name, event
+from ..presentation.words import cause_data, render
 from ..rank import MAX_FRAME, FrameError, decode_payload, encode_frame, frame_tag, take_frame
 
 #: How often the coordinator drains reported deaths and checks heartbeats.
@@ -91,6 +92,11 @@ def _tag_failure(salt: bytes, run_id: str, expected: int, tag: bytes, payload: b
             if hmac.compare_digest(frame_tag(salt, run_id, seq, payload), tag):
                 return f"out-of-order frame (sequence {seq}, expected {expected})"
     return "bad tag"
+
+
+#: Why a rank is counted dead (the data of `Name.RANK_DECLARED_DEAD`): the supervisor's
+#: ``{"exit": {...}}``, or the coordinator's ``{"silent": s, "heartbeat_timeout": t}``.
+Reason = Mapping[str, Any]
 
 
 def _seconds(value: float) -> str:
@@ -188,8 +194,8 @@ class Coordinator:
 
     def __init__(self, spec: CoordinatorSpec, events: EventBus,
                  on_join: Optional[Callable[[int], None]] = None,
-                 on_dead: Optional[Callable[[int, str], None]] = None,
-                 on_abort: Optional[Callable[[str], None]] = None) -> None:
+                 on_dead: Optional[Callable[[int, Reason], None]] = None,
+                 on_abort: Optional[Callable[[Event], None]] = None) -> None:
         self.spec = spec
         self.events = events
         self.on_join = on_join
@@ -203,10 +209,10 @@ class Coordinator:
         self._joined: set[int] = set()
         self._exited: set[int] = set()
         self._formed = False
-        self._abort: Optional[str] = None
+        self._abort: Optional[Event] = None
         self._shutdown: Optional[str] = None
-        self._reports: list[tuple[list[int], str]] = []
-        self._shutdown_wanted: Optional[str] = None
+        self._reports: list[tuple[list[int], Reason]] = []
+        self._shutdown_wanted: Optional[Event] = None
         #: When any joined rank last reported progress (`fdl_fabric.rank.progress`).
         self._last_progress = 0.0
         self._resume_pending = False
@@ -289,21 +295,21 @@ class Coordinator:
         with self._lock:
             return self._formed
 
-    def mark_dead(self, ranks: Sequence[int], reason: str) -> None:
+    def mark_dead(self, ranks: Sequence[int], reason: Reason) -> None:
         """Ranks the supervisor found dead: out of the cohort; the next tick tells the
         others (membership) and closes their connections."""
         with self._lock:
             self._reports.append(([int(r) for r in ranks], reason))
         self._wake()
 
-    def broadcast_shutdown(self, reason: str) -> None:
+    def broadcast_shutdown(self, cause: Event) -> None:
         """The policy's call: survivors save and stop. Sent once, at the next tick."""
         with self._lock:
             if self._shutdown is None and self._shutdown_wanted is None:
-                self._shutdown_wanted = reason
+                self._shutdown_wanted = cause
         self._wake()
 
-    def abort_reason(self) -> Optional[str]:
+    def abort_reason(self) -> Optional[Event]:
         """Why the run cannot go on (formation timeout, coordinator failure), else None."""
         with self._lock:
             return self._abort
@@ -372,10 +378,9 @@ class Coordinator:
         except Exception as exc:  # any bug becomes a visible abort, not a silent hang
             if self._stopping.is_set():
                 return
-            self.events(Kind.WARNING, f"cluster launcher: coordinator failed: {exc!r}")
-            self._aborted(f"cluster launcher: coordinator failed: {exc!r}")
+            self._aborted(event(Name.COORDINATOR_FAILED, error=repr(exc)))
 
-    def _aborted(self, reason: str) -> None:
+    def _aborted(self, reason: Event) -> None:
         """The run cannot go on; the supervisor is told once."""
         with self._lock:
             if self._abort is not None:
@@ -392,7 +397,7 @@ class Coordinator:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                self.events(Kind.WARNING, f"cluster coordinator: accept failed: {exc}")
+                self.events(Name.ACCEPT_FAILED, error=str(exc))
                 return
             sock.settimeout(SEND_TIMEOUT)
             host, port = str(addr[0]), int(addr[1])
@@ -443,9 +448,8 @@ class Coordinator:
                 # An agent's pre-flight: proves this host reaches *this* coordinator
                 # (the reply is keyed with the run's salt), then goes away quietly.
                 host = message.get("host")
-                self.events(Kind.DEBUG, f"cluster coordinator: pre-flight probe from "
-                            f"{host!r} ({conn.peer})", host=host if isinstance(host, str)
-                            else None)
+                self.events(Name.PROBE_RECEIVED, host=host if isinstance(host, str) else None,
+                            peer=conn.peer, **{"from": host})
                 self._send(conn, {"type": "probe_ok"})
                 self._close(conn)
                 return
@@ -469,8 +473,7 @@ class Coordinator:
                 fresh = rank not in self._exited
                 self._exited.add(rank)
             if fresh:
-                self.events(Kind.DEBUG, f"cluster coordinator: rank {rank} of {self._hosts[rank]} "
-                            "announced a clean exit", host=self._hosts[rank], rank=rank)
+                self.events(Name.RANK_EXITING, host=self._hosts[rank], rank=rank)
 
     def _hello(self, conn: _Conn, message: dict[str, Any]) -> None:
         rank, host, pid = message.get("rank"), message.get("host"), message.get("pid")
@@ -491,8 +494,7 @@ class Coordinator:
         elif self.abort_reason() is not None:
             reason = "the cohort did not form in time; the run is being aborted"
         if reason is not None:
-            self._report_refused(f"cluster coordinator: rejected hello from {conn.peer}: "
-                                 f"{reason}", conn.peer, reason)
+            self._report_refused(Name.PEER_REJECTED, conn.peer, reason)
             self._send(conn, {"type": "reject", "reason": reason})
             self._close(conn)
             return
@@ -510,14 +512,13 @@ class Coordinator:
             if formed_now:
                 self._formed = True
                 self._formed_at = now
-        self.events(Kind.JOIN, f"cluster coordinator: rank {rank} of {host} joined", host=host,
-                    rank=rank, data={"pid": pid, "peer": conn.peer})
+        self.events(Name.RANK_JOINED, host=host, rank=rank, pid=pid, peer=conn.peer)
         if self.on_join is not None:
             self.on_join(rank)
         self._send(conn, {"type": "welcome", "rank": rank, "world_size": ws,
                           "members": self._members(), "formed": formed_now})
         if formed_now:
-            self.events(Kind.FORMED, f"cluster coordinator: cohort formed — {ws} ranks")
+            self.events(Name.COHORT_FORMED, world_size=ws)
             self._broadcast({"type": "formed", "members": self._members()})
 
     def _tick(self, now: float) -> None:
@@ -533,8 +534,8 @@ class Coordinator:
                 self._last_frame[rank] = now
             if self._first_hello is not None:
                 self._first_hello = max(self._first_hello, now - 1.0)
-        newly: list[tuple[int, str]] = []
-        silent_ranks: list[tuple[int, str]] = []
+        newly: list[tuple[int, Reason]] = []
+        silent_ranks: list[tuple[int, Reason]] = []
         for ranks, reason in reports:
             for rank in ranks:
                 if rank not in exited and self._dead.declare_dead(rank):
@@ -546,9 +547,9 @@ class Coordinator:
                     continue
                 silent = now - max(self._last_frame[rank], self._formed_at)
                 if silent > limit and self._dead.declare_dead(rank):
-                    reason = f"no frame for {silent:.1f}s, heartbeat timeout {_seconds(limit)}"
-                    newly.append((rank, reason))
-                    silent_ranks.append((rank, reason))
+                    silence: Reason = {"silent": round(silent, 3), "heartbeat_timeout": limit}
+                    newly.append((rank, silence))
+                    silent_ranks.append((rank, silence))
         for rank, reason in newly:
             self._declare(rank, reason)
         if self.on_dead is not None:
@@ -558,12 +559,12 @@ class Coordinator:
             self._shutdown_now(shutdown)
         self._check_timeouts(now, formed)
 
-    def _declare(self, rank: int, reason: str) -> None:
+    def _declare(self, rank: int, reason: Reason) -> None:
         ws = self.spec.world_size
         alive = ws - self._dead.dead_count()
         host = self._hosts.get(rank)
-        self.events(Kind.DEATH, f"cluster coordinator: rank {rank} declared dead ({reason}); "
-                    f"{alive} of {ws} alive", host=host, rank=rank, data={"reason": reason})
+        self.events(Name.RANK_DECLARED_DEAD, host=host, rank=rank, reason=dict(reason),
+                    alive=alive, world_size=ws)
         self._broadcast({"type": "membership", "members": self._members(),
                          "dead": self._dead.ranks()})
         conn = self._rank_conn.get(rank)
@@ -571,15 +572,14 @@ class Coordinator:
             # A dead rank is out of the cohort even if it comes back; closing tells it so.
             self._close(conn)
 
-    def _shutdown_now(self, reason: str) -> None:
-        """Broadcast save-and-shutdown, once."""
+    def _shutdown_now(self, cause: Event) -> None:
+        """Broadcast save-and-shutdown, once; the ranks get the policy's reason in words."""
+        reason = render(cause)
         with self._lock:
             if self._shutdown is not None:
                 return
             self._shutdown = reason
-        self.events(Kind.SHUTDOWN,
-                    f"cluster coordinator: {reason} — broadcasting save-and-shutdown",
-                    data={"reason": reason})
+        self.events(Name.SHUTDOWN_BROADCAST, cause=cause_data(cause), reason=reason)
         self._broadcast({"type": "shutdown", "reason": reason, "save": True})
 
     def _check_timeouts(self, now: float, formed: bool) -> None:
@@ -588,9 +588,8 @@ class Coordinator:
                 and now - self._first_hello > self.spec.formation_timeout:
             with self._lock:
                 missing = [r for r in range(self.spec.world_size) if r not in self._joined]
-            self._aborted(f"cluster launcher: cohort did not form within "
-                          f"{_seconds(self.spec.formation_timeout)}: rank(s) {missing} never "
-                          "joined")
+            self._aborted(event(Name.COHORT_NOT_FORMED, missing=missing,
+                                formation_timeout=self.spec.formation_timeout))
         for conn in list(self._conns):
             if conn.rank is None and now - conn.opened > self.spec.hello_timeout:
                 self._drop(conn, f"no hello within {_seconds(self.spec.hello_timeout)}")
@@ -618,11 +617,10 @@ class Coordinator:
         """A protocol violation: one warning (rate-limited), then close only this connection."""
         if conn.closed:
             return
-        self._report_refused(f"cluster coordinator: dropped connection from {conn.peer}: "
-                             f"{reason}", conn.peer, reason)
+        self._report_refused(Name.PEER_DROPPED, conn.peer, reason)
         self._close(conn)
 
-    def _report_refused(self, message: str, peer: str, reason: str) -> None:
+    def _report_refused(self, name: Name, peer: str, reason: str) -> None:
         """The first refusal is a warning line at once; later ones within
         `REJECT_REPORT_INTERVAL` are counted and reported together, so 500 hostile peers
         make one line every few seconds, not 500."""
@@ -630,7 +628,7 @@ class Coordinator:
         if self._rejected_at is None or (now - self._rejected_at >= REJECT_REPORT_INTERVAL
                                          and not self._rejected):
             self._rejected_at = now
-            self.events(Kind.WARNING, message, data={"refused": 1})
+            self.events(name, peer=peer, reason=reason, refused=1)
             return
         key = reason.split(" (")[0]
         self._rejected[key] = self._rejected.get(key, 0) + 1
@@ -642,11 +640,8 @@ class Coordinator:
         if not force and now - self._rejected_at < REJECT_REPORT_INTERVAL:
             return
         count = sum(self._rejected.values())
-        reasons = ", ".join(f"{why}: {n}" for why, n in sorted(self._rejected.items()))
-        self.events(Kind.WARNING, f"cluster coordinator: refused {count} more connection(s) in "
-                    f"{now - self._rejected_at:.0f}s ({reasons}; last from "
-                    f"{self._rejected_peer})", data={"refused": count,
-                                                     "reasons": dict(self._rejected)})
+        self.events(Name.PEERS_REFUSED, refused=count, reasons=dict(self._rejected),
+                    seconds=round(now - self._rejected_at, 3), last_peer=self._rejected_peer)
         self._rejected = {}
         self._rejected_at = now
 
@@ -657,19 +652,15 @@ class Coordinator:
         rank = conn.rank
         self._close(conn)
         if rank is None:
-            self.events(Kind.DEBUG, f"cluster coordinator: {conn.peer} closed before hello "
-                        f"({detail})")
+            self.events(Name.PEER_CLOSED, peer=conn.peer, detail=detail)
             return
         with self._lock:
             clean = rank in self._exited
         host = self._hosts.get(rank)
         if clean or self._dead.is_dead(rank):
-            self.events(Kind.DEBUG, f"cluster coordinator: rank {rank} of {host} disconnected",
-                        host=host, rank=rank)
+            self.events(Name.RANK_DISCONNECTED, host=host, rank=rank)
         else:
-            self.events(Kind.INFO, f"cluster coordinator: lost the connection to rank {rank} of "
-                        f"{host} without an exiting message ({detail}); left to the supervisor "
-                        "and the heartbeat timeout", host=host, rank=rank)
+            self.events(Name.RANK_CONNECTION_LOST, host=host, rank=rank, detail=detail)
 
     def _close(self, conn: _Conn) -> None:
         if conn.closed:

@@ -23,6 +23,7 @@ from enum import Enum
 from fractions import Fraction
 from typing import Optional, Protocol, Union
 
+from ..events import Event, Name, event
 from .verdict import Verdict
 
 MaxFailure = Union[int, float, None]
@@ -84,14 +85,15 @@ class FailurePolicy(Protocol):
         ``formed``: the cohort had formed; ``announced``: the rank had said it was
         exiting cleanly (a death in the teardown window, never counted)."""
 
-    def shutdown_reason(self) -> Optional[str]:
+    def shutdown_reason(self) -> Optional[Event]:
         """Why survivors must save and stop, once a decision said `SHUTDOWN`."""
 
     def on_hang(self) -> Decision:
         """No rank wrote a line or reported progress for ``hang_timeout``."""
 
-    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]:
-        """The verdict of a run that ended with no failure and no interruption."""
+    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, Event]:
+        """The verdict of a run that ended with no failure and no interruption, and
+        why (an event whose words are the verdict line)."""
 
 
 class KillAll:
@@ -100,14 +102,14 @@ class KillAll:
     def on_death(self, rank: int, *, formed: bool, announced: bool) -> Decision:
         return Decision.STOP_ALL
 
-    def shutdown_reason(self) -> Optional[str]:
+    def shutdown_reason(self) -> Optional[Event]:
         return None
 
     def on_hang(self) -> Decision:
         return Decision.STOP_ALL
 
-    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]:
-        return Verdict.OK, f"cluster launcher: run completed — all {world_size} ranks exited 0"
+    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, Event]:
+        return Verdict.OK, event(Name.COMPLETED, world_size=world_size)
 
 
 class Elastic(KillAll):
@@ -120,7 +122,7 @@ class Elastic(KillAll):
         self.limit = max_failure_limit(max_failure, world_size)
         #: Ranks dead after formation: the one count the verdict is made from.
         self.dead: set[int] = set()
-        self._shutdown: Optional[str] = None
+        self._shutdown: Optional[Event] = None
 
     def on_death(self, rank: int, *, formed: bool, announced: bool) -> Decision:
         if not formed:
@@ -130,36 +132,30 @@ class Elastic(KillAll):
         dead, world = len(self.dead), self.world_size
         if self._shutdown is None:
             if self.limit is not None and dead >= self.limit and dead > 0:
-                self._shutdown = f"max_failure reached ({dead}/{world} dead, threshold " \
-                    f"{self.limit})"
+                self._shutdown = event(Name.MAX_FAILURE_REACHED, dead=dead, world_size=world,
+                                       limit=self.limit)
             elif dead >= world:
-                self._shutdown = f"every rank was lost ({dead}/{world} dead)"
+                self._shutdown = event(Name.ALL_RANKS_DEAD, dead=dead, world_size=world)
             if self._shutdown is not None:
                 return Decision.SHUTDOWN
         return Decision.TOLERATE
 
-    def shutdown_reason(self) -> Optional[str]:
+    def shutdown_reason(self) -> Optional[Event]:
         return self._shutdown
 
-    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, str]:
-        """The end-of-run verdict (spec section 5.6, exact wording)."""
+    def verdict(self, world_size: int, tolerated: int) -> tuple[Verdict, Event]:
+        """The end-of-run verdict (spec section 5.6; the words are in `words`)."""
         dead, w = len(self.dead), world_size
         if dead >= w:
-            return (Verdict.FAILED, "cluster launcher: every rank was lost; consensus checkpoint "
-                    "saved if a save path was armed")
+            return Verdict.FAILED, event(Name.EVERY_RANK_LOST, dead=dead, world_size=w)
         # `dead > 0`: a limit of 0 means "any death trips it", not "a clean run fails".
         if self.limit is not None and dead > 0 and dead >= self.limit:
-            return (Verdict.FAILED, f"cluster launcher: max_failure exceeded ({dead}/{w} ranks "
-                    f"dead, threshold {self.limit}); coordinator dispatched save-and-shutdown — "
-                    "consensus checkpoint saved if a save path was armed")
+            return Verdict.FAILED, event(Name.MAX_FAILURE_EXCEEDED, dead=dead, world_size=w,
+                                         limit=self.limit)
         if dead > 0:
-            return (Verdict.DEGRADED, f"cluster launcher: run completed DEGRADED — {dead} of {w} "
-                    "ranks lost along the way (tolerated by elastic membership); survivors "
-                    "carried the full workload")
+            return Verdict.DEGRADED, event(Name.DEGRADED, dead=dead, world_size=w)
         if tolerated > 0:
-            return (Verdict.OK, f"cluster launcher: run completed; {tolerated} child exit(s) in "
-                    "the teardown window were tolerated (never registered as rank deaths) — "
-                    "full workload delivered, nothing redistributed")
+            return Verdict.OK, event(Name.COMPLETED_TEARDOWN, tolerated=tolerated, world_size=w)
         return super().verdict(world_size, tolerated)
 
 

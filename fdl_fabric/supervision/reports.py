@@ -8,8 +8,11 @@ supervisor sees everything in one order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
+
+from ..events import Event
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ class DeclaredDead:
     """The coordinator heard nothing from a joined rank for its heartbeat timeout."""
 
     rank: int
-    reason: str
+    #: ``{"silent": s, "heartbeat_timeout": t}`` (`coordinator.Reason`).
+    reason: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,8 @@ class Request:
 
     kind: str
     arg: Optional[str] = None
+    #: An abort's cause (the cohort did not form, the coordinator failed).
+    cause: Optional[Event] = None
 
 
 Report = Union[AgentReady, Facts, Preflight, Swept, Spawned, SpawnFailed, Output, Exited,

@@ -39,8 +39,9 @@ from enum import Enum
 from typing import Optional, Protocol
 
 from ..agent import wire
-from ..events import EventBus, Kind
+from ..events import Event, EventBus, Name, event
 from ..planning.plan import RankPlan
+from ..presentation.words import cause_data, render
 from . import errorfile, reports
 from .errorfile import RankError
 from .policy import Decision, FailurePolicy, KillAll
@@ -95,14 +96,6 @@ class RankState(str, Enum):
 _TERMINAL = frozenset({RankState.SUCCEEDED, RankState.FAILED, RankState.STOPPED,
                        RankState.LOST, RankState.TOLERATED, RankState.NOT_STARTED})
 
-_CAUSES = {
-    RankState.SUCCEEDED: "ok",
-    RankState.FAILED: "failed",
-    RankState.STOPPED: "stopped by the launcher",
-    RankState.TOLERATED: "tolerated",
-    RankState.LOST: "lost",
-    RankState.NOT_STARTED: "never started",
-}
 
 
 @dataclass(frozen=True)
@@ -123,12 +116,10 @@ class RankExit:
     def ok(self) -> bool:
         return self.code == 0
 
-    def describe(self) -> str:
-        if self.lost is not None:
-            return f"no exit status ({self.lost})"
-        if self.signal is not None:
-            return f"signal {self.signal}"
-        return f"status {self.code}"
+    @property
+    def data(self) -> dict[str, object]:
+        """As event data (`words.exit_words` says it)."""
+        return {"code": self.code, "signal": self.signal, "lost": self.lost}
 
 
 @dataclass
@@ -144,8 +135,8 @@ class Rank:
     ended: Optional[float] = None
     stop_requested: bool = False
     #: Why the coordinator declared this rank dead, once it did (its agent stops it).
-    declared_dead: Optional[str] = None
-    #: The forwarded signal that ended it (the program had no handler for it).
+    declared_dead: Optional[Mapping[str, object]] = None
+    #: The forwarded signal (its name) that ended it: the program had no handler for it.
     stopped_by: Optional[str] = None
 
     @property
@@ -160,24 +151,13 @@ class Rank:
     def label(self) -> str:
         return f"rank {self.rank} of {self.host}"
 
-    @property
-    def cause(self) -> str:
-        """Why the rank ended, in the words of the run summary."""
-        if self.stopped_by:
-            return f"stopped by {self.stopped_by}"
-        if self.exit is not None and self.exit.host_fault:
-            return f"host {self.exit.host_fault}"
-        if self.declared_dead and self.state is RankState.TOLERATED:
-            return "declared dead"
-        return _CAUSES.get(self.state, self.state.value)
-
-    @property
-    def exit_text(self) -> str:
-        if self.exit is None or self.exit.lost is not None:
-            return "-"
-        if self.exit.signal is not None:
-            return f"signal {self.exit.signal}"
-        return str(self.exit.code)
+    def summary(self) -> dict[str, object]:
+        """The rank's row of the end-of-run summary, as data (`words.cause_cell`)."""
+        return {"rank": self.rank, "host": self.host, "state": self.state.value,
+                "exit": self.exit.data if self.exit is not None else None,
+                "host_fault": self.exit.host_fault if self.exit is not None else None,
+                "declared_dead": self.declared_dead is not None,
+                "stopped_by": self.stopped_by, "duration": round(self.duration, 3)}
 
     @property
     def duration(self) -> float:
@@ -190,16 +170,22 @@ class Rank:
 
 @dataclass(frozen=True)
 class RunResult:
-    """The outcome of a run: one verdict, one exit code, one last line."""
+    """The outcome of a run: one verdict, one exit code, and its cause (the event whose
+    words are the last line)."""
 
     verdict: Verdict
     exit_code: int
-    message: str
+    cause: Event
     ranks: tuple[Rank, ...]
     #: The first rank that failed (in the order failures were seen): the root cause.
     root_cause: Optional[Rank] = None
     #: Hosts whose agent went away (``lost``) or stopped answering (``unresponsive``).
     faults: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def message(self) -> str:
+        """The verdict line."""
+        return render(self.cause)
 
     @property
     def started_any(self) -> bool:
@@ -240,9 +226,9 @@ class Cohort(Protocol):
     def exited(self) -> set[int]:
         """Ranks that announced a clean exit (never counted dead)."""
 
-    def mark_dead(self, ranks: Sequence[int], reason: str) -> None: ...
+    def mark_dead(self, ranks: Sequence[int], reason: Mapping[str, object]) -> None: ...
 
-    def broadcast_shutdown(self, reason: str) -> None: ...
+    def broadcast_shutdown(self, cause: Event) -> None: ...
 
     @property
     def last_progress(self) -> float:
@@ -252,8 +238,10 @@ class Cohort(Protocol):
         """This process was stopped for a while: start the heartbeat clocks again."""
 
 
-#: Judges a host's pre-flight values: (host, values) -> (warnings, failures).
-PreflightJudge = Callable[[str, Mapping[str, str]], tuple[list[str], list[str]]]
+#: Judges a host's pre-flight values: (host, values) -> (warnings, failures), each a
+#: list of (check, reason).
+PreflightJudge = Callable[[str, Mapping[str, str]],
+                          tuple[list[tuple[str, str]], list[tuple[str, str]]]]
 
 
 @dataclass
@@ -317,7 +305,8 @@ class Supervisor:
         self.inbox: queue.SimpleQueue[reports.Report] = inbox or queue.SimpleQueue()
         self.tick = tick
         self.phase = RunPhase.PREPARING if preflight is not None else RunPhase.RUNNING
-        self.failure: Optional[str] = None
+        #: What ended the run, once something did (its words are the verdict).
+        self.failure: Optional[Event] = None
         self.tolerated = 0
         self._stop_started: Optional[float] = None
         self._forced = False
@@ -326,7 +315,7 @@ class Supervisor:
         self._interrupted_on: Optional[str] = None
         self._pinged = time.monotonic()
         self._shutdown_seen: Optional[float] = None
-        self._preflight_failures: list[str] = []
+        self._preflight_failures = 0
         self.root_cause: Optional[Rank] = None
         self.agent_timeout = agent_timeout
         self.hang_timeout = hang_timeout
@@ -337,13 +326,13 @@ class Supervisor:
         self._last_turn = now
         self._last_activity = now
         self._stacks: Optional[_StackRequest] = None
-        self._hung: Optional[str] = None
+        self._hung: Optional[Event] = None
         #: Signals the launcher forwarded to the ranks, by number.
         self._forwarded: set[int] = set()
         #: A forwarded signal that ended a rank: the run's interruption.
         self._stopped_by_forward: Optional[tuple[int, Rank]] = None
-        #: A cleanup that stopped this run (its note): who, for the verdict.
-        self._stopped_by: Optional[str] = None
+        #: A cleanup that stopped this run: its note (who, for the verdict).
+        self._stopped_by: Optional[Mapping[str, object]] = None
 
     # -- called from other threads (all go through the inbox) --------------------------------
     def post(self, report: reports.Report) -> None:
@@ -364,9 +353,9 @@ class Supervisor:
         """Forward a signal (USR1/USR2) to every running rank."""
         self.post(reports.Request("signal", name))
 
-    def request_abort(self, reason: str) -> None:
-        """A run-level failure outside the ranks."""
-        self.post(reports.Request("abort", reason))
+    def request_abort(self, cause: Event) -> None:
+        """A run-level failure outside the ranks (the cohort did not form)."""
+        self.post(reports.Request("abort", cause=cause))
 
     def request_suspend(self) -> None:
         """Ctrl-Z: tell the agents to hold their leases, then stop this process."""
@@ -448,8 +437,8 @@ class Supervisor:
         elif isinstance(report, reports.Verified):
             self._verified(report)
         elif isinstance(report, reports.AgentError):
-            self.events(Kind.WARNING, f"cluster launcher: host {report.host!r}: "
-                        f"{report.message}", host=report.host, rank=report.rank)
+            self.events(Name.AGENT_WARNING, host=report.host, rank=report.rank,
+                        text=report.message)
         elif isinstance(report, reports.AgentDone):
             host = self.hosts.get(report.host)
             if host is not None and host.done_at is None:
@@ -466,13 +455,12 @@ class Supervisor:
             return
         host.preflight_seen = True
         warnings, failures = self.preflight(report.host, report.values)
-        for text in warnings:
-            self.events(Kind.WARNING, f"cluster launcher: pre-flight: {report.host}: {text}",
-                        host=report.host)
-        for text in failures:
-            self.events(Kind.WARNING, f"cluster launcher: pre-flight: {report.host}: {text}",
-                        host=report.host, data={"preflight": "fail"})
-        self._preflight_failures += [f"{report.host}: {t}" for t in failures]
+        for check, reason in warnings:
+            self.events(Name.PREFLIGHT_WARNING, host=report.host, check=check, reason=reason)
+        for check, reason in failures:
+            self.events(Name.PREFLIGHT_FAILED_CHECK, host=report.host, check=check,
+                        reason=reason, preflight="fail")
+        self._preflight_failures += len(failures)
         self._maybe_start()
 
     def _maybe_start(self) -> None:
@@ -481,12 +469,10 @@ class Supervisor:
         if not all(h.preflight_seen or h.gone for h in self.hosts.values()):
             return
         if self._preflight_failures:
-            self._fail(f"cluster launcher: pre-flight failed on {len(self._preflight_failures)} "
-                       "check(s), nothing was started (`inv prebuild-check` checks more; "
-                       "--no-preflight skips this)", announce=False)
+            self._fail(event(Name.PREFLIGHT_FAILED, failures=self._preflight_failures),
+                       announced=False)
             return
-        self.events(Kind.DEBUG, f"cluster launcher: pre-flight passed on {len(self.hosts)} "
-                    "host(s)")
+        self.events(Name.PREFLIGHT_PASSED, hosts=len(self.hosts))
         self._start_all()
 
     def _start_all(self) -> None:
@@ -498,19 +484,15 @@ class Supervisor:
     def _swept(self, report: reports.Swept) -> None:
         data = report.report
         for err in data.get("errors", []):
-            self.events(Kind.WARNING, f"cluster launcher: {report.host}: {err}",
-                        host=report.host)
+            self.events(Name.LEFTOVER_ERROR, host=report.host, error=err)
         for item in data.get("stopped", []):
-            self.events(Kind.WARNING, f"cluster launcher: stopped leftovers of an earlier run "
-                        f"of this cluster on {report.host}: run {item.get('run')} "
-                        f"(pids {item.get('pids')})", host=report.host)
+            self.events(Name.LEFTOVERS_STOPPED, host=report.host, run=item.get("run"),
+                        pids=item.get("pids"))
         for item in data.get("leftovers", []):
-            self.events(Kind.WARNING, f"cluster launcher: could not stop a leftover on "
-                        f"{report.host}: {item}", host=report.host)
+            self.events(Name.LEFTOVER_KEPT, host=report.host, item=item)
         for item in data.get("live", []):
-            self.events(Kind.INFO, f"cluster launcher: run {item.get('run')} of this cluster is "
-                        f"live on {report.host} ({item.get('launcher')}): left alone",
-                        host=report.host, data={"live_run": item.get("run")})
+            self.events(Name.LIVE_RUN_LEFT, host=report.host, live_run=item.get("run"),
+                        launcher=item.get("launcher"))
 
     # -- ranks --------------------------------------------------------------------------------
     def _spawned(self, report: reports.Spawned) -> None:
@@ -520,8 +502,8 @@ class Supervisor:
         r.pid = report.pid
         r.state = RankState.RUNNING
         r.started = self._last_activity = time.monotonic()
-        self.events(Kind.SPAWN, f"cluster launcher: started {r.plan.label} (pid {report.pid})",
-                    host=r.host, rank=r.rank, data={"pid": report.pid})
+        self.events(Name.RANK_STARTED, host=r.host, rank=r.rank, pid=report.pid,
+                    label=r.plan.label)
         if self._stop_started is not None and not r.stop_requested:
             r.stop_requested = True  # started while the run was being stopped
 
@@ -540,10 +522,10 @@ class Supervisor:
             r.last_line = last[-200:]
 
     def _spawn_failed(self, report: reports.SpawnFailed) -> None:
-        msg = (f"cluster launcher: host {report.host!r}: could not start rank {report.rank}: "
-               f"{report.reason}")
-        self.events(Kind.DEATH, msg, host=report.host, rank=report.rank)
-        self._fail(msg, announce=True)
+        failure = event(Name.RANK_START_FAILED, host=report.host, rank=report.rank,
+                        reason=report.reason)
+        self.events.emit(failure)
+        self._fail(failure, announced=True)
 
     def _exited(self, report: reports.Exited) -> None:
         r = self.by_rank.get(report.rank)
@@ -554,17 +536,15 @@ class Supervisor:
                                   error_text=report.error))
 
     def _on_exit(self, r: Rank, info: RankExit) -> None:
-        data: dict[str, object] = {"status": info.describe(), "ok": info.ok}
+        data: dict[str, object] = {"exit": info.data, "ok": info.ok}
         if info.error is not None:
             data["error"] = info.error.message
         if info.error_text:
             data["error_file"] = info.error_text
         if info.ok:
             self._end(r, info, RankState.SUCCEEDED)
-            self.events(Kind.EXIT, f"cluster launcher: {r.label} exited with status 0",
-                        host=r.host, rank=r.rank, data=data)
+            self.events(Name.RANK_EXITED, host=r.host, rank=r.rank, **data)
             return
-        msg = f"cluster launcher: {r.label} exited with {info.describe()}"
         if info.signal is not None and info.signal in self._forwarded and not r.stop_requested \
                 and r.declared_dead is None:
             self._forward_ended(r, info, data)
@@ -572,16 +552,14 @@ class Supervisor:
         if r.declared_dead is not None and self.failure is None and not r.stop_requested:
             self._end(r, info, RankState.TOLERATED)
             self.tolerated += 1
-            self.events(Kind.TOLERATED, f"cluster launcher: {r.label}, declared dead by the "
-                        f"coordinator ({r.declared_dead}), was stopped ({info.describe()})",
-                        host=r.host, rank=r.rank, data=data)
+            self.events(Name.RANK_DEAD_STOPPED, host=r.host, rank=r.rank,
+                        declared_dead=dict(r.declared_dead), **data)
             return
         if r.stop_requested:
             # A rank being stopped that reports no status is lost, not known stopped.
             lost = info.lost is not None
             self._end(r, info, RankState.LOST if lost else RankState.STOPPED)
-            self.events(Kind.EXIT, msg if lost else f"{msg} (stopped by the launcher)",
-                        host=r.host, rank=r.rank, data=data)
+            self.events(Name.RANK_EXITED, host=r.host, rank=r.rank, stopped=not lost, **data)
             return
         if self.root_cause is None:
             self.root_cause = r
@@ -589,26 +567,24 @@ class Supervisor:
         if decision is not Decision.STOP_ALL:
             self._end(r, info, RankState.TOLERATED)
             self.tolerated += 1
-            self.events(Kind.TOLERATED, f"{msg} — tolerating (elastic membership): reporting "
-                        f"rank(s) [{r.rank}] dead", host=r.host, rank=r.rank, data=data)
+            self.events(Name.RANK_TOLERATED, host=r.host, rank=r.rank, **data)
             if self.cohort is not None:
-                self.cohort.mark_dead([r.rank], info.describe())
+                self.cohort.mark_dead([r.rank], {"exit": info.data})
             self._apply(decision)
             return
         self._end(r, info, RankState.LOST if info.lost is not None else RankState.FAILED)
-        self.events(Kind.DEATH, msg, host=r.host, rank=r.rank, data=data)
-        self._fail(msg, announce=True)
+        failure = event(Name.RANK_FAILED, host=r.host, rank=r.rank, **data)
+        self.events.emit(failure)
+        self._fail(failure, announced=True)
 
     def _forward_ended(self, r: Rank, info: RankExit, data: dict[str, object]) -> None:
         """A signal the launcher forwarded (USR1, USR2) killed a rank that has no handler
         for it: the operator's signal stopped the run, the program did not fail."""
         assert info.signal is not None
         name = signal.Signals(info.signal).name
-        r.stopped_by = f"{name} (forwarded)"
+        r.stopped_by = name
         self._end(r, info, RankState.STOPPED)
-        self.events(Kind.EXIT, f"cluster launcher: {r.label} was stopped by {name}, which the "
-                    "launcher forwarded (the program has no handler for it)", host=r.host,
-                    rank=r.rank, data={**data, "forwarded": name})
+        self.events(Name.RANK_FORWARD_STOPPED, host=r.host, rank=r.rank, forwarded=name, **data)
         if self._stopped_by_forward is None and self._interrupt is None \
                 and self.failure is None:
             self._stopped_by_forward = (info.signal, r)
@@ -626,8 +602,8 @@ class Supervisor:
         stop (the coordinator broadcasts it; the grace timer starts)."""
         if decision is not Decision.SHUTDOWN:
             return
-        reason = self.policy.shutdown_reason() or "the run cannot continue"
-        if self.cohort is not None:
+        reason = self.policy.shutdown_reason()
+        if self.cohort is not None and reason is not None:
             self.cohort.broadcast_shutdown(reason)
         if self._shutdown_seen is None:
             self._shutdown_seen = time.monotonic()
@@ -653,15 +629,10 @@ class Supervisor:
 
     def _verified(self, report: reports.Verified) -> None:
         if report.stopped:
-            pids = ", ".join(f"{p.get('pid')} ({p.get('cmdline', '')[:60]})"
-                             for p in report.stopped)
-            self.events(Kind.WARNING, f"cluster launcher: {report.host}: stopped what the run "
-                        f"left behind after its last rank: {pids}", host=report.host)
+            self.events(Name.AFTER_RUN_STOPPED, host=report.host, stopped=list(report.stopped))
         if report.remaining:
-            pids = ", ".join(str(p.get("pid")) for p in report.remaining)
-            self.events(Kind.WARNING, f"cluster launcher: {report.host}: could NOT stop what "
-                        f"the run left behind: pids {pids} (see `inv cleanup`)",
-                        host=report.host)
+            self.events(Name.AFTER_RUN_REMAINS, host=report.host,
+                        remaining=list(report.remaining))
 
     def _gone(self, report: reports.AgentGone) -> None:
         host = self.hosts.get(report.host)
@@ -681,8 +652,7 @@ class Supervisor:
             self._maybe_start()
             return
         if warn:
-            self.events(Kind.WARNING, f"cluster launcher: host {name!r}: {reason}", host=name,
-                        data={"host_fault": fault})
+            self.events(Name.HOST_LOST, host=name, reason=reason, host_fault=fault)
         never = [r for r in lost if r.state is RankState.PENDING]
         for r in never:
             self._end(r, RankExit(lost=reason, host_fault=fault), RankState.NOT_STARTED)
@@ -690,8 +660,7 @@ class Supervisor:
             if r.state is not RankState.NOT_STARTED:
                 self._on_exit(r, RankExit(lost=reason, host_fault=fault))
         if never and self._stop_started is None:
-            self._fail(f"cluster launcher: host {name!r}: {reason} before its ranks "
-                       "started", announce=True)
+            self._fail(event(Name.HOST_ENDED_EARLY, host=name, reason=reason), announced=True)
         self._maybe_start()
 
     # -- liveness, hangs, stacks ----------------------------------------------------------------
@@ -722,10 +691,8 @@ class Supervisor:
             if silent <= self.agent_timeout:
                 continue
             reason = f"no word from its agent for {silent:.1f}s"
-            self.events(Kind.DEATH, f"cluster launcher: host {name!r} unresponsive: {reason} "
-                        f"(agent_timeout {self.agent_timeout:g}s: a frozen agent or sshd, or a "
-                        "cut link)", host=name,
-                        data={"host_fault": "unresponsive", "silent": round(silent, 3)})
+            self.events(Name.HOST_UNRESPONSIVE, host=name, host_fault="unresponsive",
+                        silent=round(silent, 3), agent_timeout=self.agent_timeout)
             host.handle.abandon()
             self._host_ended(name, f"host unresponsive: {reason}", fault="unresponsive",
                              warn=False)
@@ -741,10 +708,9 @@ class Supervisor:
             last = max(last, self.cohort.last_progress)
         if now - max(last, self._watch_from) <= self.hang_timeout:
             return
-        self._hung = (f"cluster launcher: run hung — no rank wrote a line or reported "
-                      f"progress for {now - last:.0f}s (hang_timeout {self.hang_timeout:g}s)")
-        self.events(Kind.HANG, f"{self._hung}; collecting every rank's stack",
-                    data={"silent": round(now - last, 3), "hang_timeout": self.hang_timeout})
+        self._hung = event(Name.HUNG, silent=round(now - last, 3),
+                           hang_timeout=self.hang_timeout)
+        self.events(Name.HANG_DETECTED, **self._hung.data)
         self._ask_stacks("hang", hang=True)
 
     def _ask_stacks(self, reason: str, *, hang: bool) -> None:
@@ -786,30 +752,28 @@ class Supervisor:
             request.problems[name] = f"no answer within {STACKS_TIMEOUT:g}s"
         self._stacks = None
         labels = {r.rank: (r.host, r.plan.label) for r in self.ranks}
-        self.events(Kind.STACKS, "", data={
-            "reason": request.reason, "ranks": {str(k): v for k, v in request.found.items()},
-            "hosts": {str(r): labels[r][0] for r in request.found},
-            "labels": {str(r): labels[r][1] for r in request.found},
-            "problems": request.problems, "py_spy": request.py_spy})
+        self.events(Name.STACKS, reason=request.reason,
+                    ranks={str(k): v for k, v in request.found.items()},
+                    hosts={str(r): labels[r][0] for r in request.found},
+                    labels={str(r): labels[r][1] for r in request.found},
+                    problems=request.problems, py_spy=request.py_spy)
         if request.hang and self._hung is not None \
                 and self.policy.on_hang() is Decision.STOP_ALL:
-            self._fail(self._hung, announce=True)
+            self._fail(self._hung, announced=True)
 
     def _signaled(self, report: reports.Signaled) -> None:
         """A signal from outside reached an agent: under Slurm, ``scancel`` or the time
         limit (TERM) or ``--signal`` (USR1). A stop is the run's interruption, as if the
         launcher had received it, unless a failure already decided the run."""
         if not report.stopping:
-            how = "forwarded to its ranks" if report.forwarded else \
-                "which Slurm delivered to its ranks too"
-            self.events(Kind.INFO, f"cluster launcher: host {report.host!r}: SIG{report.signal} "
-                        f"from outside, {how}", host=report.host)
+            self.events(Name.OUTSIDE_SIGNAL, host=report.host, signal=report.signal,
+                        forwarded=report.forwarded)
             return
         signum = int(getattr(signal, "SIG" + report.signal, signal.SIGTERM))
         if self._interrupt is not None:
             return
         if report.by:
-            self._stopped_by = describe_stopper(report.by, report.host)
+            self._stopped_by = report.by
         if self.failure is not None:
             # The same signal may have reached a rank (Slurm signals every process of the
             # step) and been reported before its agent's own: then it is no failure.
@@ -818,9 +782,8 @@ class Supervisor:
                 return
         self._interrupt = signum
         self._interrupted_on = report.host
-        who = self._stopped_by or "from outside (scancel, a time limit, kill)"
-        self.events(Kind.STOPPING, f"cluster launcher: host {report.host!r}: its agent received "
-                    f"SIG{report.signal} {who} — stopping every rank", host=report.host)
+        self.events(Name.AGENT_SIGNALED, host=report.host, signal=report.signal,
+                    by=dict(self._stopped_by) if self._stopped_by else None)
         self._stop_all()
 
     # -- requests ------------------------------------------------------------------------------
@@ -830,16 +793,12 @@ class Supervisor:
             signum = int(req.arg)
             self._interrupt = signum
             name = signal.Signals(signum).name
-            live = len(self.live())
-            how = (f"INT, TERM after {min(wire.INT_GRACE, self.kill_grace / 2):g}s, "
-                   if signum == signal.SIGINT else "TERM, ")
-            self.events(Kind.STOPPING, f"cluster launcher: {name} received — stopping {live} "
-                        f"running rank(s) ({how}KILL after {self.kill_grace:g}s); press Ctrl-C "
-                        "again to kill now", data={"signal": name, "live": live})
+            self.events(Name.STOPPING_ON_SIGNAL, signal=name, live=len(self.live()),
+                        int_grace=min(wire.INT_GRACE, self.kill_grace / 2),
+                        kill_grace=self.kill_grace)
             self._stop_all("INT" if signum == signal.SIGINT else "TERM")
         elif req.kind == "kill" or req.kind == "interrupt":
-            self.events(Kind.STOPPING, "cluster launcher: second interrupt — killing every "
-                        "rank's process group now")
+            self.events(Name.KILLING_NOW)
             self._stop_all()
             self._kill_all()
         elif req.kind == "signal" and req.arg is not None:
@@ -847,15 +806,14 @@ class Supervisor:
             for _name, host in self.hosts.items():
                 if not host.gone and any(not r.state.terminal for r in host.ranks):
                     host.handle.signal(req.arg)
-        elif req.kind == "abort" and req.arg is not None:
-            self._fail(req.arg, announce=False)
+        elif req.kind == "abort" and req.cause is not None:
+            self._fail(req.cause, announced=False)
         elif req.kind == "suspend":
             self._suspend()
         elif req.kind == "resume":
             self._resume()
         elif req.kind == "stacks" and self.phase is RunPhase.RUNNING and self.live():
-            self.events(Kind.INFO, "cluster launcher: SIGQUIT — collecting every rank's "
-                        "stack (the run goes on)")
+            self.events(Name.STACKS_ASKED)
             self._ask_stacks("asked (SIGQUIT)", hang=False)
 
     def _suspend(self) -> None:
@@ -864,8 +822,7 @@ class Supervisor:
         for host in self.hosts.values():
             if not host.gone:
                 host.handle.suspend()
-        self.events(Kind.INFO, "cluster launcher: suspended (Ctrl-Z); the ranks keep running "
-                    "— `fg` resumes supervision", data={"suspended": True})
+        self.events(Name.SUSPENDED, suspended=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         self._resume()
 
@@ -876,16 +833,17 @@ class Supervisor:
         self._restart_clocks(time.monotonic())
 
     # -- stopping ------------------------------------------------------------------------------
-    def _fail(self, msg: str, *, announce: bool) -> None:
+    def _fail(self, failure: Event, *, announced: bool) -> None:
+        """The run failed (``failure`` says why): every rank is stopped. Unless
+        ``announced`` (its event, or a warning that says as much, was emitted), it is
+        said now."""
         if self.failure is not None:
             return
-        self.failure = msg
-        if not announce:
-            self.events(Kind.STOPPING, msg)
+        self.failure = failure
+        if not announced:
+            self.events(Name.FAILURE_ANNOUNCED, cause=cause_data(failure))
         if self.started_any():
-            why = "hung run" if msg == self._hung else "peer failure"
-            self.events(Kind.STOPPING,
-                        f"cluster launcher: {why} — terminating all still-running ranks")
+            self.events(Name.STOPPING_ON_FAILURE, hung=failure is self._hung)
         self._stop_all()
 
     def started_any(self) -> bool:
@@ -913,8 +871,7 @@ class Supervisor:
                 or self.failure is not None:
             return
         if time.monotonic() - self._shutdown_seen > SHUTDOWN_GRACE:
-            self.events(Kind.STOPPING, f"cluster launcher: {len(self.live())} rank(s) did not "
-                        f"exit within {SHUTDOWN_GRACE:g}s of save-and-shutdown; stopping them")
+            self.events(Name.STOPPING_AFTER_SHUTDOWN, live=len(self.live()), grace=SHUTDOWN_GRACE)
             self._stop_all()
 
     def _ping(self) -> None:
@@ -947,9 +904,7 @@ class Supervisor:
                 if host.gone or host.forced:
                     continue
                 host.forced = True
-                self.events(Kind.WARNING, f"cluster launcher: host {name!r} did not report "
-                            "its ranks' exits after the kill grace; abandoning its agent",
-                            host=name)
+                self.events(Name.HOST_ABANDONED, host=name)
                 host.handle.abandon()
 
     # -- the verdict ---------------------------------------------------------------------------
@@ -966,36 +921,19 @@ class Supervisor:
             name = signal.Signals(self._interrupt).name
             if self._stopped_by is not None:
                 return RunResult(Verdict.INTERRUPTED, code,
-                                 f"cluster launcher: stopped by {self._stopped_by} — every "
-                                 "rank was stopped", ranks)
-            where = f" on {self._interrupted_on}" if self._interrupted_on else ""
+                                 event(Name.STOPPED_BY_CLEANUP, host=self._interrupted_on,
+                                       by=dict(self._stopped_by)), ranks)
             return RunResult(Verdict.INTERRUPTED, code,
-                             f"cluster launcher: interrupted by {name}{where} — every rank "
-                             "was stopped", ranks)
+                             event(Name.INTERRUPTED, host=self._interrupted_on, signal=name),
+                             ranks)
         if self._stopped_by_forward is not None and self.failure is None:
             signum, rank = self._stopped_by_forward
-            name = signal.Signals(signum).name
             return RunResult(Verdict.INTERRUPTED, 128 + signum,
-                             f"cluster launcher: interrupted by {name}, which the launcher "
-                             f"forwarded: {rank.label} has no handler for it — every rank "
-                             "was stopped", ranks)
+                             event(Name.INTERRUPTED_BY_FORWARD, host=rank.host, rank=rank.rank,
+                                   signal=signal.Signals(signum).name), ranks)
         if self.failure is not None:
-            verdict = Verdict.HUNG if self.failure == self._hung else Verdict.FAILED
+            verdict = Verdict.HUNG if self.failure is self._hung else Verdict.FAILED
             return RunResult(verdict, 1, self.failure, ranks, self.root_cause)
-        verdict, message = self.policy.verdict(world, self.tolerated)
+        verdict, cause = self.policy.verdict(world, self.tolerated)
         return RunResult(verdict, 0 if verdict in (Verdict.OK, Verdict.DEGRADED) else 1,
-                         message, ranks, self.root_cause)
-
-
-def describe_stopper(note: Mapping[str, object], host: str) -> str:
-    """Who stopped a live run, from the note a cleanup left for its agent."""
-    what = str(note.get("command") or "a cleanup")
-    where = note.get("host")
-    pid = note.get("pid")
-    by = f" (pid {pid} on {where})" if pid and where else ""
-    return f"{what}{by} on {host}"
-
-
-def summary_rows(ranks: Sequence[Rank]) -> list[tuple[int, str, str, str, str]]:
-    """Rows of the end-of-run table: rank, host, exit, cause, duration."""
-    return [(r.rank, r.host, r.exit_text, r.cause, f"{r.duration:.1f}s") for r in ranks]
+                         cause, ranks, self.root_cause)

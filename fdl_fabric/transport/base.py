@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 from ..clusterfile import WorkerSpec
+from ..events import EventBus
 
 if TYPE_CHECKING:
     from .keepalive import KeepaliveMonitor
@@ -156,10 +157,10 @@ class Transport(abc.ABC):
         """How the agent is reached, for the dry run (opens nothing)."""
 
     @classmethod
-    def after_sweep(cls, workers: tuple[WorkerSpec, ...]) -> list[str]:
+    def after_sweep(cls, workers: tuple[WorkerSpec, ...], events: EventBus) -> None:
         """After a cleanup swept these workers: anything the kind itself must tidy (a
-        Slurm job's leftover agent steps); lines for the operator."""
-        return []
+        Slurm job's leftover agent steps), said as events. Most kinds have nothing."""
+        return None
 
     def details(self) -> dict[str, Any]:
         """What the dry run's JSON says of how the host is reached."""

@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 
 from ..clusterfile import ClusterSpec, ControllerSpec, SlurmSpec, SshSpec, WorkerSpec
 from ..errors import EXIT_USAGE, FdlError
+from ..events import EventBus, Name
 from ..limits import RANKS_MAX
 from ..shell import quote
 from . import bundle
@@ -323,19 +324,15 @@ class SlurmTransport(Transport):
         return {"transport": self.kind, "slurm_job": self.worker.slurm_job}
 
     @classmethod
-    def after_sweep(cls, workers: tuple[WorkerSpec, ...]) -> list[str]:
+    def after_sweep(cls, workers: tuple[WorkerSpec, ...], events: EventBus) -> None:
         """Agent steps of the job that outlived their launcher (the sweep stopped their
         ranks): cancelled by step id, so nothing of another job is touched."""
         jobs = sorted({w.slurm_job for w in workers if w.slurm_job is not None})
-        said = []
         for job in jobs:
             try:
                 steps = agent_steps(job)
                 if steps:
                     cancel_steps(steps)
-                    said.append(f"cleanup: cancelled agent steps {', '.join(steps)} of job "
-                                f"{job}")
+                    events(Name.STEPS_CANCELLED, job=job, steps=steps)
             except FdlError as exc:
-                said.append(f"cleanup: could not list or cancel the agent steps of job {job}: "
-                            f"{exc}")
-        return said
+                events(Name.STEPS_NOT_CANCELLED, job=job, error=str(exc))

@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from ..clusterfile import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster
 from ..clusterfile.names import (
@@ -24,6 +24,7 @@ from ..clusterfile.names import (
     ssh_target_problem,
     user_name_problem,
 )
+from ..events import EventBus, Name
 from ..limits import PORT_MAX
 
 #: OpenSSH options we understand, by lowercase name.
@@ -116,16 +117,13 @@ def _shown(text: str) -> str:
     return repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
 
 
-def batchmode_warning(options: Sequence[str], host: str) -> Optional[str]:
-    """The seed's warning when a user turns BatchMode off; the option is still honoured."""
+def batchmode_off(options: Sequence[str]) -> Optional[str]:
+    """The option that turns BatchMode off, if one does: the seed warns about it
+    (`Name.BATCHMODE_OFF`), and the option is still honoured."""
     for opt in options:
         key, sep, value = opt.partition("=")
         if sep and key.strip().lower() == "batchmode" and value.strip().lower() != "yes":
-            return (
-                f"fdl-fabric: host {host!r} ssh.options set `{opt.strip()}` — the ssh dispatch "
-                "is non-interactive and will hang on any prompt (passphrase, host-key). "
-                "Proceeding as requested."
-            )
+            return opt.strip()
     return None
 
 
@@ -204,7 +202,7 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
 
 
 def resolve_all_settings(
-    cluster: ClusterSpec, warn: Optional[Callable[[str], None]] = None
+    cluster: ClusterSpec, events: Optional[EventBus] = None
 ) -> dict[str, SshSettings]:
     """Every remote worker's SSH settings; a bad option is a ConfigError (exit 2)."""
     settings: dict[str, SshSettings] = {}
@@ -212,9 +210,9 @@ def resolve_all_settings(
     for w in cluster.workers:
         if w.transport != "ssh":  # only an SSH worker has SSH settings
             continue
-        warning = batchmode_warning(w.ssh.options, w.host)
-        if warning and warn is not None:
-            warn(warning)
+        option = batchmode_off(w.ssh.options)
+        if option and events is not None:
+            events(Name.BATCHMODE_OFF, host=w.host, option=option)
         try:
             settings[w.host] = resolve_settings(w)
         except SshOptionError as exc:
@@ -226,9 +224,9 @@ def resolve_all_settings(
 
 
 def load_with_settings(
-    cluster_file: str, warn: Optional[Callable[[str], None]] = None
+    cluster_file: str, events: Optional[EventBus] = None
 ) -> tuple[ClusterSpec, dict[str, SshSettings]]:
     """A cluster file and its remote workers' SSH settings: the two things that must hold
     before any host is contacted. Either failing is one ConfigError (exit 2)."""
     cluster = load_cluster(cluster_file)
-    return cluster, resolve_all_settings(cluster, warn)
+    return cluster, resolve_all_settings(cluster, events)

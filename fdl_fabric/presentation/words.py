@@ -1,0 +1,524 @@
+"""The words: every event (`fdl_fabric.events.Event`) rendered as what the operator reads.
+
+This is the one place that composes a sentence for a person. Emitters say what
+happened (`events.Name`) and give the facts (`Event.data`); a message changes here and
+nowhere else, and a test of wording is a test of this module. Every `Name` has an
+entry in `_WORDS`, which a test checks.
+
+The launcher's lines begin ``cluster launcher:`` and the coordinator's ``cluster
+coordinator:``, as in flodl, so a log can be grepped by speaker. A verdict line is the
+rendering of the event that caused it (`render_verdict`).
+
+It imports nothing of ours but `events`, so any layer that must put words somewhere
+other than a console (a shutdown reason on the wire to the ranks, a result's message
+for a caller of the Python API) renders through it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+from .. import shell
+from ..events import Event, Name
+from .stacks import stacks_text
+
+L = "cluster launcher: "
+C = "cluster coordinator: "
+
+
+def render(event: Event) -> str:
+    """The event in words (one line, or a block for tables and views)."""
+    return _WORDS[event.name](event, event.data)
+
+
+def has_words(name: Name) -> bool:
+    return name in _WORDS
+
+
+# -- facts shared by many messages ------------------------------------------------------------
+def label(e: Event) -> str:
+    """``rank 3 of node2``: how a rank is named in a sentence."""
+    return f"rank {e.rank} of {e.host}"
+
+
+def exit_words(exit_: Mapping[str, Any]) -> str:
+    """How a rank ended: ``status 3``, ``signal 9``, ``no exit status (agent lost: …)``."""
+    if exit_.get("lost") is not None:
+        return f"no exit status ({exit_['lost']})"
+    if exit_.get("signal") is not None:
+        return f"signal {exit_['signal']}"
+    return f"status {exit_.get('code')}"
+
+
+def exit_cell(exit_: Mapping[str, Any] | None) -> str:
+    """The summary's exit column: the code, ``signal N``, or ``-`` (none came)."""
+    if not exit_ or exit_.get("lost") is not None:
+        return "-"
+    if exit_.get("signal") is not None:
+        return f"signal {exit_['signal']}"
+    return str(exit_.get("code"))
+
+
+#: The summary's cause column, by the rank's final state.
+_CAUSES = {
+    "pending": "pending", "running": "running", "joined": "joined",
+    "succeeded": "ok", "failed": "failed", "stopped": "stopped by the launcher",
+    "tolerated": "tolerated", "lost": "lost", "not started": "never started",
+}
+
+
+def cause_cell(row: Mapping[str, Any]) -> str:
+    """Why a rank ended, in the words of the run summary."""
+    if row.get("stopped_by"):
+        return f"stopped by {row['stopped_by']} (forwarded)"
+    if row.get("host_fault"):
+        return f"host {row['host_fault']}"
+    if row.get("declared_dead") and row.get("state") == "tolerated":
+        return "declared dead"
+    state = str(row.get("state"))
+    return _CAUSES.get(state, state)
+
+
+def unreachable(why: str) -> str:
+    """``unreachable: <reason>`` for a failed connect, whatever its wording."""
+    return why if why.startswith("unreachable") else f"unreachable: {why}"
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+# -- the launch -------------------------------------------------------------------------------
+def _launch(e: Event, d: Mapping[str, Any]) -> str:
+    hosts = ", ".join(f"{h}: r{rs[0]}-r{rs[-1]}" if len(rs) > 1 else f"{h}: r{rs[0]}"
+                      for h, rs in d["ranks"].items())
+    return (f"{L}run {d['run_id']}: {d['world_size']} rank(s) on {len(d['ranks'])} host(s) "
+            f"({hosts})")
+
+
+def _loopback_master(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{L}MASTER_ADDR is {d['address']}, a loopback address, but {_remote(d)} dial it "
+            "from another machine: give the first worker an `addr:` the others reach")
+
+
+def _loopback_controller(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{L}controller.host is {d['address']}, a loopback address, but {_remote(d)} dial "
+            "the coordinator from another machine: set controller.host to an address they "
+            "reach, or tunnel: true")
+
+
+def _remote(d: Mapping[str, Any]) -> str:
+    return ", ".join(f"{h} ({a})" for h, a in d["remote"].items())
+
+
+def _restarting(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{L}attempt {d['attempt'] - 1} failed ({attempt_cause(d['cause'])}); restarting "
+            f"every rank (restart {d['attempt']} of {d['max_restarts']})")
+
+
+def attempt_cause(cause: Mapping[str, Any]) -> str:
+    """What ended an attempt, in one line: the verdict's words and the root cause's
+    exception (as the attempts table and a restart line give it)."""
+    text = render(cause_event(cause)).removeprefix(L)
+    error = cause.get("error")
+    return f"{text}: {error}" if error and error not in text else text
+
+
+def cause_event(cause: Mapping[str, Any]) -> Event:
+    """The event a verdict's ``cause`` (`cause_data`) describes."""
+    return Event(_NAMES[cause["name"]], host=cause.get("host"), rank=cause.get("rank"),
+                 data=dict(cause.get("data") or {}))
+
+
+def cause_data(e: Event, **extra: Any) -> dict[str, Any]:
+    """An event as the JSON-able ``cause`` of a verdict or a restart."""
+    return {"name": e.name.value, "host": e.host, "rank": e.rank, "data": dict(e.data), **extra}
+
+
+def _sweep_unreachable(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{L}host {e.host!r} {unreachable(d['reason'])}: left its registry record of run "
+            f"{d['run_id']}; `inv cleanup --run-id {d['run_id']}` removes it (and anything "
+            "left) once the host is back")
+
+
+def _output_dropped(e: Event, d: Mapping[str, Any]) -> str:
+    hint = "--log-dir kept every line" if d["log_kept"] else "use --log-dir to keep every line"
+    return f"{L}{d['dropped']:,} line(s) of rank output were not shown on the console ({hint})"
+
+
+# -- hosts ------------------------------------------------------------------------------------
+def _host_unresponsive(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{L}host {e.host!r} unresponsive: no word from its agent for {d['silent']:.1f}s "
+            f"(agent_timeout {_s(d['agent_timeout'])}: a frozen agent or sshd, or a cut link)")
+
+
+def _outside_signal(e: Event, d: Mapping[str, Any]) -> str:
+    how = "forwarded to its ranks" if d["forwarded"] else \
+        "which Slurm delivered to its ranks too"
+    return f"{L}host {e.host!r}: SIG{d['signal']} from outside, {how}"
+
+
+def _agent_signaled(e: Event, d: Mapping[str, Any]) -> str:
+    who = stopper_words(d["by"], str(e.host)) if d.get("by") else \
+        "from outside (scancel, a time limit, kill)"
+    return f"{L}host {e.host!r}: its agent received SIG{d['signal']} {who} — stopping every rank"
+
+
+def stopper_words(note: Mapping[str, Any], host: str) -> str:
+    """Who stopped a live run, from the note a cleanup left for its agent."""
+    what = str(note.get("command") or "a cleanup")
+    where = note.get("host")
+    pid = note.get("pid")
+    by = f" (pid {pid} on {where})" if pid and where else ""
+    return f"{what}{by} on {host}"
+
+
+def _pids(items: Sequence[Mapping[str, Any]]) -> str:
+    return ", ".join(f"{p.get('pid')} ({str(p.get('cmdline', ''))[:60]})" for p in items)
+
+
+# -- ranks ------------------------------------------------------------------------------------
+def _rank_exited(e: Event, d: Mapping[str, Any]) -> str:
+    text = f"{L}{label(e)} exited with {exit_words(d['exit'])}"
+    return f"{text} (stopped by the launcher)" if d.get("stopped") else text
+
+
+# -- the coordinator --------------------------------------------------------------------------
+def _declared_dead(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{C}rank {e.rank} declared dead ({reason_words(d['reason'])}); {d['alive']} of "
+            f"{d['world_size']} alive")
+
+
+def reason_words(reason: Mapping[str, Any]) -> str:
+    """Why the coordinator counts a rank dead: the supervisor's word, or silence."""
+    if reason.get("silent") is not None:
+        return (f"no frame for {reason['silent']:.1f}s, heartbeat timeout "
+                f"{_s(reason['heartbeat_timeout'])}")
+    return exit_words(reason.get("exit") or {})
+
+
+def _peers_refused(e: Event, d: Mapping[str, Any]) -> str:
+    reasons = ", ".join(f"{why}: {n}" for why, n in sorted(d["reasons"].items()))
+    return (f"{C}refused {d['refused']} more connection(s) in {d['seconds']:.0f}s ({reasons}; "
+            f"last from {d['last_peer']})")
+
+
+def _connection_lost(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{C}lost the connection to {label(e)} without an exiting message ({d['detail']}); "
+            "left to the supervisor and the heartbeat timeout")
+
+
+# -- stopping ---------------------------------------------------------------------------------
+def _stopping_on_signal(e: Event, d: Mapping[str, Any]) -> str:
+    how = f"INT, TERM after {d['int_grace']:g}s, " if d["signal"] == "SIGINT" else "TERM, "
+    return (f"{L}{d['signal']} received — stopping {d['live']} running rank(s) ({how}KILL after "
+            f"{_s(d['kill_grace'])}); press Ctrl-C again to kill now")
+
+
+def _hung(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{L}run hung — no rank wrote a line or reported progress for {d['silent']:.0f}s "
+            f"(hang_timeout {_s(d['hang_timeout'])})")
+
+
+def _hung_announce(e: Event, d: Mapping[str, Any]) -> str:
+    return f"{_hung(e, d)}; collecting every rank's stack"
+
+
+def _stacks(e: Event, d: Mapping[str, Any]) -> str:
+    return stacks_text(dict(d))
+
+
+# -- verdicts ---------------------------------------------------------------------------------
+def _max_failure_exceeded(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{L}max_failure exceeded ({d['dead']}/{d['world_size']} ranks dead, threshold "
+            f"{d['limit']}); coordinator dispatched save-and-shutdown — consensus checkpoint "
+            "saved if a save path was armed")
+
+
+def _interrupted(e: Event, d: Mapping[str, Any]) -> str:
+    where = f" on {e.host}" if e.host else ""
+    return f"{L}interrupted by {d['signal']}{where} — every rank was stopped"
+
+
+def _verdict(e: Event, d: Mapping[str, Any]) -> str:
+    return render(cause_event(d["cause"]))
+
+
+# -- the end of a launch ----------------------------------------------------------------------
+def _summary(e: Event, d: Mapping[str, Any]) -> str:
+    """The end-of-run table: rank, host, exit, cause, duration; plain aligned text."""
+    rows = [(str(r["rank"]), r["host"], exit_cell(r.get("exit")), cause_cell(r),
+             f"{r['duration']:.1f}s") for r in d["ranks"]]
+    return _table(("rank", "host", "exit", "cause", "duration"), rows)
+
+
+def _attempts(e: Event, d: Mapping[str, Any]) -> str:
+    """One row per attempt: what ended it."""
+    rows = [(str(i), a["verdict"], attempt_cause(a["cause"]))
+            for i, a in enumerate(d["attempts"])]
+    return _table(("attempt", "verdict", "cause"), rows)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    table = [tuple(header), *[tuple(r) for r in rows]]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
+
+
+def _root_cause(e: Event, d: Mapping[str, Any]) -> str:
+    """The first failed rank, with what its error file says (as torchrun's summary); for a
+    rank whose host was lost or stopped answering, that (no error file could come)."""
+    who = f"root cause: {label(e)} ({d['label']})"
+    exit_ = d["exit"]
+    if d.get("host_fault") is not None:
+        return f"{who} has no exit status: {exit_.get('lost')}"
+    head = f"{who} exited with {exit_words(exit_)}"
+    if d.get("error") is None:
+        return head + " (no error file: decorate the entry point with torch's @record to " \
+            "see the exception here)"
+    return "\n".join([f"{head}: {d['error']}", *("  " + line for line in d.get("tail", []))])
+
+
+# -- the other commands -----------------------------------------------------------------------
+def _cleanup_host(e: Event, d: Mapping[str, Any]) -> str:
+    """One host's sweep, in one line."""
+    if d.get("error"):
+        return f"cleanup: {e.host}: cleanup FAILED: {d['error']}"
+    what = [f"{len(s['pids'])} process(es) matching {s['pattern']!r}" if "pattern" in s
+            else f"run {s['run']} ranks {s.get('ranks')} (pids {s['pids']})"
+            for s in d["stopped"]]
+    parts = ["stopped " + ", ".join(what) if what else "nothing to stop"]
+    parts += [f"run {item.get('run')} is live ({item.get('launcher')}): left alone (name it "
+              "with --run-id, or --force, to stop it)" for item in d["live"]]
+    if d["leftovers"]:
+        parts.append(f"LEFTOVER: {d['leftovers']}")
+    return f"cleanup: {e.host}: " + "; ".join(parts)
+
+
+def _check_verdict(e: Event, d: Mapping[str, Any]) -> str:
+    counts = ", ".join(f"{n} {s}" for s in ("FAIL", "warn", "ok") if (n := d["counts"].get(s)))
+    verdict = "FAILED" if d["failed"] else "passed"
+    return (f"prebuild-check: {verdict}: {counts or 'no checks'} ({d['hosts']} host(s) in "
+            f"{d['elapsed']:.2f} s)")
+
+
+def _check_report(e: Event, d: Mapping[str, Any]) -> str:
+    """A pre-flight report as plain aligned columns, one check a line (greppable)."""
+    rows = [(c["host"], c["check"], c["status"], c["reason"]) for c in d["checks"]]
+    widths = [max(len(r[i]) for r in [("host", "check", "status"), *rows]) for i in range(3)]
+    lines = ["  ".join([*(h.ljust(w) for h, w in zip(("host", "check", "status"), widths)),
+                        "detail"]),
+             "  ".join(["-" * w for w in widths] + ["-" * 6])]
+    lines += ["  ".join([*(r[j].ljust(widths[j]) for j in range(3)), r[3]]).rstrip()
+              for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+_NAMES = {n.value: n for n in Name}
+
+Words = Callable[[Event, Mapping[str, Any]], str]
+
+_WORDS: dict[Name, Words] = {
+    # the launch
+    Name.LAUNCH: _launch,
+    Name.CONNECTED: lambda e, d: f"{L}connected to {e.host}",
+    Name.TUNNEL_OPENED: lambda e, d: (f"{L}tunnel {e.host}:127.0.0.1:{d['port']} -> controller "
+                                      f"{d['target']}:{d['port']}"),
+    Name.PLAN_LOOPBACK_MASTER: _loopback_master,
+    Name.PLAN_LOOPBACK_CONTROLLER: _loopback_controller,
+    Name.OMP_DEFAULTED: lambda e, d: (
+        f"{L}setting OMP_NUM_THREADS=1 for each rank of a host that runs more than one, where "
+        "it is not set already, to avoid overloading the system; tune it for your program "
+        "(env: OMP_NUM_THREADS: \"N\")"),
+    Name.BATCHMODE_OFF: lambda e, d: (
+        f"fdl-fabric: host {e.host!r} ssh.options set `{d['option']}` — the ssh dispatch is "
+        "non-interactive and will hang on any prompt (passphrase, host-key). Proceeding as "
+        "requested."),
+    Name.KEEPALIVE_LOST: lambda e, d: (f"{L}host {e.host!r} stopped answering keepalives for "
+                                       f"{d['silent']:.0f}s; treating its connection as lost"),
+    Name.LOG_FAILED: lambda e, d: (f"{L}--log-dir: {d['error']}; rank logs stop here "
+                                   f"({d['folder']})"),
+    Name.FAILURE_DETAIL: lambda e, d: str(d["text"]),
+    Name.RESTARTING: _restarting,
+    Name.SWEEP_UNREACHABLE: _sweep_unreachable,
+    Name.SWEEP_INCOMPLETE: lambda e, d: (f"{L}host {e.host!r}: could not clear what run "
+                                         f"{d['run_id']} left: {d['problem']}"),
+    Name.SWEEP_STOPPED: lambda e, d: (f"{L}host {e.host!r}: stopped what run {d['run_id']} "
+                                      f"left there (pids {d['pids']})"),
+    Name.OUTPUT_DROPPED: _output_dropped,
+    Name.MAX_FAILURE_UNUSED: lambda e, d: (
+        f"{L}max_failure had no effect: no rank joined the cohort, so every failure was fatal "
+        "(ranks join with fdl_fabric.rank.join())"),
+    Name.LIBRARY_LOG: lambda e, d: f"ssh: {d['logger']}: {d['text']}",
+    Name.THREAD_CRASHED: lambda e, d: f"{L}thread {d['thread']}: {d['error_type']}: {d['error']}",
+    Name.TRACEBACK: lambda e, d: str(d["traceback"]),
+    # hosts and their agents
+    Name.AGENT_WARNING: lambda e, d: f"{L}host {e.host!r}: {d['text']}",
+    Name.PREFLIGHT_WARNING: lambda e, d: (f"{L}pre-flight: {e.host}: {d['check']}: "
+                                          f"{d['reason']}"),
+    Name.PREFLIGHT_FAILED_CHECK: lambda e, d: (f"{L}pre-flight: {e.host}: {d['check']}: FAIL: "
+                                               f"{d['reason']}"),
+    Name.PREFLIGHT_PASSED: lambda e, d: f"{L}pre-flight passed on {d['hosts']} host(s)",
+    Name.LEFTOVER_ERROR: lambda e, d: f"{L}{e.host}: {d['error']}",
+    Name.LEFTOVERS_STOPPED: lambda e, d: (f"{L}stopped leftovers of an earlier run of this "
+                                          f"cluster on {e.host}: run {d['run']} "
+                                          f"(pids {d['pids']})"),
+    Name.LEFTOVER_KEPT: lambda e, d: f"{L}could not stop a leftover on {e.host}: {d['item']}",
+    Name.LIVE_RUN_LEFT: lambda e, d: (f"{L}run {d['live_run']} of this cluster is live on "
+                                      f"{e.host} ({d['launcher']}): left alone"),
+    Name.AFTER_RUN_STOPPED: lambda e, d: (f"{L}{e.host}: stopped what the run left behind "
+                                          f"after its last rank: {_pids(d['stopped'])}"),
+    Name.AFTER_RUN_REMAINS: lambda e, d: (
+        f"{L}{e.host}: could NOT stop what the run left behind: pids "
+        f"{', '.join(str(p.get('pid')) for p in d['remaining'])} (see `inv cleanup`)"),
+    Name.HOST_LOST: lambda e, d: f"{L}host {e.host!r}: {d['reason']}",
+    Name.HOST_UNRESPONSIVE: _host_unresponsive,
+    Name.HOST_ABANDONED: lambda e, d: (f"{L}host {e.host!r} did not report its ranks' exits "
+                                       "after the kill grace; abandoning its agent"),
+    Name.OUTSIDE_SIGNAL: _outside_signal,
+    Name.AGENT_SIGNALED: _agent_signaled,
+    # ranks
+    Name.RANK_STARTED: lambda e, d: f"{L}started {d['label']} (pid {d['pid']})",
+    Name.RANK_OUTPUT: lambda e, d: str(d["text"]),
+    Name.RANK_START_FAILED: lambda e, d: (f"{L}host {e.host!r}: could not start rank {e.rank}: "
+                                          f"{d['reason']}"),
+    Name.RANK_EXITED: _rank_exited,
+    Name.RANK_FAILED: lambda e, d: f"{L}{label(e)} exited with {exit_words(d['exit'])}",
+    Name.RANK_TOLERATED: lambda e, d: (f"{L}{label(e)} exited with {exit_words(d['exit'])} — "
+                                       f"tolerating (elastic membership): reporting rank(s) "
+                                       f"[{e.rank}] dead"),
+    Name.RANK_DEAD_STOPPED: lambda e, d: (f"{L}{label(e)}, declared dead by the coordinator "
+                                          f"({reason_words(d['declared_dead'])}), was stopped "
+                                          f"({exit_words(d['exit'])})"),
+    Name.RANK_FORWARD_STOPPED: lambda e, d: (f"{L}{label(e)} was stopped by {d['forwarded']}, "
+                                             "which the launcher forwarded (the program has no "
+                                             "handler for it)"),
+    # the coordinator
+    Name.RANK_JOINED: lambda e, d: f"{C}rank {e.rank} of {e.host} joined",
+    Name.COHORT_FORMED: lambda e, d: f"{C}cohort formed — {d['world_size']} ranks",
+    Name.RANK_DECLARED_DEAD: _declared_dead,
+    Name.RANK_EXITING: lambda e, d: f"{C}rank {e.rank} of {e.host} announced a clean exit",
+    Name.RANK_DISCONNECTED: lambda e, d: f"{C}rank {e.rank} of {e.host} disconnected",
+    Name.RANK_CONNECTION_LOST: _connection_lost,
+    Name.SHUTDOWN_BROADCAST: lambda e, d: (f"{C}{render(cause_event(d['cause']))} — "
+                                           "broadcasting save-and-shutdown"),
+    Name.PROBE_RECEIVED: lambda e, d: f"{C}pre-flight probe from {d['from']!r} ({d['peer']})",
+    Name.PEER_CLOSED: lambda e, d: f"{C}{d['peer']} closed before hello ({d['detail']})",
+    Name.PEER_DROPPED: lambda e, d: f"{C}dropped connection from {d['peer']}: {d['reason']}",
+    Name.PEER_REJECTED: lambda e, d: f"{C}rejected hello from {d['peer']}: {d['reason']}",
+    Name.PEERS_REFUSED: _peers_refused,
+    Name.ACCEPT_FAILED: lambda e, d: f"{C}accept failed: {d['error']}",
+    Name.COORDINATOR_FAILED: lambda e, d: f"{L}coordinator failed: {d['error']}",
+    # stopping, hangs, signals
+    Name.STOPPING_ON_SIGNAL: _stopping_on_signal,
+    Name.KILLING_NOW: lambda e, d: f"{L}second interrupt — killing every rank's process group now",
+    Name.STOPPING_ON_FAILURE: lambda e, d: (f"{L}{'hung run' if d['hung'] else 'peer failure'} "
+                                            "— terminating all still-running ranks"),
+    Name.STOPPING_AFTER_SHUTDOWN: lambda e, d: (f"{L}{d['live']} rank(s) did not exit within "
+                                                f"{_s(d['grace'])} of save-and-shutdown; "
+                                                "stopping them"),
+    Name.FAILURE_ANNOUNCED: lambda e, d: render(cause_event(d["cause"])),
+    Name.HANG_DETECTED: _hung_announce,
+    Name.HUNG: _hung,
+    Name.STACKS_ASKED: lambda e, d: (f"{L}SIGQUIT — collecting every rank's stack (the run goes "
+                                     "on)"),
+    Name.STACKS: _stacks,
+    Name.SUSPENDED: lambda e, d: (f"{L}suspended (Ctrl-Z); the ranks keep running — `fg` "
+                                  "resumes supervision"),
+    # why a run ended
+    Name.COMPLETED: lambda e, d: f"{L}run completed — all {d['world_size']} ranks exited 0",
+    Name.COMPLETED_TEARDOWN: lambda e, d: (
+        f"{L}run completed; {d['tolerated']} child exit(s) in the teardown window were "
+        "tolerated (never registered as rank deaths) — full workload delivered, nothing "
+        "redistributed"),
+    Name.DEGRADED: lambda e, d: (f"{L}run completed DEGRADED — {d['dead']} of {d['world_size']} "
+                                 "ranks lost along the way (tolerated by elastic membership); "
+                                 "survivors carried the full workload"),
+    Name.EVERY_RANK_LOST: lambda e, d: (f"{L}every rank was lost; consensus checkpoint saved if "
+                                        "a save path was armed"),
+    Name.MAX_FAILURE_EXCEEDED: _max_failure_exceeded,
+    Name.MAX_FAILURE_REACHED: lambda e, d: (f"max_failure reached ({d['dead']}/{d['world_size']} "
+                                            f"dead, threshold {d['limit']})"),
+    Name.ALL_RANKS_DEAD: lambda e, d: (f"every rank was lost ({d['dead']}/{d['world_size']} "
+                                       "dead)"),
+    Name.PREFLIGHT_FAILED: lambda e, d: (
+        f"{L}pre-flight failed on {d['failures']} check(s), nothing was started (`inv "
+        "prebuild-check` checks more; --no-preflight skips this)"),
+    Name.HOST_ENDED_EARLY: lambda e, d: (f"{L}host {e.host!r}: {d['reason']} before its ranks "
+                                         "started"),
+    Name.COHORT_NOT_FORMED: lambda e, d: (f"{L}cohort did not form within "
+                                          f"{_s(d['formation_timeout'])}: rank(s) "
+                                          f"{d['missing']} never joined"),
+    Name.INTERRUPTED: _interrupted,
+    Name.STOPPED_BY_CLEANUP: lambda e, d: (f"{L}stopped by {stopper_words(d['by'], str(e.host))} "
+                                           "— every rank was stopped"),
+    Name.INTERRUPTED_BY_FORWARD: lambda e, d: (
+        f"{L}interrupted by {d['signal']}, which the launcher forwarded: {label(e)} has no "
+        "handler for it — every rank was stopped"),
+    Name.INTERRUPTED_OUTSIDE_RUN: lambda e, d: (
+        f"{L}interrupted by {d['signal']} "
+        f"{'between attempts' if d['between_attempts'] else 'before any rank started'} — "
+        "nothing is left running"),
+    Name.LAUNCH_FAILED: lambda e, d: str(d["error"]),
+    # the end of a launch
+    Name.SUMMARY: _summary,
+    Name.ATTEMPTS: _attempts,
+    Name.ROOT_CAUSE: _root_cause,
+    Name.VERDICT: _verdict,
+    Name.DRY_RUN: lambda e, d: dry_run_text(d),
+    # the other commands
+    Name.REFUSED: lambda e, d: (f"{d['command']}: {d['error']}" if d.get("command")
+                                else str(d["error"])),
+    Name.CLEANUP_HOST: _cleanup_host,
+    Name.STEPS_CANCELLED: lambda e, d: (f"cleanup: cancelled agent steps {', '.join(d['steps'])} "
+                                        f"of job {d['job']}"),
+    Name.STEPS_NOT_CANCELLED: lambda e, d: (f"cleanup: could not list or cancel the agent steps "
+                                            f"of job {d['job']}: {d['error']}"),
+    Name.CLEANUP_FAILED: lambda e, d: (f"cleanup: FAILED — leftovers or errors on "
+                                       f"{', '.join(d['hosts'])}"),
+    Name.CLEANUP_VERIFIED: lambda e, d: (f"cleanup: verified — nothing of the selected runs "
+                                         f"remains on {d['hosts']} host(s) ({d['stopped']} "
+                                         "run(s) stopped)"),
+    Name.CHECK_REPORT: _check_report,
+    Name.CHECK_VERDICT: _check_verdict,
+    Name.STACKS_PROBLEM: lambda e, d: f"stacks: {e.host}: {d['problem']}",
+    Name.STACKS_NO_LIVE_RUN: lambda e, d: (f"stacks: no live run of {d['file']} on its "
+                                           f"{d['hosts']} host(s)"),
+    Name.STACKS_RUN_UNKNOWN: lambda e, d: (f"stacks: run {d['run_id']} is not recorded on any "
+                                           f"host of {d['file']}"),
+    Name.STACKS_VIEW: _stacks,
+    Name.PLOT_FAILED: lambda e, d: f"plot-run: cannot draw {d['run_dir']}: {d['error']}",
+    Name.PLOT_DRAWN: lambda e, d: str(d["path"]),
+}
+
+
+def dry_run_text(d: Mapping[str, Any]) -> str:
+    """``--dry-run``: one block per host (how its agent is reached, the spec it would get:
+    cwd, argv, the environment its ranks share, then what differs per rank), secrets and
+    the envelope already redacted in the facts (`dryrun.dry_run_data`)."""
+    lines = [f"# dry run of {d['file']}: {d['world_size']} rank(s) on {len(d['hosts'])} "
+             "host(s); nothing is connected or started",
+             f"controller {d['controller']}:{d['port']} (coordinator binds {d['bind']}), "
+             f"kill_grace {d['kill_grace']:g}s, master_port {d['master_port']}"]
+    for host in d["hosts"]:
+        ranks = host["ranks"]
+        gpus = [str(r["device"]) for r in ranks if r["device"] is not None]
+        devices = f"gpu {', '.join(gpus)}" if gpus else "cpu"
+        note = "  (local_devices: all, resolved by the agent at launch)" \
+            if host["all_devices"] else ""
+        numbers = [r["rank"] for r in ranks]
+        span = f"{numbers[0]}-{numbers[-1]}" if len(numbers) > 1 else str(numbers[0])
+        lines += ["", f"host {host['host']}: {host['how']}",
+                  f"  ranks {span} ({devices}){note}",
+                  f"  cwd {host['cwd']}",
+                  "  argv " + " ".join(shell.quote(a) for a in host["argv"]),
+                  f"  env of every rank: {_env_words(host['env'])}",
+                  "    FLODL_INTERNAL_CLUSTER_JSON=<envelope with the salt: sent on the "
+                  "agent's stdin, never shown>"]
+        lines += [f"  rank {r['rank']}: {_env_words(r['env'])}" for r in ranks]
+    return "\n".join(lines) + "\n"
+
+
+def _env_words(env: Mapping[str, str]) -> str:
+    return " ".join(f"{k}={shell.quote(v)}" for k, v in env.items())
