@@ -76,6 +76,8 @@ class Name(str, Enum):
     SWEEP_INCOMPLETE = ("sweep_incomplete", Kind.WARNING)
     SWEEP_STOPPED = ("sweep_stopped", Kind.WARNING)
     OUTPUT_DROPPED = ("output_dropped", Kind.INFO)
+    CONSOLE_STALLED = ("console_stalled", Kind.WARNING)
+    STDOUT_CLOSED = ("stdout_closed", Kind.WARNING)
     MAX_FAILURE_UNUSED = ("max_failure_unused", Kind.WARNING)
     LIBRARY_LOG = ("library_log", Kind.DEBUG)
     THREAD_CRASHED = ("thread_crashed", Kind.WARNING)

@@ -36,6 +36,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import IO, Any, Optional
 
+from fdl_fabric.events import Name, event
+from fdl_fabric.presentation.words import render
+
 #: Bytes of rank output queued for the console before producers wait for room.
 BUFFER_BYTES = 4 * 1024 * 1024
 #: Seconds without a completed write, while output waits, after which the console
@@ -274,18 +277,14 @@ class Screen:
             self._dropping = False
             if self.dropped_lines:
                 self._dropped_total += self.dropped_lines
-                hint = f" ({self._hint})" if self._hint else ""
-                self._items.append(("message", ERR, (
-                    f"cluster launcher: … {self.dropped_lines:,} lines of rank output not "
-                    f"shown: the console stalled{hint}\n").encode(), 0))
+                self._items.append(("message", ERR, _line(
+                    Name.CONSOLE_STALLED, dropped=self.dropped_lines, hint=self._hint), 0))
                 self.dropped_lines = 0
         out = self._streams[OUT]
         if out.dead is not None and not self._told_closed:
             self._told_closed = True
-            self._items.append(("message", ERR, (
-                f"cluster launcher: stdout is closed ({out.dead}): rank output is no longer "
-                f"shown; the run goes on{' (' + self._hint + ')' if self._hint else ''}\n"
-            ).encode(), 0))
+            self._items.append(("message", ERR, _line(
+                Name.STDOUT_CLOSED, error=out.dead, hint=self._hint), 0))
 
     def _write_batch(self, items: list[tuple[str, str, bytes, int]],
                      status: Optional[StatusRender]) -> None:
@@ -328,3 +327,8 @@ class Screen:
 def _erase(lines: int) -> bytes:
     """Move to the start of a drawn block of ``lines`` lines and clear it (as rich does)."""
     return b"\r\x1b[2K" + b"\x1b[1A\x1b[2K" * (lines - 1)
+
+
+def _line(name: Name, **data: Any) -> bytes:
+    """A notice the writer puts in the stream itself, in order with the output it concerns."""
+    return (render(event(name, **data)) + "\n").encode()

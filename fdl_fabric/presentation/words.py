@@ -147,6 +147,19 @@ def _output_dropped(e: Event, d: Mapping[str, Any]) -> str:
     return f"{L}{d['dropped']:,} line(s) of rank output were not shown on the console ({hint})"
 
 
+def _hinted(d: Mapping[str, Any]) -> str:
+    return f" ({d['hint']})" if d.get("hint") else ""
+
+
+def _console_stalled(e: Event, d: Mapping[str, Any]) -> str:
+    return f"{L}… {d['dropped']:,} lines of rank output not shown: the console stalled{_hinted(d)}"
+
+
+def _stdout_closed(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{L}stdout is closed ({d['error']}): rank output is no longer shown; the run goes "
+            f"on{_hinted(d)}")
+
+
 # -- hosts ------------------------------------------------------------------------------------
 def _host_unresponsive(e: Event, d: Mapping[str, Any]) -> str:
     return (f"{L}host {e.host!r} unresponsive: no word from its agent for {d['silent']:.1f}s "
@@ -347,6 +360,8 @@ _WORDS: dict[Name, Words] = {
     Name.SWEEP_STOPPED: lambda e, d: (f"{L}host {e.host!r}: stopped what run {d['run_id']} "
                                       f"left there (pids {d['pids']})"),
     Name.OUTPUT_DROPPED: _output_dropped,
+    Name.CONSOLE_STALLED: _console_stalled,
+    Name.STDOUT_CLOSED: _stdout_closed,
     Name.MAX_FAILURE_UNUSED: lambda e, d: (
         f"{L}max_failure had no effect: no rank joined the cohort, so every failure was fatal "
         "(ranks join with fdl_fabric.rank.join())"),
