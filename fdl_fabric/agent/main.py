@@ -193,46 +193,85 @@ class Agent:
 
     def _step(self) -> None:
         self._update_registrations()
-        due = self._deadlines()
-        timeout = max(0.0, min(due) - time.monotonic()) if due else None
-        for key, _ in self.sel.select(timeout):
-            what = key.data
-            if what == "in":
-                self._read_input()
-            elif what == "wake":
-                self._read_signals()
-            elif what == "out":
-                self._write_output()
-            elif what == "stacks":
-                self._read_collector(key.fd)
-            else:
-                self._read_rank(key.fd)
+        for key, _ in self.sel.select(self._select_timeout()):
+            self._dispatch(key)
         self._reap()
-        now = time.monotonic()
+        self._on_deadlines(time.monotonic())
+        self._maybe_finish()
+        if self.out and self.output_open:
+            self._write_output()  # most writes fit the pipe: no need to wait for select
+
+    def _select_timeout(self) -> Optional[float]:
+        """How long ``select`` may sleep: until the nearest deadline, or for ever when
+        none is set (an idle agent wakes only for what arrives)."""
+        due = self._deadlines()
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _dispatch(self, key: selectors.SelectorKey) -> None:
+        """Hand a ready descriptor to its reader by the tag it was registered with; a
+        rank's pipe is registered with its `Stream`, so anything untagged is a rank."""
+        what = key.data
+        if what == "in":
+            self._read_input()
+        elif what == "wake":
+            self._read_signals()
+        elif what == "out":
+            self._write_output()
+        elif what == "stacks":
+            self._read_collector(key.fd)
+        else:
+            self._read_rank(key.fd)
+
+    def _on_deadlines(self, now: float) -> None:
+        """Act on every deadline `_deadlines` woke the loop for that ``now`` has passed.
+        One ``now`` for all, taken after the reap, and a fixed order: a lease that runs
+        out starts the leash before the stop's own TERM and KILL moments are looked at."""
+        self._end_lease_if_expired(now)
+        self._term_after_interrupt(now)
+        self._kill_after_grace(now)
+        self._kill_ranks_past_grace(now)
+        self._touch_record_if_due(now)
+
+    def _end_lease_if_expired(self, now: float) -> None:
+        """The launcher's silence outlived the lease: act as on EOF, since a stalled
+        stream without an EOF must not keep ranks running for ever."""
         lease_end = self._lease_end()
         if lease_end is not None and now >= lease_end:
             self._error(f"no word from the launcher for {self.lease:g}s (its host, its link or "
                         "the srun carrying this agent is gone): stopping every rank")
             self._leash()
+
+    def _term_after_interrupt(self, now: float) -> None:
+        """An INT-first stop (Ctrl-C: Python ranks print where they were) turns to TERM
+        once its moment comes, for the ranks and the run's strays alike, as both got the
+        INT: a process that caught the INT and went on must still be asked to stop."""
         if self.term_at is not None and now >= self.term_at:
             self.term_at = None
             self._signal(signal.SIGTERM, None)
             procs.signal_pids(self._strays(), signal.SIGTERM)
+
+    def _kill_after_grace(self, now: float) -> None:
+        """The whole stop's kill grace is over: KILL everything, once."""
         if self.kill_at is not None and not self.killed and now >= self.kill_at:
             self._kill_all()
+
+    def _kill_ranks_past_grace(self, now: float) -> None:
+        """KILL the group of each rank stopped alone (declared dead by the coordinator)
+        whose own grace is over; the other ranks keep running."""
         for proc in self.ranks.values():
             if proc.kill_at is not None and proc.running and now >= proc.kill_at:
                 proc.kill_at = None
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
+
+    def _touch_record_if_due(self, now: float) -> None:
+        """Touch the registry record every `procs.RECORD_TOUCH` seconds: the sign of life
+        by which a cleanup leaves this run alone (`procs.record_live`)."""
         if self.record_written and now - self.last_touch >= procs.RECORD_TOUCH:
             self.last_touch = now
             spec = self.spec
             assert spec is not None
             procs.touch_record(str(spec["run_id"]), str(spec["host"]))
-        self._maybe_finish()
-        if self.out and self.output_open:
-            self._write_output()  # most writes fit the pipe: no need to wait for select
 
     def _lease_end(self) -> Optional[float]:
         """When the launcher's silence becomes its absence: a stream that stalls without an

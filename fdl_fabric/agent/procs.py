@@ -35,7 +35,7 @@ import os
 import re
 import signal
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from fdl_fabric.rank import ENV_HOST_NAME, ENV_RUN_ID
 
@@ -513,27 +513,63 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
     """
     report: Dict[str, Any] = {"stopped": [], "leftovers": [], "stale": 0, "errors": [],
                               "live": []}
+    records = _sweep_records(folder, report)
+    wanted = set(runs)
+    selected = [r for r in records if _selects(r, wanted, cluster, all_runs, keep, scope)]
+    selected, targets = _triage(selected, wanted, force, by or {}, folder, report)
+    hits = _pattern_hits(pattern, report) if pattern else []
+    stop(lambda: _sweep_members(hits, targets), grace, wait)
+    for rec in selected:
+        _verify_record(rec, folder, report)
+    left_hits = [p for p in hits if alive(p)]
+    if left_hits:
+        report["leftovers"].append({"pattern": pattern, "processes": describe(left_hits)})
+    return report
+
+
+def _sweep_records(folder: Optional[str], report: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every readable record, with why others (or the whole registry) could not be read
+    put in ``report``: a sweep reports a distrusted registry instead of failing, so the
+    pattern part of a cleanup still runs."""
     try:
         records, problems = read_records(folder)
     except RegistryError as exc:
         report["errors"].append(str(exc))
         records, problems = [], []
     report["errors"].extend(problems)
-    wanted = set(runs)
-    selected = [r for r in records if r["run"] != keep and (scope is None or
-                                                             r["cluster"] == scope) and (
-        all_runs or r["run"] in wanted or (cluster and r["cluster"] == cluster))]
-    targets = []
-    for rec in list(selected):
+    return list(records)
+
+
+def _selects(record: Dict[str, Any], wanted: Set[str], cluster: Optional[str],
+             all_runs: bool, keep: Optional[str], scope: Optional[str]) -> bool:
+    """Whether a sweep reaches ``record``: never the ``keep`` run nor one outside
+    ``scope`` (those bounds win over any selector), then by ``all_runs``, id or cluster."""
+    if record["run"] == keep:
+        return False
+    if scope is not None and record["cluster"] != scope:
+        return False
+    return bool(all_runs or record["run"] in wanted or (cluster and record["cluster"] == cluster))
+
+
+def _triage(selected: List[Dict[str, Any]], wanted: Set[str], force: bool,
+            by: Dict[str, Any], folder: Optional[str],
+            report: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """(records still selected, records with processes to stop). A live run that is
+    neither named nor forced is reported under ``live`` and dropped: its launcher still
+    holds it. A named live run's members are taken before its agent gets the TERM, so
+    the ranks it is about to stop are still counted as the sweep's."""
+    kept: List[Dict[str, Any]] = []
+    targets: List[Dict[str, Any]] = []
+    for rec in selected:
         live = record_live(rec)
         if live and not (force or rec["run"] in wanted):
             report["live"].append({"run": rec["run"], "host": rec["host"],
                                    "launcher": launcher_of(rec)})
-            selected.remove(rec)
             continue
+        kept.append(rec)
         pids = record_members(rec)
         if live:
-            _stop_live_agent(rec, by or {}, folder)
+            _stop_live_agent(rec, by, folder)
         if pids:
             targets.append(rec)
             report["stopped"].append({"run": rec["run"], "host": rec["host"],
@@ -541,37 +577,45 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
                                       "pids": pids})
         else:
             report["stale"] += 1
-    hits: List[int] = []
-    if pattern:
-        regex = re.compile(pattern)
-        hits = [p for p in _own_pids() if alive(p) and regex.search(cmdline(p))]
-        if hits:
-            report["stopped"].append({"pattern": pattern, "pids": hits,
-                                      "cmdlines": [cmdline(p)[:200] for p in hits]})
+    return kept, targets
 
-    def current() -> List[int]:
-        pids: Set[int] = set(p for p in hits if alive(p))
-        for rec in targets:
-            pids.update(record_members(rec))
-        return sorted(pids)
 
-    stop(current, grace, wait)
-    for rec in selected:
-        left = record_members(rec)
-        if left:
-            report["leftovers"].append({"run": rec["run"], "host": rec["host"],
-                                        "processes": describe(left)})
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(rec["path"])
-        # Its error files and a cleanup's note go with it: nothing of the run is left.
-        remove_error_files(rec["run"], rec["host"], folder)
-        with contextlib.suppress(OSError, ValueError):
-            os.unlink(_note_path(rec["run"], rec["host"], folder))
-    left_hits = [p for p in hits if alive(p)]
-    if left_hits:
-        report["leftovers"].append({"pattern": pattern, "processes": describe(left_hits)})
-    return report
+def _pattern_hits(pattern: str, report: Dict[str, Any]) -> List[int]:
+    """Live processes of this user whose command line matches ``pattern`` (reported as
+    stopped): the explicit ``pkill -f`` opt-in, never applied without ``--pattern``."""
+    regex = re.compile(pattern)
+    hits = [p for p in _own_pids() if alive(p) and regex.search(cmdline(p))]
+    if hits:
+        report["stopped"].append({"pattern": pattern, "pids": hits,
+                                  "cmdlines": [cmdline(p)[:200] for p in hits]})
+    return hits
+
+
+def _sweep_members(hits: Sequence[int], targets: Sequence[Dict[str, Any]]) -> List[int]:
+    """What a sweep still has to stop, asked afresh at every step of `stop`: processes a
+    TERM handler starts belong to the run too."""
+    pids: Set[int] = set(p for p in hits if alive(p))
+    for rec in targets:
+        pids.update(record_members(rec))
+    return sorted(pids)
+
+
+def _verify_record(record: Dict[str, Any], folder: Optional[str],
+                   report: Dict[str, Any]) -> None:
+    """After the stop: report what of the run survived, or, when nothing did, remove its
+    record and what goes with it. A run with survivors keeps its record, so a later
+    cleanup can still find them."""
+    left = record_members(record)
+    if left:
+        report["leftovers"].append({"run": record["run"], "host": record["host"],
+                                    "processes": describe(left)})
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(record["path"])
+    # Its error files and a cleanup's note go with it: nothing of the run is left.
+    remove_error_files(record["run"], record["host"], folder)
+    with contextlib.suppress(OSError, ValueError):
+        os.unlink(_note_path(record["run"], record["host"], folder))
 
 
 def _stop_live_agent(record: Dict[str, Any], by: Dict[str, Any],

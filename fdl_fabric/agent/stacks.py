@@ -188,47 +188,14 @@ def collect(ranks: Dict[int, int], py_spy: Optional[str] = None) -> Dict[str, An
     targets = {rank: python_target(pid) for rank, pid in ranks.items()}
     before = {rank: _cpu_ticks(pid) for rank, pid in targets.items()}
     started = time.monotonic()
-    running: Dict[int, subprocess.Popen] = {}  # type: ignore[type-arg]
     errors: Dict[int, str] = {}
-    if py_spy:
-        for rank, pid in targets.items():
-            try:
-                running[rank] = subprocess.Popen(
-                    [py_spy, "dump", "--json", "--pid", str(pid)], stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            except OSError as exc:
-                errors[rank] = f"py-spy: {exc}"
-    dumps: Dict[int, Any] = {}
-    deadline = started + PY_SPY_TIMEOUT
-    for rank, proc in running.items():
-        try:
-            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            errors[rank] = f"py-spy gave no stack within {PY_SPY_TIMEOUT:g}s"
-            continue
-        if proc.returncode != 0:
-            text = (err or out).decode("utf-8", "replace").strip().splitlines()
-            errors[rank] = "py-spy: " + (text[-1][:300] if text else
-                                         f"exit status {proc.returncode}")
-            continue
-        try:
-            dumps[rank] = json.loads(out.decode("utf-8", "replace"))
-        except ValueError:
-            errors[rank] = "py-spy: unreadable output"
-    left = CPU_WINDOW - (time.monotonic() - started)
-    if left > 0:
-        time.sleep(left)
-    window = time.monotonic() - started
+    running = _start_dumps(py_spy, targets, errors) if py_spy else {}
+    dumps = _finish_dumps(running, started + PY_SPY_TIMEOUT, errors)
+    window = _end_cpu_window(started)
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     report: Dict[str, Any] = {}
     for rank, pid in targets.items():
-        facts = proc_facts(pid)
-        after = _cpu_ticks(pid)
-        if before[rank] is not None and after is not None:
-            facts["cpu"] = round((after - before[rank]) / tick, 2)  # type: ignore[operator]
-            facts["window"] = round(window, 2)
+        facts = _facts_over_window(pid, before[rank], tick, window)
         entry: Dict[str, Any] = {"pid": ranks[rank], "target": pid, "proc": facts}
         if rank in dumps:
             entry["threads"] = _threads(dumps[rank])
@@ -238,6 +205,77 @@ def collect(ranks: Dict[int, int], py_spy: Optional[str] = None) -> Dict[str, An
             entry["error"] = "py-spy is not installed on this host"
         report[str(rank)] = entry
     return {"py_spy": py_spy, "ranks": report}
+
+
+def _start_dumps(py_spy: str, targets: Dict[int, int],
+                 errors: Dict[int, str]) -> Dict[int, subprocess.Popen[bytes]]:
+    """Start one ``py-spy dump`` per rank at once, so every dump runs within the same
+    `PY_SPY_TIMEOUT`, however many ranks; a rank whose py-spy cannot start gets an error."""
+    running: Dict[int, subprocess.Popen[bytes]] = {}
+    for rank, pid in targets.items():
+        try:
+            running[rank] = subprocess.Popen(
+                [py_spy, "dump", "--json", "--pid", str(pid)], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as exc:
+            errors[rank] = f"py-spy: {exc}"
+    return running
+
+
+def _finish_dumps(running: Dict[int, subprocess.Popen[bytes]], deadline: float,
+                  errors: Dict[int, str]) -> Dict[int, Any]:
+    """Each started dump's JSON by rank; why a rank has none goes to ``errors``. One
+    ``deadline`` bounds them all, not one timeout per rank: a request for many hung ranks
+    still answers within about `PY_SPY_TIMEOUT`."""
+    dumps: Dict[int, Any] = {}
+    for rank, proc in running.items():
+        dump, error = _finish_dump(proc, deadline)
+        if error is not None:
+            errors[rank] = error
+        else:
+            dumps[rank] = dump
+    return dumps
+
+
+def _finish_dump(proc: subprocess.Popen[bytes], deadline: float) -> Tuple[Any, Optional[str]]:
+    """(py-spy's JSON, None) or (None, why there is none). The error tells success apart,
+    not the JSON, which may be ``null``. A py-spy still running at ``deadline`` (a target
+    it cannot pause) is killed and reaped, so the collector leaves nothing behind."""
+    try:
+        out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None, f"py-spy gave no stack within {PY_SPY_TIMEOUT:g}s"
+    if proc.returncode != 0:
+        text = (err or out).decode("utf-8", "replace").strip().splitlines()
+        return None, "py-spy: " + (text[-1][:300] if text else
+                                   f"exit status {proc.returncode}")
+    try:
+        return json.loads(out.decode("utf-8", "replace")), None
+    except ValueError:
+        return None, "py-spy: unreadable output"
+
+
+def _end_cpu_window(started: float) -> float:
+    """Sleep out what is left of `CPU_WINDOW` since ``started`` (py-spy may have used it
+    all) and return the window's length: CPU time over too short a window says little."""
+    left = CPU_WINDOW - (time.monotonic() - started)
+    if left > 0:
+        time.sleep(left)
+    return time.monotonic() - started
+
+
+def _facts_over_window(pid: int, before: Optional[int], tick: int,
+                       window: float) -> Dict[str, Any]:
+    """`proc_facts` of ``pid``, with the CPU seconds it used over the window when both
+    ends of it could be read (the process may have ended meanwhile)."""
+    facts = proc_facts(pid)
+    after = _cpu_ticks(pid)
+    if before is not None and after is not None:
+        facts["cpu"] = round((after - before) / tick, 2)
+        facts["window"] = round(window, 2)
+    return facts
 
 
 def start(ranks: Dict[int, int]) -> Optional[Tuple[int, int]]:

@@ -324,61 +324,20 @@ def _read_worker(
     if w is None:
         return None
 
-    host_field = w.field("host")
-    host = r.host(host_field)
-    if host_field.node is None:
-        r.problem(host_field, "host is required (a unique name for this worker)", w.node)
-    elif host is not None and host in seen_hosts:
-        first_key, first_line = seen_hosts[host]
-        message = f"duplicate host {host!r} (also {first_key} on line {first_line})"
-        r.problem(host_field, message + "; each worker needs its own name")
-    elif host is not None:
-        seen_hosts[host] = (host_field.key, line_of(host_field.node))
-
-    nproc = r.integer(w.field("nproc"), minimum=1, maximum=RANKS_PER_WORKER_MAX)
-    local_devices = _read_local_devices(r, w.field("local_devices"))
-    if w.has("nproc") and w.has("local_devices"):
-        r.problem(field, "set either nproc (CPU ranks) or local_devices (GPU ranks), not both")
-    elif not w.has("nproc") and not w.has("local_devices"):
-        r.problem(field, "set nproc (CPU ranks) or local_devices (GPU ranks)")
-
-    # "Local" decides whether we SSH at all. The same file is launched from different
-    # machines, so it is a property of (file, this machine), never of the file alone.
-    is_local = host is not None and host in (local_hostname, "localhost")
-
+    # Problems are listed in the order they are recorded (and capped), so the keys are read
+    # in a fixed order: host, ranks, ssh, tunnel, paths, addr, ifname, env.
+    host = _read_worker_host(r, w, seen_hosts)
+    nproc, local_devices = _read_worker_ranks(r, w, field)
+    is_local = _is_local(host, local_hostname)
     # An ssh block on a local worker is validated but unused: it matters when the same file
     # is launched from another machine, where this worker is remote.
     ssh = _read_ssh(r, w.field("ssh"), folder)
-
-    tunnel_field = w.field("tunnel")
-    tunnel = _or(r.boolean(tunnel_field), False)
-    if tunnel and is_local:
-        r.problem(tunnel_field, "tunnel is only for remote workers; this one runs on this machine")
-
-    path_field = w.field("path")
-    raw_path = r.path(path_field)
-    if path_field.node is None and host is not None and not is_local:
-        message = "path is required for a remote worker (its working directory on that host)"
-        r.problem(path_field, message, w.node)
+    tunnel = _read_tunnel(r, w, is_local)
+    raw_path = _read_worker_path(r, w, host, is_local)
     raw_data_path = r.path(w.field("data_path"))
-
-    addr = r.host(w.field("addr"))
-    if addr is None:
-        # Local ranks talk to each other the way they reach the controller. For a remote
-        # worker the ssh destination is the best guess of a reachable address; a "user@"
-        # prefix is an ssh detail, not part of the address.
-        addr = controller.host if is_local else (ssh.target or host or "").rpartition("@")[2]
-
-    ifname_field = w.field("nccl_socket_ifname")
-    nccl_socket_ifname = r.string(ifname_field)
-    if nccl_socket_ifname is not None:
-        nccl_socket_ifname = r.checked(
-            ifname_field, nccl_socket_ifname, "ifname", ifname_problem
-        )
-    env_field = w.field("env")
-    env = read_env(r, env_field)
-    if env:
-        _check_rank_env(r, env_field, cluster_env, env)
+    addr = _read_worker_addr(r, w, controller, ssh, host, is_local)
+    nccl_socket_ifname = _read_ifname(r, w.field("nccl_socket_ifname"))
+    env = _read_worker_env(r, w.field("env"), cluster_env)
     env_forward = _read_env_forward(r, w.field("env_forward"))
 
     if host is None or (nproc is None and local_devices is None):
@@ -400,6 +359,114 @@ def _read_worker(
         line=line_of(w.node),
         env_forward=env_forward,
     )
+
+
+def _read_worker_host(
+    r: NodeReader, w: Block, seen_hosts: dict[str, tuple[str, int]]
+) -> Optional[str]:
+    """The worker's ``host``, required and unique: the plan keys envelopes, agents and output
+    prefixes by it, so two workers with one name would silently merge.
+
+    Records where each name first appeared in ``seen_hosts``, so a duplicate names both places.
+    """
+    host_field = w.field("host")
+    host = r.host(host_field)
+    if host_field.node is None:
+        r.problem(host_field, "host is required (a unique name for this worker)", w.node)
+    elif host is not None and host in seen_hosts:
+        first_key, first_line = seen_hosts[host]
+        message = f"duplicate host {host!r} (also {first_key} on line {first_line})"
+        r.problem(host_field, message + "; each worker needs its own name")
+    elif host is not None:
+        seen_hosts[host] = (host_field.key, line_of(host_field.node))
+    return host
+
+
+def _read_worker_ranks(
+    r: NodeReader, w: Block, field: Field
+) -> tuple[Optional[int], Union[tuple[int, ...], str, None]]:
+    """``nproc`` and ``local_devices``: both say how many ranks the worker runs (CPU ranks, or
+    one per GPU), so exactly one of them must be set or the count is ambiguous."""
+    nproc = r.integer(w.field("nproc"), minimum=1, maximum=RANKS_PER_WORKER_MAX)
+    local_devices = _read_local_devices(r, w.field("local_devices"))
+    if w.has("nproc") and w.has("local_devices"):
+        r.problem(field, "set either nproc (CPU ranks) or local_devices (GPU ranks), not both")
+    elif not w.has("nproc") and not w.has("local_devices"):
+        r.problem(field, "set nproc (CPU ranks) or local_devices (GPU ranks)")
+    return nproc, local_devices
+
+
+def _is_local(host: Optional[str], local_hostname: str) -> bool:
+    """Whether the worker runs on this machine, which decides whether we SSH at all.
+
+    The same file is launched from different machines, so it is a property of (file, this
+    machine), never of the file alone.
+    """
+    return host is not None and host in (local_hostname, "localhost")
+
+
+def _read_tunnel(r: NodeReader, w: Block, is_local: bool) -> bool:
+    """``tunnel`` makes the ranks dial the controller through an SSH remote forward; a local
+    worker has no SSH connection to forward over, so asking for one is a mistake."""
+    tunnel_field = w.field("tunnel")
+    tunnel = _or(r.boolean(tunnel_field), False)
+    if tunnel and is_local:
+        r.problem(tunnel_field, "tunnel is only for remote workers; this one runs on this machine")
+    return tunnel
+
+
+def _read_worker_path(
+    r: NodeReader, w: Block, host: Optional[str], is_local: bool
+) -> Optional[str]:
+    """The worker's ``path`` as written (not yet resolved). A local worker defaults to the
+    file's folder, but the launcher cannot guess a working directory on another host, so a
+    remote worker must name one."""
+    path_field = w.field("path")
+    raw_path = r.path(path_field)
+    if path_field.node is None and host is not None and not is_local:
+        message = "path is required for a remote worker (its working directory on that host)"
+        r.problem(path_field, message, w.node)
+    return raw_path
+
+
+def _read_worker_addr(
+    r: NodeReader,
+    w: Block,
+    controller: ControllerSpec,
+    ssh: SshSpec,
+    host: Optional[str],
+    is_local: bool,
+) -> str:
+    """The address other ranks reach this worker at (``MASTER_ADDR`` when it holds rank 0).
+
+    When ``addr`` is not set, local ranks talk to each other the way they reach the
+    controller. For a remote worker the ssh destination is the best guess of a reachable
+    address; a "user@" prefix is an ssh detail, not part of the address.
+    """
+    addr = r.host(w.field("addr"))
+    if addr is not None:
+        return addr
+    return controller.host if is_local else (ssh.target or host or "").rpartition("@")[2]
+
+
+def _read_ifname(r: NodeReader, field: Field) -> Optional[str]:
+    """``nccl_socket_ifname``, checked now because it is exported into every rank's
+    environment: it must be one line and fit in one environment string."""
+    ifname = r.string(field)
+    if ifname is None:
+        return None
+    return r.checked(field, ifname, "ifname", ifname_problem)
+
+
+def _read_worker_env(
+    r: NodeReader, field: Field, cluster_env: dict[str, str]
+) -> dict[str, str]:
+    """The worker's ``env``, checked together with the cluster's: each of the worker's ranks
+    gets both, so it is their union that must fit in one rank's environment."""
+    env = read_env(r, field)
+    if env:
+        _check_rank_env(r, field, cluster_env, env)
+    return env
 
 
 def _read_local_devices(r: NodeReader, field: Field) -> Union[tuple[int, ...], str, None]:

@@ -207,100 +207,24 @@ def build_plan(
     resolved = resolved_devices or {}
     prebuilt = prebuilt or {}
     environ = os.environ if launcher_env is None else launcher_env
-    for host in prebuilt:
-        if host not in {w.host for w in cluster.workers}:
-            raise ValueError(f"prebuild envelope names host {host!r}, which is not in the cluster")
+    _check_prebuilt_hosts(cluster, prebuilt)
 
     devices_by_worker = [worker_devices(w, resolved) for w in cluster.workers]
-    world_size = sum(len(d) for d in devices_by_worker)
-    if world_size == 0:
-        raise ValueError("the cluster has no ranks")
-    master_addr = next(
-        w.addr for w, d in zip(cluster.workers, devices_by_worker) if d
-    )
+    world_size = _world_size(devices_by_worker)
+    master_addr = _master_addr(cluster, devices_by_worker)
     loopback = bind_loopback(cluster)
-    if not loopback and cluster.controller.host in ("0.0.0.0", "::", ""):
-        raise ValueError(f"controller.host {cluster.controller.host!r} is a wildcard: remote "
-                         "workers need an address they can dial")
-    cluster_id = cluster_key(cluster)
-    workers_with_ranks = sum(1 for d in devices_by_worker if d)
-
-    ranks: list[RankPlan] = []
-    envelopes: dict[str, SlimEnvelope] = {}
-    next_rank = 0
-    for worker, devices in zip(cluster.workers, devices_by_worker):
-        if not devices:
-            continue
-        worker_ranks = tuple(range(next_rank, next_rank + len(devices)))
-        next_rank += len(devices)
-        gpu_list = tuple(d for d in devices if d is not None)
-        envelopes[worker.host] = SlimEnvelope(
-            run_id=run_id,
-            controller_host=controller_dial_host(cluster, worker),
-            controller_port=cluster.controller.port,
-            world_size=world_size,
-            num_workers=sum(1 for d in devices_by_worker if d),
-            host=worker.host,
-            ranks=worker_ranks,
-            local_devices=gpu_list if worker.nproc is None else None,
-            nccl_socket_ifname=worker.nccl_socket_ifname,
-            path=worker.path,
-            salt=salt,
-        )
-        entry = prebuilt.get(worker.host)
-        cwd = entry.cwd(worker.path) if entry else worker.path
-        rank_argv = (entry.program(worker.path), *argv[1:]) if entry else tuple(argv)
-        for local_rank, (rank, device) in enumerate(zip(worker_ranks, devices)):
-            env: dict[str, str] = forwarded_env(environ, (*cluster.env_forward,
-                                                           *worker.env_forward))
-            env.update({
-                ENV_LOCAL_RANK: str(local_rank),
-                ENV_HOST_NAME: worker.host,
-                ENV_RUN_ID: run_id,
-                ENV_CLUSTER_KEY: cluster_id,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(len(devices)),
-                "GROUP_RANK": str(worker.index),
-                "GROUP_WORLD_SIZE": str(workers_with_ranks),
-                "ROLE_NAME": ROLE_NAME,
-                "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(world_size),
-                "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(cluster.master_port),
-                "TORCHELASTIC_RUN_ID": run_id,
-                "TORCHELASTIC_RESTART_COUNT": str(attempt),
-                "TORCHELASTIC_MAX_RESTARTS": str(cluster.elastic.max_restarts),
-            })
-            if device is not None:
-                env["CUDA_VISIBLE_DEVICES"] = str(device)
-                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            for key in FORWARDED_ENV:
-                if environ.get(key):
-                    env[key] = environ[key]
-            if worker.nccl_socket_ifname:
-                env["NCCL_SOCKET_IFNAME"] = worker.nccl_socket_ifname
-                env["GLOO_SOCKET_IFNAME"] = worker.nccl_socket_ifname
-            # Ranks write to pipes; without this Python buffers their output
-            # for minutes. User env may turn it off.
-            env["PYTHONUNBUFFERED"] = "1"
-            user_ld = "LD_LIBRARY_PATH" in cluster.env or "LD_LIBRARY_PATH" in worker.env
-            if entry and not user_ld:
-                env["LD_LIBRARY_PATH"] = entry.ld_library_path
-            env.update(cluster.env)
-            env.update(worker.env)
-            ranks.append(
-                RankPlan(
-                    rank=rank,
-                    local_rank=local_rank,
-                    worker=worker,
-                    device=device,
-                    cwd=cwd,
-                    argv=rank_argv,
-                    env=env,
-                )
-            )
+    _check_controller_dialable(cluster, loopback)
+    run = _RunFacts(
+        cluster=cluster,
+        run_id=run_id,
+        cluster_id=cluster_key(cluster),
+        world_size=world_size,
+        workers_with_ranks=sum(1 for d in devices_by_worker if d),
+        master_addr=master_addr,
+        attempt=attempt,
+        environ=environ,
+    )
+    ranks, envelopes = _plan_workers(run, devices_by_worker, salt, prebuilt, argv)
     return LaunchPlan(
         cluster=cluster,
         run_id=run_id,
@@ -311,6 +235,229 @@ def build_plan(
         attempt=attempt,
         launcher_sets=frozenset(k for k in OMP_DEFAULT if k in environ),
     )
+
+
+@dataclass(frozen=True)
+class _RunFacts:
+    """What every rank of one plan shares, computed once in `build_plan` so the per-worker
+    and per-rank helpers take one argument for it instead of eight."""
+
+    cluster: ClusterSpec
+    run_id: str
+    cluster_id: str
+    world_size: int
+    workers_with_ranks: int
+    master_addr: str
+    attempt: int
+    #: The launcher's environment: the source of ``env_forward`` and `FORWARDED_ENV`.
+    environ: Mapping[str, str]
+
+
+def _check_prebuilt_hosts(cluster: ClusterSpec, prebuilt: Mapping[str, PrebuiltBinary]) -> None:
+    """A prebuilt binary for a host the cluster does not have means the build step and the
+    cluster file disagree; refusing beats silently running the fallback program."""
+    for host in prebuilt:
+        if host not in {w.host for w in cluster.workers}:
+            raise ValueError(f"prebuild envelope names host {host!r}, which is not in the cluster")
+
+
+def _world_size(devices_by_worker: Sequence[Sequence[Optional[int]]]) -> int:
+    """The number of ranks across all workers; a launch without any has nothing to run (and
+    no rank 0 to take ``MASTER_ADDR`` from), so it is refused here."""
+    world_size = sum(len(d) for d in devices_by_worker)
+    if world_size == 0:
+        raise ValueError("the cluster has no ranks")
+    return world_size
+
+
+def _master_addr(
+    cluster: ClusterSpec, devices_by_worker: Sequence[Sequence[Optional[int]]]
+) -> str:
+    """``MASTER_ADDR`` is where rank 0 runs: the address of the first worker that has ranks
+    (a ``local_devices: all`` host may have resolved to none)."""
+    return next(w.addr for w, d in zip(cluster.workers, devices_by_worker) if d)
+
+
+def _check_controller_dialable(cluster: ClusterSpec, loopback: bool) -> None:
+    """When some worker dials the coordinator over the network, ``controller.host`` is what
+    it dials; a wildcard is only good for binding, so it would fail on every such worker."""
+    if not loopback and cluster.controller.host in ("0.0.0.0", "::", ""):
+        raise ValueError(f"controller.host {cluster.controller.host!r} is a wildcard: remote "
+                         "workers need an address they can dial")
+
+
+def _plan_workers(
+    run: _RunFacts,
+    devices_by_worker: Sequence[Sequence[Optional[int]]],
+    salt: bytes,
+    prebuilt: Mapping[str, PrebuiltBinary],
+    argv: Sequence[str],
+) -> tuple[list[RankPlan], dict[str, SlimEnvelope]]:
+    """Number the ranks in roster order, worker by worker, and build each worker's ranks and
+    envelope; a worker without ranks takes no rank numbers and gets no envelope."""
+    ranks: list[RankPlan] = []
+    envelopes: dict[str, SlimEnvelope] = {}
+    next_rank = 0
+    for worker, devices in zip(run.cluster.workers, devices_by_worker):
+        if not devices:
+            continue
+        worker_ranks = tuple(range(next_rank, next_rank + len(devices)))
+        next_rank += len(devices)
+        envelopes[worker.host] = _worker_envelope(run, worker, worker_ranks, devices, salt)
+        ranks.extend(_worker_rank_plans(
+            run, worker, worker_ranks, devices, prebuilt.get(worker.host), argv
+        ))
+    return ranks, envelopes
+
+
+def _worker_envelope(
+    run: _RunFacts,
+    worker: WorkerSpec,
+    worker_ranks: tuple[int, ...],
+    devices: Sequence[Optional[int]],
+    salt: bytes,
+) -> SlimEnvelope:
+    """The envelope one worker's ranks receive: the run as that worker sees it, with the
+    controller address it must dial (loopback when tunneled) rather than the controller's."""
+    gpu_list = tuple(d for d in devices if d is not None)
+    return SlimEnvelope(
+        run_id=run.run_id,
+        controller_host=controller_dial_host(run.cluster, worker),
+        controller_port=run.cluster.controller.port,
+        world_size=run.world_size,
+        num_workers=run.workers_with_ranks,
+        host=worker.host,
+        ranks=worker_ranks,
+        local_devices=gpu_list if worker.nproc is None else None,
+        nccl_socket_ifname=worker.nccl_socket_ifname,
+        path=worker.path,
+        salt=salt,
+    )
+
+
+def _worker_command(
+    worker: WorkerSpec, entry: Optional[PrebuiltBinary], argv: Sequence[str]
+) -> tuple[str, tuple[str, ...]]:
+    """The cwd and argv of a worker's ranks: a prebuilt binary replaces the program (keeping
+    its arguments) and may move the cwd; without one the ranks run ``argv`` in ``path``."""
+    cwd = entry.cwd(worker.path) if entry else worker.path
+    rank_argv = (entry.program(worker.path), *argv[1:]) if entry else tuple(argv)
+    return cwd, rank_argv
+
+
+def _worker_rank_plans(
+    run: _RunFacts,
+    worker: WorkerSpec,
+    worker_ranks: tuple[int, ...],
+    devices: Sequence[Optional[int]],
+    entry: Optional[PrebuiltBinary],
+    argv: Sequence[str],
+) -> list[RankPlan]:
+    """One worker's ranks, in local-rank order: they share the command, and differ only in
+    their rank numbers and device, hence in their environment."""
+    cwd, rank_argv = _worker_command(worker, entry, argv)
+    return [
+        RankPlan(
+            rank=rank,
+            local_rank=local_rank,
+            worker=worker,
+            device=device,
+            cwd=cwd,
+            argv=rank_argv,
+            env=_rank_env(run, worker, rank, local_rank, device, len(devices), entry),
+        )
+        for local_rank, (rank, device) in enumerate(zip(worker_ranks, devices))
+    ]
+
+
+def _rank_env(
+    run: _RunFacts,
+    worker: WorkerSpec,
+    rank: int,
+    local_rank: int,
+    device: Optional[int],
+    local_world_size: int,
+    entry: Optional[PrebuiltBinary],
+) -> dict[str, str]:
+    """One rank's environment from the file and the launcher, layered lowest precedence
+    first (see `build_plan`) so that the user's ``env`` always has the last word."""
+    cluster = run.cluster
+    env: dict[str, str] = forwarded_env(run.environ, (*cluster.env_forward,
+                                                      *worker.env_forward))
+    env.update(_torchrun_env(run, worker, rank, local_rank, local_world_size))
+    env.update(_device_env(device))
+    env.update(_launcher_settings_env(run.environ))
+    env.update(_socket_ifname_env(worker))
+    # Ranks write to pipes; without this Python buffers their output
+    # for minutes. User env may turn it off.
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(_prebuilt_library_env(cluster, worker, entry))
+    env.update(cluster.env)
+    env.update(worker.env)
+    return env
+
+
+def _torchrun_env(
+    run: _RunFacts, worker: WorkerSpec, rank: int, local_rank: int, local_world_size: int
+) -> dict[str, str]:
+    """The variables torchrun sets for a rank, plus the launcher's own identity ones: a
+    training script written for torchrun must run unchanged under fdl-fabric."""
+    return {
+        ENV_LOCAL_RANK: str(local_rank),
+        ENV_HOST_NAME: worker.host,
+        ENV_RUN_ID: run.run_id,
+        ENV_CLUSTER_KEY: run.cluster_id,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(run.world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(worker.index),
+        "GROUP_WORLD_SIZE": str(run.workers_with_ranks),
+        "ROLE_NAME": ROLE_NAME,
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(run.world_size),
+        "MASTER_ADDR": run.master_addr,
+        "MASTER_PORT": str(run.cluster.master_port),
+        "TORCHELASTIC_RUN_ID": run.run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(run.attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(run.cluster.elastic.max_restarts),
+    }
+
+
+def _device_env(device: Optional[int]) -> dict[str, str]:
+    """Pin a GPU rank to its one device, numbered as ``nvidia-smi`` numbers them (PCI bus
+    order, CUDA's default being fastest-first); a CPU rank gets no pin."""
+    if device is None:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": str(device), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def _launcher_settings_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """`FORWARDED_ENV` as set (non-empty) where the launcher runs, so verbosity and network
+    timeouts chosen for the launch also apply to the ranks, on every host."""
+    return {key: environ[key] for key in FORWARDED_ENV if environ.get(key)}
+
+
+def _socket_ifname_env(worker: WorkerSpec) -> dict[str, str]:
+    """``nccl_socket_ifname`` names the interface for both NCCL and Gloo: they would
+    otherwise pick their own, possibly one the other hosts cannot reach."""
+    if not worker.nccl_socket_ifname:
+        return {}
+    return {
+        "NCCL_SOCKET_IFNAME": worker.nccl_socket_ifname,
+        "GLOO_SOCKET_IFNAME": worker.nccl_socket_ifname,
+    }
+
+
+def _prebuilt_library_env(
+    cluster: ClusterSpec, worker: WorkerSpec, entry: Optional[PrebuiltBinary]
+) -> dict[str, str]:
+    """A prebuilt binary needs its libraries found, unless the user set ``LD_LIBRARY_PATH``
+    in the cluster or worker ``env``: theirs wins, and is applied later anyway."""
+    user_ld = "LD_LIBRARY_PATH" in cluster.env or "LD_LIBRARY_PATH" in worker.env
+    if entry and not user_ld:
+        return {"LD_LIBRARY_PATH": entry.ld_library_path}
+    return {}
 
 
 def forwarded_env(environ: Mapping[str, str], patterns: Sequence[str]) -> dict[str, str]:

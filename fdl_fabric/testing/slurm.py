@@ -345,6 +345,49 @@ def _stepds(lab_id: str, folders: Sequence[Path], exclude: set[int]) -> list[psu
     return found
 
 
+@dataclass
+class _JobProcesses:
+    """What ``SlurmLab.stop()`` ends before the daemons, grouped by how it is ended."""
+
+    #: The lab's slurmstepds, left to exit once their tasks are gone.
+    stepds: list[psutil.Process]
+    #: The slurmstepds' descendants by depth (children first), to end deepest first.
+    levels: list[list[psutil.Process]]
+    #: Marked processes outside those trees: clients, and tasks that left with setsid.
+    others: list[psutil.Process]
+
+
+def _stepd_trees(stepds: Sequence[psutil.Process],
+                 skip: set[int]) -> tuple[list[list[psutil.Process]], set[int]]:
+    """The descendants of every slurmstepd merged by depth, and all their pids.
+
+    Merged by depth because `_end_jobs` ends them level by level, deepest first, across
+    all steps at once.  The pids tell which marked processes these trees already cover.
+    Pids in ``skip`` (ours, the daemons') are left out.
+    """
+    levels: list[list[psutil.Process]] = []
+    in_tree: set[int] = set()
+    for stepd in stepds:
+        for depth, level in enumerate(tree_levels(stepd.pid)):
+            while len(levels) <= depth:
+                levels.append([])
+            fresh = [p for p in level if p.pid not in skip]
+            levels[depth].extend(fresh)
+            in_tree.update(p.pid for p in fresh)
+    return levels, in_tree
+
+
+def _end_jobs(jobs: _JobProcesses, grace: float) -> None:
+    """End the job processes while the daemons still run: the tasks deepest first, then
+    the other marked processes, then the slurmstepds, given ``grace`` to exit by
+    themselves (they report to slurmd as they go) before they are terminated too."""
+    for level in reversed(jobs.levels):
+        terminate(level, grace)
+    terminate(jobs.others, grace)
+    lingering = wait_gone(jobs.stepds, grace)
+    terminate(lingering, grace)
+
+
 # --------------------------------------------------------------------------------------
 # The lab
 # --------------------------------------------------------------------------------------
@@ -640,38 +683,46 @@ class SlurmLab:
         grace = self.kill_grace
         # Daemons and their helpers (slurmctld's slurmscriptd) stop with their daemon.
         skip = own_lineage() | self._daemon_tree()
-        marked = _marked(self.lab_id, self.cluster_name, skip) if self._daemons else []
-        stepds = self._stepds(skip) if self._daemons else []
-        marked = [p for p in marked if p.pid not in {s.pid for s in stepds}]
-        levels: list[list[psutil.Process]] = []
-        in_tree: set[int] = set()
-        for stepd in stepds:
-            for depth, level in enumerate(tree_levels(stepd.pid)):
-                while len(levels) <= depth:
-                    levels.append([])
-                fresh = [p for p in level if p.pid not in skip]
-                levels[depth].extend(fresh)
-                in_tree.update(p.pid for p in fresh)
-        stepd_pids = {p.pid for p in stepds}
-        others = [p for p in marked if p.pid not in in_tree and p.pid not in stepd_pids]
-
-        for level in reversed(levels):
-            terminate(level, grace)
-        terminate(others, grace)
-        lingering = wait_gone(stepds, grace)
-        terminate(lingering, grace)
-
-        for daemon in reversed(self._daemons):
-            daemon.stop(grace)
-
-        if self._daemons:
-            late = _marked(self.lab_id, self.cluster_name, own_lineage())
-            late += self._stepds(own_lineage() | {p.pid for p in late})
-            if late:
-                terminate(late, grace)
+        _end_jobs(self._job_processes(skip), grace)
+        self._stop_daemons(grace)
+        self._end_stragglers(grace)
         if self._short_dir is not None:
             shutil.rmtree(self._short_dir, ignore_errors=True)
         stopped(self)
+
+    def _job_processes(self, skip: set[int]) -> _JobProcesses:
+        """This lab's job processes, apart from ``skip`` (ours and the daemons' trees).
+
+        Nothing is looked for when the lab has no daemon (never started): no job can
+        exist then.  A slurmstepd that also carries the marker counts as a slurmstepd
+        only, since slurmstepds are given time to exit by themselves.
+        """
+        if not self._daemons:
+            return _JobProcesses([], [], [])
+        marked = _marked(self.lab_id, self.cluster_name, skip)
+        stepds = self._stepds(skip)
+        stepd_pids = {p.pid for p in stepds}
+        marked = [p for p in marked if p.pid not in stepd_pids]
+        levels, in_tree = _stepd_trees(stepds, skip)
+        others = [p for p in marked if p.pid not in in_tree and p.pid not in stepd_pids]
+        return _JobProcesses(stepds, levels, others)
+
+    def _stop_daemons(self, grace: float) -> None:
+        """Each daemon by its Popen's pid, in reverse start order: every slurmd before
+        slurmctld, and munged last, since the others authenticate through it."""
+        for daemon in reversed(self._daemons):
+            daemon.stop(grace)
+
+    def _end_stragglers(self, grace: float) -> None:
+        """A last sweep once the daemons are gone, for any marked process or slurmstepd
+        that the first sweep missed (one started while it ran); only our own lineage is
+        spared now, since the daemons' trees have ended."""
+        if not self._daemons:
+            return
+        late = _marked(self.lab_id, self.cluster_name, own_lineage())
+        late += self._stepds(own_lineage() | {p.pid for p in late})
+        if late:
+            terminate(late, grace)
 
     def __enter__(self) -> SlurmLab:
         return self.start()

@@ -97,6 +97,117 @@ class _Stderr:
         self.session.stream_closed()
 
 
+# -- decoding: one JSON frame -> one report ---------------------------------------------
+# Each decoder rebuilds a frame's body into its report with the field types the
+# supervisor relies on: JSON numbers may arrive as floats or strings, optional fields may
+# be absent or null. A missing required field or a value that does not convert raises
+# KeyError, TypeError or ValueError, which `_Stdout.feed` reports as a bad frame.
+
+#: Builds the report of one kind of frame from the host's name and the frame's body.
+_Decoder = Callable[[str, dict[str, Any]], reports.Report]
+
+
+def _optional_int(value: Any) -> Optional[int]:
+    """An int, keeping null as None: a rank or exit code may legitimately be absent."""
+    return None if value is None else int(value)
+
+
+def _agent_ready(host: str, obj: dict[str, Any]) -> reports.Report:
+    """HELLO: the agent's description of itself, passed on whole; readers pick fields."""
+    return reports.AgentReady(host, obj)
+
+
+def _facts(host: str, obj: dict[str, Any]) -> reports.Report:
+    """FACTS: ``gpus`` is null when the GPUs could not be listed; that stays None (with
+    ``gpu_error`` saying why), distinct from an empty list (no GPU)."""
+    gpus = obj.get("gpus")
+    return reports.Facts(host, [int(g) for g in gpus] if isinstance(gpus, list) else None,
+                         str(obj.get("gpu_error", "")))
+
+
+def _preflight(host: str, obj: dict[str, Any]) -> reports.Report:
+    """PREFLIGHT: raw values as text, the form the verdicts parse."""
+    return reports.Preflight(host, {str(k): str(v) for k, v in obj["values"].items()})
+
+
+def _swept(host: str, obj: dict[str, Any]) -> reports.Report:
+    """SWEPT: passed on whole; the cleanup report reads what it needs."""
+    return reports.Swept(host, obj)
+
+
+def _spawned(host: str, obj: dict[str, Any]) -> reports.Report:
+    """SPAWNED: the rank's pid, which the supervisor names in stop and status messages."""
+    return reports.Spawned(host, int(obj["rank"]), int(obj["pid"]))
+
+
+def _spawn_failed(host: str, obj: dict[str, Any]) -> reports.Report:
+    """SPAWN_FAILED: which rank could not be started, and why."""
+    return reports.SpawnFailed(host, int(obj["rank"]), str(obj["reason"]))
+
+
+def _exited(host: str, obj: dict[str, Any]) -> reports.Report:
+    """EXITED: exactly one of ``code`` and ``signal`` is set; the other stays None."""
+    return reports.Exited(host, int(obj["rank"]), _optional_int(obj.get("code")),
+                          _optional_int(obj.get("signal")), str(obj.get("error", "")))
+
+
+def _verified(host: str, obj: dict[str, Any]) -> reports.Report:
+    """VERIFIED: an absent list means nothing of that kind."""
+    return reports.Verified(host, list(obj.get("stopped", [])), list(obj.get("remaining", [])))
+
+
+def _agent_error(host: str, obj: dict[str, Any]) -> reports.Report:
+    """ERROR: ``rank`` is null for a problem of the agent's own rather than a rank's."""
+    return reports.AgentError(host, str(obj.get("message", "")), _optional_int(obj.get("rank")))
+
+
+def _agent_done(host: str, obj: dict[str, Any]) -> reports.Report:
+    """DONE: no body; `AgentSession.handle` also notes it (a clean end needs it)."""
+    return reports.AgentDone(host)
+
+
+def _signaled(host: str, obj: dict[str, Any]) -> reports.Report:
+    """SIGNALED: ``by`` (the note of a cleanup that stopped this run) is kept only when it
+    is an object, the shape `reports.Signaled` declares; anything else is dropped."""
+    by = obj.get("by")
+    return reports.Signaled(host, str(obj["signal"]), bool(obj.get("stopping")),
+                            bool(obj.get("forwarded")), by if isinstance(by, dict) else None)
+
+
+def _stacks(host: str, obj: dict[str, Any]) -> reports.Report:
+    """STACKS_REPORT: JSON object keys are strings, ranks are ints; a rank entry that is not
+    an object is dropped so the stack view never has to guard against it."""
+    ranks = obj.get("ranks") or {}
+    return reports.Stacks(host, int(obj.get("id") or 0), obj.get("run"),
+                          {int(k): v for k, v in ranks.items() if isinstance(v, dict)},
+                          bool(obj.get("py_spy")), str(obj.get("error") or ""))
+
+
+def _runs(host: str, obj: dict[str, Any]) -> reports.Report:
+    """RUNS: null lists count as empty, and entries that are not run objects are dropped."""
+    return reports.Runs(host, [r for r in obj.get("runs") or [] if isinstance(r, dict)],
+                        [str(e) for e in obj.get("errors") or []])
+
+
+#: The decoder of every JSON frame kind that becomes a report (OUTPUT is binary and
+#: HEARTBEAT carries nothing; `_Stdout.feed` handles both before this table).
+_DECODERS: dict[int, _Decoder] = {
+    wire.HELLO: _agent_ready,
+    wire.FACTS: _facts,
+    wire.PREFLIGHT: _preflight,
+    wire.SWEPT: _swept,
+    wire.SPAWNED: _spawned,
+    wire.SPAWN_FAILED: _spawn_failed,
+    wire.EXITED: _exited,
+    wire.VERIFIED: _verified,
+    wire.ERROR: _agent_error,
+    wire.DONE: _agent_done,
+    wire.SIGNALED: _signaled,
+    wire.STACKS_REPORT: _stacks,
+    wire.RUNS: _runs,
+}
+
+
 class AgentSession:
     """One host's agent, over its host's `Transport`; see the module docstring."""
 
@@ -227,48 +338,21 @@ class AgentSession:
 
     # -- reading (runner threads) -----------------------------------------------------------
     def handle(self, kind: int, obj: dict[str, Any]) -> None:
-        host, post = self.host, self.post
-        if kind == wire.HELLO:
-            post(reports.AgentReady(host, obj))
-        elif kind == wire.FACTS:
-            gpus = obj.get("gpus")
-            post(reports.Facts(host, [int(g) for g in gpus] if isinstance(gpus, list) else None,
-                               str(obj.get("gpu_error", ""))))
-        elif kind == wire.PREFLIGHT:
-            post(reports.Preflight(host, {str(k): str(v) for k, v in obj["values"].items()}))
-        elif kind == wire.SWEPT:
-            post(reports.Swept(host, obj))
-        elif kind == wire.SPAWNED:
-            post(reports.Spawned(host, int(obj["rank"]), int(obj["pid"])))
-        elif kind == wire.SPAWN_FAILED:
-            post(reports.SpawnFailed(host, int(obj["rank"]), str(obj["reason"])))
-        elif kind == wire.EXITED:
-            code, sig = obj.get("code"), obj.get("signal")
-            post(reports.Exited(host, int(obj["rank"]), None if code is None else int(code),
-                                None if sig is None else int(sig), str(obj.get("error", ""))))
-        elif kind == wire.VERIFIED:
-            post(reports.Verified(host, list(obj.get("stopped", [])),
-                                  list(obj.get("remaining", []))))
-        elif kind == wire.ERROR:
-            rank = obj.get("rank")
-            post(reports.AgentError(host, str(obj.get("message", "")),
-                                    None if rank is None else int(rank)))
-        elif kind == wire.DONE:
+        """Post the report one JSON frame carries (`_DECODERS`).
+
+        A kind with no decoder is ignored rather than refused: the reader has already
+        checked it against `wire.UP_TYPES`. DONE is also noted on the session, before it
+        is posted: only an agent that said DONE ends cleanly (`stream_closed`). A malformed
+        body raises out of its decoder before anything is posted; `_Stdout.feed` turns
+        that into a protocol error.
+        """
+        decode = _DECODERS.get(kind)
+        if decode is None:
+            return
+        report = decode(self.host, obj)
+        if kind == wire.DONE:
             self.done = True
-            post(reports.AgentDone(host))
-        elif kind == wire.SIGNALED:
-            by = obj.get("by")
-            post(reports.Signaled(host, str(obj["signal"]), bool(obj.get("stopping")),
-                                  bool(obj.get("forwarded")), by if isinstance(by, dict)
-                                  else None))
-        elif kind == wire.STACKS_REPORT:
-            ranks = obj.get("ranks") or {}
-            post(reports.Stacks(host, int(obj.get("id") or 0), obj.get("run"),
-                                {int(k): v for k, v in ranks.items() if isinstance(v, dict)},
-                                bool(obj.get("py_spy")), str(obj.get("error") or "")))
-        elif kind == wire.RUNS:
-            post(reports.Runs(host, [r for r in obj.get("runs") or [] if isinstance(r, dict)],
-                              [str(e) for e in obj.get("errors") or []]))
+        self.post(report)
 
     def protocol_error(self, reason: str) -> None:
         """A malformed stream: stop reading it, end the agent, say why (naming the host)."""
