@@ -15,7 +15,6 @@ from invoke.context import Context
 from invoke.exceptions import Exit
 from invoke.tasks import task
 
-from .clusterfile import parse_max_failure
 from .commands import flags
 from .commands.cleanup import run_cleanup
 from .commands.launch import LaunchOptions
@@ -59,11 +58,6 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
                    hang_timeout: Optional[str] = None) -> LaunchOptions:
     """The launch's options from the flags as invoke gives them, every one checked: a bad
     value is a FdlError (exit 2) naming its flag, before anything is read or started."""
-    if max_failure is not None:
-        try:
-            parse_max_failure(max_failure)
-        except ValueError as exc:
-            raise flags.usage("--max-failure", str(exc)) from None
     return LaunchOptions(
         # --slurm reads a cluster file only when one is named: the flags can say it all.
         cluster_file=None if slurm and cluster is None
@@ -73,7 +67,7 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         kill_grace=flags.seconds("--kill-grace", kill_grace),
         verbosity=1 + flags.verbosity(verbose),
         quiet=quiet,
-        max_failure=max_failure,
+        max_failure=flags.max_failure(max_failure),
         max_restarts=flags.restarts("--max-restarts", max_restarts),
         log_dir=flags.log_dir(log_dir or settings["log_dir"] or None),
         dry_run=dry_run,

@@ -190,4 +190,9 @@ def test_fdl_fabric_run_exits_2_on_its_own_usage_errors() -> None:
     assert out.returncode == 2 and "--nproc-per-node" in out.stderr
     out = fdl_fabric("run")
     assert out.returncode == 2 and "training_script" in out.stderr
+    # A worker's nproc bound holds for `run` as for a cluster file: nothing is started.
+    out = fdl_fabric("run", "--nproc-per-node", "2000", "x.py")
+    assert out.returncode == 2
+    assert out.stderr.strip().endswith("--nproc-per-node: expected a number of ranks per node, "
+                                       "1-1024, got '2000'")
     assert os.environ.get("FLODL_INTERNAL_RUN_ID") is None

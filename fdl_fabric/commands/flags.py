@@ -15,12 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import EXIT_USAGE, FdlError
+from ..clusterfile import parse_max_failure
+from ..errors import usage
 from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
-
-
-def usage(flag: str, message: str) -> FdlError:
-    return FdlError(f"{flag}: {message}", EXIT_USAGE)
+from ..supervision.policy import MaxFailure
 
 
 def verbosity(value: Union[None, bool, str, int]) -> int:
@@ -82,7 +80,8 @@ def restarts(flag: str, text: Union[None, str, int]) -> Optional[int]:
 
 
 def nproc_per_node(flag: str, value: Optional[str]) -> Optional[int]:
-    """Ranks on each node of a Slurm launch: a whole number; None when not given."""
+    """Ranks on each node or host: a whole number up to `RANKS_PER_WORKER_MAX`, the same
+    bound as a worker's ``nproc`` in the cluster file; None when not given."""
     if value is None:
         return None
     text = str(value).strip()
@@ -90,6 +89,17 @@ def nproc_per_node(flag: str, value: Optional[str]) -> Optional[int]:
         raise usage(flag, f"expected a number of ranks per node, 1-{RANKS_PER_WORKER_MAX}, "
                     f"got {value!r}")
     return int(text)
+
+
+def max_failure(text: Optional[str]) -> Optional[MaxFailure]:
+    """``--max-failure``: a count or a percentage, parsed by the cluster file's own rule;
+    None when the flag is not given (the file's ``elastic.max_failure`` then applies)."""
+    if text is None:
+        return None
+    try:
+        return parse_max_failure(text)
+    except ValueError as exc:
+        raise usage("--max-failure", str(exc)) from None
 
 
 def cluster_file(value: Optional[str], default: str) -> str:

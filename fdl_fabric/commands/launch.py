@@ -40,7 +40,7 @@ from types import FrameType
 from typing import Any, Optional, Union
 
 from .. import shell
-from ..clusterfile import ClusterSpec, ConfigError, parse_max_failure
+from ..clusterfile import ClusterSpec
 from ..errors import EXIT_FAILURE, EXIT_USAGE, FdlError
 from ..events import Event, EventBus, Name, event
 from ..limits import RANKS_MAX, RANKS_PER_WORKER_MAX
@@ -85,7 +85,8 @@ class LaunchOptions:
     kill_grace: Optional[float] = None
     verbosity: int = 1
     quiet: bool = False
-    max_failure: Optional[str] = None
+    #: ``--max-failure``, parsed (`flags.max_failure`); None: the cluster file's applies.
+    max_failure: MaxFailure = None
     log_dir: Optional[str] = None
     dry_run: bool = False
     env_overrides: dict[str, str] = field(default_factory=dict)
@@ -135,12 +136,8 @@ def net_timeout_scale(environ: Mapping[str, str]) -> float:
 
 
 def resolve_max_failure(opts: LaunchOptions, cluster: ClusterSpec) -> MaxFailure:
-    if opts.max_failure is None:
-        return cluster.elastic.max_failure
-    try:
-        return parse_max_failure(opts.max_failure)
-    except ValueError as exc:
-        raise FdlError(f"--max-failure: {exc}", EXIT_USAGE) from None
+    """The flag wins over the file; both were parsed when they were read."""
+    return cluster.elastic.max_failure if opts.max_failure is None else opts.max_failure
 
 
 def coordinator_spec(plan: LaunchPlan, scale: float) -> CoordinatorSpec:
@@ -284,10 +281,7 @@ class Launch:
                 if resolved is None:
                     return 0
                 self._launch(resolved)
-            except ConfigError as exc:
-                self.events(Name.REFUSED, error=str(exc))
-                return EXIT_USAGE
-            except FdlError as exc:
+            except FdlError as exc:  # a ConfigError too: it is one, with exit code 2
                 if exc.exit_code == EXIT_USAGE and not self.run_id:
                     self.events(Name.REFUSED, error=str(exc))
                     return EXIT_USAGE

@@ -24,7 +24,7 @@ from typing import NoReturn, Optional
 
 from ..agent.checks import gpu_indices
 from ..clusterfile import ClusterSpec, ControllerSpec, ElasticSpec, SshSpec, WorkerSpec
-from ..errors import EXIT_USAGE, FdlError
+from ..errors import EXIT_USAGE, FdlError, usage
 from ..events import EventBus, Name
 from ..presentation.output import Console
 from . import flags
@@ -118,24 +118,26 @@ def _refuse_torchrun_only_flags(argv: list[str]) -> None:
             continue
         name = word[2:].split("=", 1)[0].replace("_", "-")
         if name in REFUSED:
-            raise flags.usage(f"--{name}", f"not supported by `fdl-fabric run`: "
+            raise usage(f"--{name}", f"not supported by `fdl-fabric run`: "
                               f"{REFUSED[name]}")
 
 
 def nproc(value: str) -> int:
     """torchrun's --nproc-per-node: a number, or gpu / cpu / auto."""
     text = value.strip().lower()
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    if text in ("gpu", "auto"):
-        gpus = _gpu_count()
-        if gpus:
-            return gpus
-        if text == "gpu":
-            raise flags.usage("--nproc-per-node", "gpu: no GPU found (nvidia-smi)")
-    if text in ("cpu", "auto"):
-        return os.cpu_count() or 1
-    raise flags.usage("--nproc-per-node", f"expected a number, gpu, cpu or auto, got {value!r}")
+    count: Optional[int] = None
+    if text.isdigit():
+        count = int(text)
+    elif text in ("gpu", "auto"):
+        count = _gpu_count() or None
+        if count is None and text == "gpu":
+            raise usage("--nproc-per-node", "gpu: no GPU found (nvidia-smi)")
+    if count is None and text in ("cpu", "auto"):
+        count = os.cpu_count() or 1
+    if count is None:
+        raise usage("--nproc-per-node", f"expected a number, gpu, cpu or auto, got {value!r}")
+    # The bound of a worker's nproc in a cluster file, checked by the same function.
+    return flags.nproc_per_node("--nproc-per-node", str(count)) or count
 
 
 def _gpu_count() -> int:
@@ -155,7 +157,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         script_args = script_args[1:]
     if args.no_python:
         if args.module:
-            raise flags.usage("--no-python", "cannot be combined with -m")
+            raise usage("--no-python", "cannot be combined with -m")
         return [args.training_script, *script_args]
     if args.module:
         return [sys.executable, "-u", "-m", args.training_script, *script_args]
@@ -165,10 +167,10 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 def cluster_for(args: argparse.Namespace) -> ClusterSpec:
     """The one-host cluster a ``run`` means (what a cluster.yml would say)."""
     if args.nnodes.strip() not in ("1", "1:1"):
-        raise flags.usage("--nnodes", f"`fdl-fabric run` is one host, got {args.nnodes!r}: for "
+        raise usage("--nnodes", f"`fdl-fabric run` is one host, got {args.nnodes!r}: for "
                           "several hosts write a cluster.yml and use `fdl-fabric launch`")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
-        raise flags.usage("--master-port", f"expected 1-65535, got {args.master_port}")
+        raise usage("--master-port", f"expected 1-65535, got {args.master_port}")
     grace = flags.seconds("--kill-grace", args.kill_grace)
     cwd = os.getcwd()
     worker = WorkerSpec(index=0, host="localhost", nproc=nproc(args.nproc_per_node),

@@ -29,7 +29,6 @@ class RankError:
 
     message: str
     traceback: str = ""
-    timestamp: Optional[float] = None
 
     def traceback_tail(self, lines: int = TRACEBACK_LINES) -> list[str]:
         return self.traceback.rstrip("\n").splitlines()[-lines:] if self.traceback else []
@@ -54,12 +53,6 @@ def parse(text: str) -> Optional[RankError]:
     message = str(body.get("message", "")).strip()
     info = body.get("extraInfo")
     extra: dict[str, Any] = info if isinstance(info, dict) else {}
-    stamp: Optional[float]
-    try:
-        stamp = float(str(extra.get("timestamp")))
-    except ValueError:
-        stamp = None
     callstack = extra.get("py_callstack")
     return RankError(message=message or "(no message)",
-                     traceback=callstack if isinstance(callstack, str) else "",
-                     timestamp=stamp)
+                     traceback=callstack if isinstance(callstack, str) else "")
