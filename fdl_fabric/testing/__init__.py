@@ -11,7 +11,9 @@ or, in pytest, with ``pytest_plugins = ["fdl_fabric.testing.fixtures"]`` in a co
     def test_something(sshd_lab):
         lab = sshd_lab(n_hosts=3)
 
-The package: `sshd` (`SshdLab`, `LabHost`), `netns` (`NetnsLab`), `slurm` (`SlurmLab`),
+The package: `sshd` (`SshdLab`, `LabHost`; its parts are the `sshd_*` modules: `tools`,
+`config`, `login`, `registry`, `process`, `host`, `lab`), `netns` (`NetnsLab`), `slurm`
+(`SlurmLab`),
 `processes` (stopping what a lab started), `launches` (running ``inv launch`` as a
 process and watching it: one helper for tests and benchmarks), `fixtures` (pytest).
 """
