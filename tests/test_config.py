@@ -1481,6 +1481,14 @@ def test_controller_host_follows_the_grammar() -> None:
     assert problem_at(err, "controller.host").message.startswith("contains ';'")
 
 
+def test_a_wildcard_controller_host_is_refused_when_a_remote_worker_must_dial_it() -> None:
+    err = refused("controller: {host: 0.0.0.0}\n"
+                  "workers: [{host: gpu-a.example.invalid, nproc: 1, path: /srv}]")
+    assert problem_at(err, "controller").message.startswith("host '0.0.0.0' is a wildcard")
+    # Only local workers: nothing dials it, so binding every address is allowed.
+    parse("controller: {host: 0.0.0.0}\nworkers: [{host: launcher, nproc: 1}]")
+
+
 def test_ssh_target_may_name_a_user() -> None:
     w = worker("host: gpu2\nnproc: 1\npath: /x\nssh: {target: deploy.bot@10.0.0.2}")
     assert (w.ssh.target, w.addr) == ("deploy.bot@10.0.0.2", "10.0.0.2")

@@ -12,6 +12,7 @@ step left (``squeue --steps``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -376,3 +377,20 @@ def test_salloc_runs_the_documented_command(lab: SlurmLab) -> None:
     assert result.returncode == 0, result.stderr
     assert "cluster launcher: run completed — all 6 ranks exited 0" in result.stderr
     assert result.stdout.count("done: saved") == 6
+
+
+def test_prebuild_check_of_a_slurm_file_checks_every_node_of_the_allocation(
+        jobs: Any, tmp_path: Path) -> None:
+    job = jobs(3)
+    cluster = slurm_cluster(tmp_path, command="python3 train.py", path=str(tmp_path))
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    out = subprocess.run([*INV, "prebuild-check", "--cluster", str(cluster), "--json"],
+                         env=job.env, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    report = json.loads(out.stdout)
+    hosts = {row["host"] for row in report["checks"]}
+    assert {"n1", "n2", "n3"} <= hosts, report
+    programs = [row for row in report["checks"] if row["check"] == "program"]
+    assert {row["host"] for row in programs} == {"n1", "n2", "n3"}
+    assert all(row["status"] == "ok" for row in programs), programs
+    assert out.returncode == (0 if report["ok"] else 1)
+    assert job.agent_steps() == []

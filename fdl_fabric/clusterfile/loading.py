@@ -16,6 +16,8 @@ from typing import Optional, Union
 from ..limits import FILE_MAX_BYTES, PROBLEMS_MAX
 from .model import ClusterSpec
 from .problems import ConfigError, file_too_big, make_problem
+from .schema import read_cluster
+from .yamlread import NodeReader, Stop
 
 
 def this_host_name() -> str:
@@ -123,9 +125,6 @@ def parse_cluster(
     folder = os.path.abspath(folder if folder is not None else os.path.dirname(file) or ".")
     if local_hostname is None:
         local_hostname = this_host_name()
-    from .schema import read_cluster
-    from .yamlread import NodeReader, Stop
-
     reader = NodeReader(file)
     spec: Optional[ClusterSpec] = None
     try:

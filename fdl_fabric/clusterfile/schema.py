@@ -139,6 +139,10 @@ def read_cluster(
         if worker is not None:
             workers.append(worker)
 
+    _check_controller_dialable(r, top.field("controller"), controller,
+                               slurm is not None or any(not w.is_local and not w.tunnel
+                                                        for w in workers))
+
     # Every rank gets its own environment in the plan, so the total is what memory scales
     # with. `local_devices: all` counts 0 here: its length is only known from the host.
     ranks = sum(_ranks_of(w) for w in workers)
@@ -234,6 +238,16 @@ def _read_controller(r: NodeReader, field: Field) -> ControllerSpec:
         host=_or(r.host(block.field("host")), default.host),
         port=_or(r.integer(block.field("port"), minimum=1, maximum=PORT_MAX), default.port),
     )
+
+
+def _check_controller_dialable(r: NodeReader, field: Field, controller: ControllerSpec,
+                               dialed: bool) -> None:
+    """When some worker dials the coordinator over the network (a remote worker that is not
+    tunneled, or any Slurm node), ``controller.host`` is what it dials; a wildcard is only
+    good for binding, so it would fail on every such worker."""
+    if dialed and controller.host in ("0.0.0.0", "::", ""):
+        r.problem(field, f"host {controller.host!r} is a wildcard: remote "
+                  "workers need an address they can dial")
 
 
 def _read_elastic(r: NodeReader, field: Field) -> ElasticSpec:

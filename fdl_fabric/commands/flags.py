@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
+from ..agent.wire import AGENT_TIMEOUT_MIN
 from ..clusterfile import parse_max_failure
 from ..errors import usage
 from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
@@ -61,8 +62,6 @@ def seconds(flag: str, text: Optional[str]) -> Optional[float]:
 
 def agent_timeout(text: Optional[str]) -> Optional[float]:
     """``--agent-timeout``: seconds, at least `wire.AGENT_TIMEOUT_MIN`."""
-    from ..agent.wire import AGENT_TIMEOUT_MIN
-
     value = seconds("--agent-timeout", text)
     if value is not None and value < AGENT_TIMEOUT_MIN:
         raise usage("--agent-timeout", f"must be at least {AGENT_TIMEOUT_MIN:g} seconds (agents "

@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -68,6 +69,7 @@ from ..transport import Transport, for_cluster, resolve_cluster
 from ..transport.fanout import close_all, connect_all, connect_each, start_agents
 from ..transport.session import AgentSession
 from ..transport.sshconfig import SshSettings, resolve_all_settings
+from .cleanup import sweep_request, sweep_with_agents
 
 #: Seconds to wait for every agent's answer to a device probe.
 PROBE_TIMEOUT = 60.0
@@ -584,8 +586,6 @@ class Launch:
                  if h in self.faulted and t.sweep_after_loss]
         if not hosts:
             return
-        from .cleanup import sweep_request, sweep_with_agents
-
         # A connection to a host that stopped answering is not to be trusted, whatever
         # paramiko thinks of it: every faulted host gets a fresh one.
         close_all(hosts)
@@ -710,8 +710,6 @@ def third_party_logs(events: EventBus, verbosity: int) -> Iterator[None]:
     previous_hook = threading.excepthook
 
     def hook(args: threading.ExceptHookArgs) -> None:
-        import traceback
-
         name = args.thread.name if args.thread is not None else "?"
         events(Name.THREAD_CRASHED, thread=name, error_type=args.exc_type.__name__,
                error=str(args.exc_value))

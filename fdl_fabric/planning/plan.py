@@ -213,7 +213,6 @@ def build_plan(
     world_size = _world_size(devices_by_worker)
     master_addr = _master_addr(cluster, devices_by_worker)
     loopback = bind_loopback(cluster)
-    _check_controller_dialable(cluster, loopback)
     run = _RunFacts(
         cluster=cluster,
         run_id=run_id,
@@ -276,14 +275,6 @@ def _master_addr(
     """``MASTER_ADDR`` is where rank 0 runs: the address of the first worker that has ranks
     (a ``local_devices: all`` host may have resolved to none)."""
     return next(w.addr for w, d in zip(cluster.workers, devices_by_worker) if d)
-
-
-def _check_controller_dialable(cluster: ClusterSpec, loopback: bool) -> None:
-    """When some worker dials the coordinator over the network, ``controller.host`` is what
-    it dials; a wildcard is only good for binding, so it would fail on every such worker."""
-    if not loopback and cluster.controller.host in ("0.0.0.0", "::", ""):
-        raise ValueError(f"controller.host {cluster.controller.host!r} is a wildcard: remote "
-                         "workers need an address they can dial")
 
 
 def _plan_workers(

@@ -12,12 +12,12 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from ..clusterfile import ConfigError
-from ..errors import EXIT_USAGE
+from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
 from ..presentation.output import Console
 from ..shell import command_words
-from ..transport.sshconfig import load_with_settings
+from ..transport import resolve_cluster
+from ..transport.sshconfig import resolve_all_settings
 from .run import run_checks
 
 
@@ -32,10 +32,13 @@ def check_cluster(cluster_file: str, *, cmd: Optional[str] = None, words: Sequen
     console = console or Console()
     events = EventBus(console)
     try:
-        cluster, settings = load_with_settings(cluster_file, events)
-    except ConfigError as exc:
+        # A `scheduler: slurm` file means the nodes of this allocation, as for a launch:
+        # each is checked through its own srun step.
+        cluster = resolve_cluster(cluster_file)
+        settings = resolve_all_settings(cluster, events)
+    except FdlError as exc:  # a ConfigError is one, exit 2
         events(Name.REFUSED, error=str(exc))
-        return EXIT_USAGE
+        return exc.exit_code
     try:
         argv = command_words(words, cmd, cluster.command)
     except ValueError as exc:

@@ -14,9 +14,11 @@ JSON; a disk that fills up is reported once and the run goes on.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -189,8 +191,6 @@ class Console:
 
 def render_status(ranks: Sequence[Rank], width: int, height: int, color: bool) -> str:
     """The live table as terminal text, at most ``height - 2`` lines (the rest elided)."""
-    import io
-
     from rich.console import Console as RichConsole
 
     keep = max(1, height - 3)
@@ -229,9 +229,6 @@ _CHECK_STYLES = {"ok": "green", "warn": "yellow", "FAIL": "bold red"}
 def check_table(checks: Sequence[Mapping[str, str]]) -> str:
     """A pre-flight report as a rich table with colors, for a person at a terminal (plain
     output, one check a line, is `words`')."""
-    import io
-    import shutil
-
     from rich import box
     from rich.console import Console as RichConsole
     from rich.table import Table

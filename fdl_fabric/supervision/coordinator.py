@@ -118,25 +118,33 @@ class CoordinatorSpec:
     hello_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not self.run_id:
-            raise ValueError("coordinator: run_id must be a non-empty string")
-        if not isinstance(self.salt, bytes) or len(self.salt) != 16:
-            raise ValueError("coordinator: salt must be 16 bytes")
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) \
-                or self.world_size < 1:
-            raise ValueError(
-                f"coordinator: world_size must be an int >= 1, got {self.world_size!r}")
-        if not isinstance(self.bind_host, str) or not self.bind_host:
-            raise ValueError("coordinator: bind_host must be a non-empty address")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) \
-                or not 0 <= self.port <= 65535:
-            raise ValueError(f"coordinator: port must be in 0..65535, got {self.port!r}")
-        for name in ("formation_timeout", "heartbeat_timeout", "hello_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"coordinator: {name} must be a positive number of seconds, "
-                                 f"got {value!r}")
+        """Invariants, not input checks: the cluster file and the flags validated every
+        value with its key or flag named; these guard code that builds a spec by hand."""
+        for name, ok, expected in (
+            ("run_id", _text(self.run_id), "a non-empty string"),
+            ("salt", isinstance(self.salt, bytes) and len(self.salt) == 16, "16 bytes"),
+            ("world_size", _whole(self.world_size) and self.world_size >= 1, "an int >= 1"),
+            ("bind_host", _text(self.bind_host), "a non-empty address"),
+            ("port", _whole(self.port) and 0 <= self.port <= 65535, "in 0..65535"),
+            *((t, _positive_seconds(getattr(self, t)), "a positive number of seconds")
+              for t in ("formation_timeout", "heartbeat_timeout", "hello_timeout")),
+        ):
+            if not ok:
+                raise ValueError(f"coordinator: {name} must be {expected}, "
+                                 f"got {getattr(self, name)!r}")
+
+
+def _text(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_seconds(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
 
 
 class DeadRanks:

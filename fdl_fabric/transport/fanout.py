@@ -9,6 +9,7 @@ A host that fails is named with its reason; the others are still served.
 from __future__ import annotations
 
 import contextlib
+import resource
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -128,8 +129,6 @@ FDS_MARGIN = 256
 def ensure_fd_limit(hosts: int) -> None:
     """Raise the soft RLIMIT_NOFILE (often 1,024) toward the hard limit when a launch of
     this many hosts needs more: 512 Slurm nodes hold 1,536 pipes."""
-    import resource
-
     need = FDS_PER_HOST * hosts + FDS_MARGIN
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:

@@ -42,7 +42,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..clusterfile import ClusterSpec, ControllerSpec, SlurmSpec, SshSpec, WorkerSpec
+from ..clusterfile import (
+    ClusterSpec,
+    ControllerSpec,
+    SlurmSpec,
+    SshSpec,
+    WorkerSpec,
+    load_cluster,
+    parse_cluster,
+)
 from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
 from ..limits import RANKS_MAX
@@ -168,8 +176,6 @@ def load(cluster_file: Optional[str], *, flag: str = "--slurm",
          environ: Optional[Mapping[str, str]] = None) -> ClusterSpec:
     """The cluster of a Slurm launch or cleanup: ``--slurm`` alone reads no file (the flags
     say everything); a named file must say ``scheduler: slurm`` and list no workers."""
-    from ..clusterfile import load_cluster, parse_cluster
-
     if cluster_file is None:
         cluster = parse_cluster("scheduler: slurm\n", file=flag, folder=os.getcwd())
     else:
