@@ -72,6 +72,9 @@ class Name(str, Enum):
     LOG_FAILED = ("log_failed", Kind.WARNING)
     FAILURE_DETAIL = ("failure_detail", Kind.WARNING)
     RESTARTING = ("restarting", Kind.RESTART)
+    #: The membership of an attempt: its hosts, world size, who is left out and why.
+    ATTEMPT_HOSTS = ("attempt_hosts", Kind.DEBUG)
+    HOSTS_LEFT_OUT = ("hosts_left_out", Kind.WARNING)
     SWEEP_UNREACHABLE = ("sweep_unreachable", Kind.WARNING)
     SWEEP_INCOMPLETE = ("sweep_incomplete", Kind.WARNING)
     SWEEP_STOPPED = ("sweep_stopped", Kind.WARNING)
@@ -136,6 +139,8 @@ class Name(str, Enum):
     COMPLETED = ("completed", Kind.VERDICT)
     COMPLETED_TEARDOWN = ("completed_teardown", Kind.VERDICT)
     DEGRADED = ("degraded", Kind.VERDICT)
+    COMPLETED_ON_FEWER_HOSTS = ("completed_on_fewer_hosts", Kind.VERDICT)
+    NOT_ENOUGH_HOSTS = ("not_enough_hosts", Kind.VERDICT)
     EVERY_RANK_LOST = ("every_rank_lost", Kind.VERDICT)
     MAX_FAILURE_EXCEEDED = ("max_failure_exceeded", Kind.VERDICT)
     MAX_FAILURE_REACHED = ("max_failure_reached", Kind.SHUTDOWN)

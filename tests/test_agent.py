@@ -202,8 +202,8 @@ def test_a_usr1_sent_to_the_agent_is_passed_on_to_its_ranks_and_reported(
     os.kill(agent.proc.pid, signal.SIGUSR1)
     said = agent.until(wire.SIGNALED)[-1]
     assert wire.parse_json(said[1]) == {"signal": "USR1", "stopping": False, "forwarded": True}
-    deadline = time.monotonic() + 5
-    while not mark.exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 5  # `>>` creates the file before echo writes to it
+    while not (mark.exists() and mark.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert mark.read_text() == "got\n"
     agent.close_input()

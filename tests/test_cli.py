@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from fdl_fabric.clusterfile import parse_cluster
+from fdl_fabric.commands import flags
+from fdl_fabric.errors import FdlError
 from fdl_fabric.planning.plan import build_plan
 from labutil import ROOT, dumps, run_launch
 
@@ -196,3 +198,43 @@ def test_fdl_fabric_run_exits_2_on_its_own_usage_errors() -> None:
     assert out.stderr.strip().endswith("--nproc-per-node: expected a number of ranks per node, "
                                        "1-1024, got '2000'")
     assert os.environ.get("FLODL_INTERNAL_RUN_ID") is None
+
+
+def test_a_dry_run_lists_spares_apart_and_plans_only_the_roster(tmp_path: Path) -> None:
+    path = tmp_path / "spares.yml"
+    path.write_text(textwrap.dedent("""\
+        elastic: {min_hosts: 1}
+        workers:
+          - {host: localhost, nproc: 2}
+          - {host: gpu-s.example.invalid, nproc: 4, path: /srv, spare: true}
+        """))
+    out = run_launch(path, "--dry-run", "--cmd", "python3 train.py")
+    assert out.returncode == 0, out.stderr
+    assert "2 rank(s) on 1 host(s)" in out.stdout
+    assert "spares (started only in place of a lost host): gpu-s.example.invalid" in out.stdout
+    assert "min_hosts 1: an attempt starts with at least that many hosts" in out.stdout
+    assert "host gpu-s.example.invalid:" not in out.stdout
+
+
+def test_min_hosts_above_the_roster_and_a_roster_of_spares_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yml"
+    path.write_text("elastic: {min_hosts: 2}\nworkers:\n  - {host: localhost, nproc: 1}\n"
+                    "  - {host: spare-a.example.invalid, nproc: 1, path: /x, spare: true}\n")
+    out = run_launch(path, "--dry-run", "--cmd", "true")
+    assert out.returncode == 2
+    assert "elastic: min_hosts is 2, but only 1 worker(s) are not spares" in out.stderr
+    path.write_text("workers:\n  - {host: localhost, nproc: 1, spare: true}\n")
+    out = run_launch(path, "--dry-run", "--cmd", "true")
+    assert out.returncode == 2 and "every worker is a spare" in out.stderr
+
+
+@pytest.mark.parametrize(("flag", "call"), [
+    ("--max-restarts", lambda v: flags.restarts("--max-restarts", v)),
+    ("--verbose", flags.verbosity),
+    ("--nproc-per-node", lambda v: flags.nproc_per_node("--nproc-per-node", v))])
+@pytest.mark.parametrize("value", ["²", "٣", "１"])
+def test_digits_that_are_not_ascii_are_a_usage_error_naming_the_flag(flag, call, value) -> None:
+    # str.isdigit() accepts them; int() takes some and not others: neither is a number here.
+    with pytest.raises(FdlError) as refused:
+        call(value)
+    assert refused.value.exit_code == 2 and str(refused.value).startswith(flag)

@@ -93,6 +93,17 @@ def test_a_missing_path_fails_that_hosts_paths_row(sshd_lab, tmp_path: Path) -> 
     assert [c.host for c in report.failed()] == ["lab1"]
 
 
+def test_a_spare_is_checked_like_every_other_host(sshd_lab, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=2)
+    missing = str(tmp_path / "not-on-the-spare")
+    cluster = lab.write_cluster([lab.worker(lab.hosts[0]),
+                                 lab.worker(lab.hosts[1], path=missing, spare=True)])
+    report = _run(cluster, fast=True)
+    assert _check(report, "lab1", "paths").status is Status.OK
+    assert _check(report, "lab2", "paths").status is Status.FAIL
+    assert [c.host for c in report.failed()] == ["lab2"]
+
+
 def test_a_wrong_key_fails_the_ssh_row_and_other_hosts_are_still_checked(
         sshd_lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)  # no agent key may log us in

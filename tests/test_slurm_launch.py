@@ -394,3 +394,31 @@ def test_prebuild_check_of_a_slurm_file_checks_every_node_of_the_allocation(
     assert all(row["status"] == "ok" for row in programs), programs
     assert out.returncode == (0 if report["ok"] else 1)
     assert job.agent_steps() == []
+
+
+def test_a_node_lost_mid_run_is_left_out_and_the_next_attempt_runs_on_the_other_two(
+        jobs: Any, tmp_path: Path) -> None:
+    with SlurmLab(tmp_path / "lab", n_nodes=3, slurmd_timeout=5, message_timeout=3) as lab:
+        job = jobs(3, "--no-kill", on=lab)  # --no-kill: the job outlives a node
+        cluster = slurm_cluster(tmp_path, elastic={"heartbeat_timeout": 3, "min_hosts": 2})
+        prog = ("import os, time; k = os.environ['TORCHELASTIC_RESTART_COUNT']; "
+                "print('attempt', k, 'rank', os.environ['RANK'], 'of', "
+                "os.environ['WORLD_SIZE'], flush=True); time.sleep(90 if k == '0' else 0.5)")
+        run = launched(job, cluster, "--max-restarts", "1", "--", "python3", "-c", prog)
+        try:
+            run.wait_line(r"n3:cpu:r5\] attempt 0 rank 5 of 6", stderr=False)
+            run_id = run.run_id
+            lab.kill_slurmd("n2")
+            code = run.finish(90)
+        finally:
+            run.kill()
+        assert code == 0, run.err
+        (restart,) = [x for x in run.err_lines() if "restarting every rank" in x]
+        assert "on 2 of 3 hosts (n1, n3), world size 4; left out: n2 lost in attempt 0" \
+            in restart
+        out = "\n".join(run.stdout_lines)
+        assert sorted(re.findall(r"attempt 1 rank (\d) of 4", out)) == ["0", "1", "2", "3"]
+        assert run.err_lines()[-1].startswith("cluster launcher: run completed on 2 of 3 hosts "
+                                              "(n2 lost in attempt 0)")
+        wait_for(lambda: not processes_of_run(run_id), 30, "the dead node's ranks to stop")
+        lab.restart_slurmd("n2")

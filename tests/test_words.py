@@ -102,15 +102,30 @@ def test_the_attempts_table_and_a_restart_name_what_ended_each_attempt() -> None
     cause = cause_data(event(Name.RANK_FAILED, host="h", rank=0, exit=EXIT_3),
                        error="ValueError: boom")
     table = render(event(Name.ATTEMPTS, attempts=[
-        {"verdict": "failed", "cause": cause},
-        {"verdict": "ok", "cause": cause_data(event(Name.COMPLETED, world_size=1))}]))
+        {"verdict": "failed", "cause": cause, "hosts": ["h", "g"]},
+        {"verdict": "ok", "cause": cause_data(event(Name.COMPLETED, world_size=1)),
+         "hosts": ["g"]}]))
     assert table.splitlines() == [
-        "attempt  verdict  cause",
-        "0        failed   rank 0 of h exited with status 3: ValueError: boom",
-        "1        ok       run completed — all 1 ranks exited 0"]
-    assert render(event(Name.RESTARTING, attempt=1, max_restarts=2, cause=cause)) == (
+        "attempt  hosts  verdict  cause",
+        "0        h,g    failed   rank 0 of h exited with status 3: ValueError: boom",
+        "1        g      ok       run completed — all 1 ranks exited 0"]
+    assert render(event(Name.RESTARTING, attempt=1, max_restarts=2, cause=cause,
+                        hosts=["g", "s"], roster=2, world_size=4, readmitted=[],
+                        spares=["s"], left_out={"h": "lost in attempt 0"})) == (
         "cluster launcher: attempt 0 failed (rank 0 of h exited with status 3: ValueError: "
-        "boom); restarting every rank (restart 1 of 2)")
+        "boom); restarting every rank (restart 1 of 2) on 2 of 2 hosts (g, s), world size 4; "
+        "spares in: s; left out: h lost in attempt 0")
+
+
+def test_the_membership_verdicts_name_the_hosts_and_why_each_is_out() -> None:
+    assert render(event(Name.NOT_ENOUGH_HOSTS, hosts=["node3"], min_hosts=2, attempt=1,
+                        left_out={"node1": "lost in attempt 0", "node2": "unreachable"})) == (
+        "cluster launcher: not enough hosts: 1 of min 2 (node1 lost in attempt 0, node2 "
+        "unreachable)")
+    assert render(event(Name.COMPLETED_ON_FEWER_HOSTS, hosts=2, roster=3, world_size=4,
+                        left_out={"node2": "lost in attempt 0"})) == (
+        "cluster launcher: run completed on 2 of 3 hosts (node2 lost in attempt 0) — "
+        "DEGRADED: 4 ranks in the last attempt")
 
 
 def test_the_root_cause_quotes_the_error_file_or_says_how_to_get_one() -> None:

@@ -52,6 +52,9 @@ class WorkerSpec:
     #: How the host is reached: a kind of `fdl_fabric.transport` (``local``, ``ssh``,
     #: ``slurm``); only the transport package reads it.
     transport: str = "ssh"
+    #: ``spare: true``: not started unless a host of the roster is lost
+    #: (`supervision.membership`).
+    spare: bool = False
 
     @property
     def ssh_target(self) -> str:
@@ -91,6 +94,13 @@ class ElasticSpec:
     #: Times the whole group is started again after a failed attempt (torchrun's
     #: ``--max-restarts``).
     max_restarts: int = 0
+    #: The fewest hosts an attempt may start with (torchrun's ``--nnodes MIN:``). None:
+    #: every worker that is not a spare, and then every attempt runs on the whole roster
+    #: as before (`supervision.membership`).
+    min_hosts: Optional[int] = None
+    #: A host whose ranks failed, or that was lost, in this many attempts in a row is set
+    #: aside for the rest of the launch (Horovod's blacklist).
+    host_failures: int = 3
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ _TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "maste
 #: Top-level keys that only a Slurm launch reads: every node gets the same ranks.
 _SLURM_KEYS = ("nproc_per_node", "local_devices", "path")
 _CONTROLLER_KEYS = ("host", "port")
-_ELASTIC_KEYS = ("max_failure", "formation_timeout", "heartbeat_timeout", "max_restarts")
+_ELASTIC_KEYS = ("max_failure", "formation_timeout", "heartbeat_timeout", "max_restarts",
+                 "min_hosts", "host_failures")
 _WORKER_KEYS = (
     "host",
     "nproc",
@@ -77,6 +78,7 @@ _WORKER_KEYS = (
     "env",
     "env_forward",
     "data_path",
+    "spare",
 )
 _SSH_KEYS = ("target", "user", "port", "identity_file", "options")
 
@@ -139,6 +141,7 @@ def read_cluster(
         if worker is not None:
             workers.append(worker)
 
+    _check_roster(r, workers_field, top.field("elastic"), workers, elastic)
     _check_controller_dialable(r, top.field("controller"), controller,
                                slurm is not None or any(not w.is_local and not w.tunnel
                                                         for w in workers))
@@ -240,6 +243,20 @@ def _read_controller(r: NodeReader, field: Field) -> ControllerSpec:
     )
 
 
+def _check_roster(r: NodeReader, workers_field: Field, elastic_field: Field,
+                  workers: list[WorkerSpec], elastic: ElasticSpec) -> None:
+    """Spares stand in for the roster, so there must be a roster; and an attempt needs
+    ``min_hosts`` hosts, which the workers that are not spares must be able to give."""
+    if not workers or r.problems:
+        return
+    roster = sum(1 for w in workers if not w.spare)
+    if roster == 0:
+        r.problem(workers_field, "every worker is a spare: at least one must not be")
+    elif elastic.min_hosts is not None and elastic.min_hosts > roster:
+        r.problem(elastic_field, f"min_hosts is {elastic.min_hosts}, but only {roster} "
+                  f"worker(s) are not spares: an attempt never has more hosts than that")
+
+
 def _check_controller_dialable(r: NodeReader, field: Field, controller: ControllerSpec,
                                dialed: bool) -> None:
     """When some worker dials the coordinator over the network (a remote worker that is not
@@ -262,11 +279,15 @@ def _read_elastic(r: NodeReader, field: Field) -> ElasticSpec:
         block.field("heartbeat_timeout"), minimum=0.0, exclusive=True, maximum=SECONDS_MAX
     )
     restarts = r.integer(block.field("max_restarts"), minimum=0, maximum=RESTARTS_MAX)
+    min_hosts = r.integer(block.field("min_hosts"), minimum=1, maximum=WORKERS_MAX)
+    host_failures = r.integer(block.field("host_failures"), minimum=1, maximum=RESTARTS_MAX)
     return ElasticSpec(
         max_failure=_read_max_failure(r, block.field("max_failure")),
         formation_timeout=_or(formation, default.formation_timeout),
         heartbeat_timeout=_or(heartbeat, default.heartbeat_timeout),
         max_restarts=_or(restarts, default.max_restarts),
+        min_hosts=min_hosts,
+        host_failures=_or(host_failures, default.host_failures),
     )
 
 
@@ -353,6 +374,7 @@ def _read_worker(
     nccl_socket_ifname = _read_ifname(r, w.field("nccl_socket_ifname"))
     env = _read_worker_env(r, w.field("env"), cluster_env)
     env_forward = _read_env_forward(r, w.field("env_forward"))
+    spare = r.boolean(w.field("spare"))
 
     if host is None or (nproc is None and local_devices is None):
         return None
@@ -372,6 +394,7 @@ def _read_worker(
         transport="local" if is_local else "ssh",
         line=line_of(w.node),
         env_forward=env_forward,
+        spare=bool(spare),
     )
 
 

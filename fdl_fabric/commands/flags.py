@@ -36,7 +36,7 @@ def verbosity(value: Union[None, bool, str, int]) -> int:
         count = value
     elif value and set(value) == {"v"}:
         count = len(value) + 1
-    elif value.isdigit():
+    elif value.isascii() and value.isdigit():
         count = int(value)
     else:
         raise usage("--verbose", f"expected -v, -vv or a level such as --verbose=2, got "
@@ -73,7 +73,7 @@ def restarts(flag: str, text: Union[None, str, int]) -> Optional[int]:
     if text is None:
         return None
     raw = str(text).strip()
-    if not raw.isdigit() or int(raw) > RESTARTS_MAX:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > RESTARTS_MAX:
         raise usage(flag, f"expected a whole number from 0 to {RESTARTS_MAX}, got {text!r}")
     return int(raw)
 
@@ -84,7 +84,7 @@ def nproc_per_node(flag: str, value: Optional[str]) -> Optional[int]:
     if value is None:
         return None
     text = str(value).strip()
-    if not text.isdigit() or not 1 <= int(text) <= RANKS_PER_WORKER_MAX:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= RANKS_PER_WORKER_MAX:
         raise usage(flag, f"expected a number of ranks per node, 1-{RANKS_PER_WORKER_MAX}, "
                     f"got {value!r}")
     return int(text)

@@ -62,8 +62,9 @@ from ..presentation.rankoutput import RankOutput
 from ..presentation.words import cause_data, unreachable
 from ..supervision import reports
 from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
+from ..supervision.membership import HostFate, Membership, Selection
 from ..supervision.policy import Elastic, Restarts
-from ..supervision.supervisor import RunResult, Supervisor
+from ..supervision.supervisor import RankState, RunResult, Supervisor
 from ..supervision.verdict import Verdict
 from ..transport import Transport, for_cluster, resolve_cluster
 from ..transport.fanout import close_all, connect_all, connect_each, start_agents
@@ -273,6 +274,12 @@ class Launch:
                          "started": time.time()}
         #: What the launch resolved before contacting any host.
         self.resolved: Optional[_Settings] = None
+        #: Which hosts each attempt runs on (set once the cluster is read).
+        self.membership = Membership(["-"])
+        #: The hosts of each attempt, in step with ``results``.
+        self.hosts_of: list[tuple[str, ...]] = []
+        #: Hosts whose connection is not to be trusted until it is made afresh.
+        self.stale: set[str] = set()
 
     def run(self) -> int:
         """The launch; its exit code. Bad input is refused (exit 2, nothing started);
@@ -342,25 +349,34 @@ class Launch:
         self.lease = cluster.elastic.heartbeat_timeout * scale
         resolved = self.resolved = _Settings(cluster, argv, settings, prebuilt, launcher_env,
                                              scale, max_failure)
+        self.membership = membership_for(cluster)
         if opts.dry_run:
-            plan = self._plan(resolved, dry_run_devices(cluster))
-            self.events(Name.DRY_RUN, **dry_run_data(plan, settings))
+            roster = attempt_cluster(cluster, self.membership.roster)
+            plan = self._plan(resolved, roster, dry_run_devices(roster))
+            self.events(Name.DRY_RUN, **dry_run_data(plan, settings),
+                        spares=list(self.membership.spares),
+                        min_hosts=cluster.elastic.min_hosts)
             return None
         return resolved
 
     # -- the launch ------------------------------------------------------------------------
     def _launch(self, r: _Settings) -> None:
-        """Connect, start the agents, plan, then one attempt after another."""
+        """Connect, start the agents, plan, then one attempt after another, each on the
+        hosts the membership rule gives it (`supervision.membership`)."""
         opts, cluster = self.opts, r.cluster
         self.run_id = new_run_id()
         if opts.log_dir:
             self.log = RunLog(opts.log_dir, self.run_id, on_error=self._log_failed)
             self.events.add(self.log)
         self.transports = for_cluster(cluster, r.settings)
-        connect_all(self.transports, self._connected)
+        selection = self._select(r, 0)
+        if selection is None:
+            return
+        members = attempt_cluster(cluster, selection.hosts)
         self.sessions = self._start_agents(self.inbox)
-        devices = self._resolve_devices(cluster)
-        plan = self._plan(r, devices, run_id=self.run_id)
+        devices = self._resolve_devices(members)
+        plan = self._plan(r, members, devices, run_id=self.run_id)
+        self._membership_event(selection, plan)
         if self.log is not None:
             self.log.write_cluster(plan_as_json(plan))
         self.events(Name.LAUNCH, run_id=plan.run_id, world_size=plan.world_size,
@@ -373,27 +389,107 @@ class Launch:
         restarts = Restarts(max_restarts)
         for attempt in range(max_restarts + 1):
             if attempt:
+                failed = self.results[-1]
+                selection = self._select(r, attempt)
+                if selection is None:
+                    break
                 inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
-                self._reconnect(r)
-                plan = self._plan(r, devices, run_id=self.run_id, attempt=attempt)
-                self.sessions = self._start_agents(inbox)
                 self.inbox = inbox
+                members = attempt_cluster(cluster, selection.hosts)
+                self.sessions = self._start_agents(inbox)
+                devices = self._resolve_devices(members)
+                plan = self._plan(r, members, devices, run_id=self.run_id, attempt=attempt)
+                self.events(Name.RESTARTING, attempt=attempt, max_restarts=max_restarts,
+                            cause=cause_data(failed.cause, error=root_error(failed)),
+                            error=root_error(failed), **membership_data(selection, plan))
+                self._membership_event(selection, plan)
             result = self._attempt(r, plan, attempt)
             self.results.append(result)
+            self.hosts_of.append(selection.hosts)
             self.faulted.update(result.faults)
+            self.stale.update(result.faults)
+            self.membership.after(attempt, host_fates(result))
             if not restarts.another(result.restartable, attempt,
                                     self.signals.received is not None):
                 break
-            self.events(Name.RESTARTING, attempt=attempt + 1, max_restarts=max_restarts,
-                        cause=cause_data(result.cause, error=root_error(result)),
-                        error=root_error(result))
+        self._degraded_if_fewer_hosts()
         if self.signals.received is not None and \
                 self.results[-1].verdict is not Verdict.INTERRUPTED:
             self._interrupted(self.signals.received)
 
     def _start_agents(self, inbox: queue.SimpleQueue[reports.Report]
                       ) -> dict[str, AgentSession]:
-        return start_agents(self.transports, inbox.put, on_output=self.output)
+        """One agent on each host of this attempt."""
+        hosts = {h: self.transports[h] for h in self.membership.current}
+        return start_agents(hosts, inbox.put, on_output=self.output)
+
+    # -- membership ----------------------------------------------------------------------------
+    def _select(self, r: _Settings, attempt: int) -> Optional[Selection]:
+        """The hosts of ``attempt``, connected; None when there are not enough (the launch
+        then ends with that verdict). Without ``min_hosts`` or spares, every attempt is the
+        whole roster and a host that cannot be reached ends the launch, as it always did."""
+        membership = self.membership
+        if not membership.elastic:
+            selection = membership.select(attempt, lambda hosts: {})
+            if attempt == 0:
+                connect_all({h: self.transports[h] for h in selection.hosts}, self._connected)
+            else:
+                self._reconnect(r)
+            return selection
+        selection = membership.select(attempt, lambda hosts: self._probe(r, attempt, hosts))
+        if not selection.enough:
+            self.results.append(RunResult(Verdict.FAILED, EXIT_FAILURE, event(
+                Name.NOT_ENOUGH_HOSTS, hosts=list(selection.hosts),
+                min_hosts=selection.min_hosts, left_out=dict(selection.left_out),
+                attempt=attempt), ()))
+            return None
+        return selection
+
+    def _probe(self, r: _Settings, attempt: int, hosts: Sequence[str]) -> dict[str, str]:
+        """Connect the hosts that are not connected, or whose connection is not to be
+        trusted (lost or unresponsive in an attempt); each bounded by its connect timeout.
+        Why each one that failed failed."""
+        todo = [self.transports[h] for h in hosts
+                if h in self.stale or not self.transports[h].connected]
+        if not todo:
+            return {}
+        close_all(todo)
+        errors = connect_each(todo, self._connected)
+        for transport in todo:
+            if transport.host in errors:
+                continue
+            self.stale.discard(transport.host)
+            if self.monitor is not None:
+                transport.watch(self.monitor)
+            if attempt and any(w.host == transport.host and w.tunnel
+                               for w in r.cluster.workers):
+                self._open_tunnel(r.cluster, transport.host)
+        return errors
+
+    def _membership_event(self, selection: Selection, plan: LaunchPlan) -> None:
+        self.events(Name.ATTEMPT_HOSTS, attempt=selection.attempt,
+                    **membership_data(selection, plan))
+        if selection.attempt == 0 and selection.left_out:
+            self.events(Name.HOSTS_LEFT_OUT, left_out=dict(selection.left_out),
+                        spares=list(selection.spares))
+
+    def _degraded_if_fewer_hosts(self) -> None:
+        """A run that completed on fewer hosts than the roster: exit 0, but said, as a
+        run that lost ranks under max_failure is."""
+        if not self.results or not self.hosts_of:
+            return
+        final = self.results[-1]
+        hosts = self.hosts_of[-1]
+        roster = self.membership.target
+        if final.verdict is not Verdict.OK or len(hosts) >= roster \
+                or len(self.hosts_of) != len(self.results):
+            return
+        last = self.membership.last
+        left_out = {h: why for h, why in (last.left_out if last else {}).items()
+                    if h in self.membership.roster}
+        self.results[-1] = dataclasses.replace(final, verdict=Verdict.DEGRADED, cause=event(
+            Name.COMPLETED_ON_FEWER_HOSTS, hosts=len(hosts), roster=roster,
+            left_out=left_out, world_size=len(final.ranks)))
 
     def _attempt(self, r: _Settings, plan: LaunchPlan, attempt: int) -> RunResult:
         """One attempt: the coordinator, every agent's spec, the supervisor to a verdict."""
@@ -461,7 +557,7 @@ class Launch:
     def _connected(self, transport: Transport) -> None:
         self.events(Name.CONNECTED, host=transport.host)
 
-    def _reconnect(self, r: _Settings) -> None:
+    def _reconnect(self, r: _Settings) -> None:  # the roster's path (no min_hosts, no spares)
         """Before a restart: a fresh connection to every host whose connection is gone or
         whose agent stopped answering (its link may be dead while paramiko thinks not)."""
         stale = [t for h, t in self.transports.items() if h in self.faulted or not t.connected]
@@ -548,12 +644,13 @@ class Launch:
                               f"is resolved; at most {RANKS_MAX} are allowed", EXIT_USAGE)
         return resolved
 
-    def _plan(self, r: _Settings, resolved: Mapping[str, list[int]], *,
+    def _plan(self, r: _Settings, cluster: ClusterSpec, resolved: Mapping[str, list[int]], *,
               run_id: Optional[str] = None, attempt: int = 0) -> LaunchPlan:
-        """The plan of one attempt: a fresh salt every time, so nothing of an earlier
-        attempt can join this one's cohort; the run id stays (TORCHELASTIC_RUN_ID)."""
+        """The plan of one attempt, from its hosts: ranks numbered afresh, a fresh salt
+        every time, so nothing of an earlier attempt can join this one's cohort; the run
+        id stays (TORCHELASTIC_RUN_ID)."""
         try:
-            return build_plan(r.cluster, argv=r.argv, run_id=run_id or new_run_id(),
+            return build_plan(cluster, argv=r.argv, run_id=run_id or new_run_id(),
                               salt=new_salt(), resolved_devices=resolved, prebuilt=r.prebuilt,
                               launcher_env=r.launcher_env, attempt=attempt)
         except ValueError as exc:
@@ -613,9 +710,10 @@ class Launch:
         if shown is not None:
             self.events(Name.SUMMARY, ranks=[r.summary() for r in shown.ranks])
         if len(self.results) > 1:
+            hosts = [*self.hosts_of, *[()] * (len(self.results) - len(self.hosts_of))]
             self.events(Name.ATTEMPTS, attempts=[
-                {"verdict": r.verdict.value, "cause": cause_data(r.cause, error=root_error(r))}
-                for r in self.results])
+                {"verdict": r.verdict.value, "cause": cause_data(r.cause, error=root_error(r)),
+                 "hosts": list(h)} for r, h in zip(self.results, hosts)])
         cause = root_cause(final)
         if cause is not None:
             self.events.emit(cause)
@@ -630,6 +728,40 @@ class Launch:
                     verdict=final.verdict.value, attempts=len(self.results),
                     run_id=self.run_id, faults=dict(self.faulted))
         return final.exit_code
+
+
+def membership_for(cluster: ClusterSpec) -> Membership:
+    """The membership rule of a cluster: its roster, its spares, its min_hosts."""
+    return Membership(roster=[w.host for w in cluster.workers if not w.spare],
+                      spares=[w.host for w in cluster.workers if w.spare],
+                      min_hosts=cluster.elastic.min_hosts,
+                      host_failures=cluster.elastic.host_failures)
+
+
+def attempt_cluster(cluster: ClusterSpec, hosts: Sequence[str]) -> ClusterSpec:
+    """The cluster of one attempt: its hosts in roster order, numbered afresh (each
+    worker's index is its GROUP_RANK)."""
+    by_host = {w.host: w for w in cluster.workers}
+    return dataclasses.replace(cluster, workers=tuple(
+        dataclasses.replace(by_host[h], index=i) for i, h in enumerate(hosts)))
+
+
+def host_fates(result: RunResult) -> dict[str, HostFate]:
+    """How each host came out of an attempt: lost (its agent or link), failed (one of its
+    ranks failed), or fine (its ranks ended well or were stopped for another's sake)."""
+    fates: dict[str, HostFate] = {}
+    for rank in result.ranks:
+        if rank.state is RankState.FAILED:
+            fates[rank.host] = HostFate.FAILED
+    for host in result.faults:
+        fates[host] = HostFate.LOST
+    return fates
+
+
+def membership_data(selection: Selection, plan: LaunchPlan) -> dict[str, Any]:
+    return {"hosts": list(selection.hosts), "world_size": plan.world_size,
+            "roster": selection.target, "left_out": dict(selection.left_out),
+            "readmitted": list(selection.readmitted), "spares": list(selection.spares)}
 
 
 def plan_warnings(plan: LaunchPlan) -> list[tuple[Name, dict[str, Any]]]:

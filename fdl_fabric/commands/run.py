@@ -126,7 +126,7 @@ def nproc(value: str) -> int:
     """torchrun's --nproc-per-node: a number, or gpu / cpu / auto."""
     text = value.strip().lower()
     count: Optional[int] = None
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         count = int(text)
     elif text in ("gpu", "auto"):
         count = _gpu_count() or None

@@ -114,7 +114,26 @@ def _remote(d: Mapping[str, Any]) -> str:
 
 def _restarting(e: Event, d: Mapping[str, Any]) -> str:
     return (f"{L}attempt {d['attempt'] - 1} failed ({attempt_cause(d['cause'])}); restarting "
-            f"every rank (restart {d['attempt']} of {d['max_restarts']})")
+            f"every rank (restart {d['attempt']} of {d['max_restarts']})"
+            + (f" {_membership(d)}" if "hosts" in d else ""))
+
+
+def _membership(d: Mapping[str, Any]) -> str:
+    """An attempt's hosts: how many of the roster, which, the world size, and what changed."""
+    hosts = d["hosts"]
+    text = (f"on {len(hosts)} of {d['roster']} hosts ({', '.join(hosts)}), world size "
+            f"{d['world_size']}")
+    if d.get("readmitted"):
+        text += f"; re-admitted: {', '.join(d['readmitted'])}"
+    if d.get("spares"):
+        text += f"; spares in: {', '.join(d['spares'])}"
+    if d.get("left_out"):
+        text += f"; left out: {_left_out(d['left_out'])}"
+    return text
+
+
+def _left_out(left_out: Mapping[str, str]) -> str:
+    return ", ".join(f"{h} {why}" for h, why in left_out.items())
 
 
 def attempt_cause(cause: Mapping[str, Any]) -> str:
@@ -268,9 +287,15 @@ def _summary(e: Event, d: Mapping[str, Any]) -> str:
 
 def _attempts(e: Event, d: Mapping[str, Any]) -> str:
     """One row per attempt: what ended it."""
-    rows = [(str(i), a["verdict"], attempt_cause(a["cause"]))
-            for i, a in enumerate(d["attempts"])]
-    return _table(("attempt", "verdict", "cause"), rows)
+    rows = [(str(i), _hosts_cell(a.get("hosts") or ()), a["verdict"],
+             attempt_cause(a["cause"])) for i, a in enumerate(d["attempts"])]
+    return _table(("attempt", "hosts", "verdict", "cause"), rows)
+
+
+def _hosts_cell(hosts: Sequence[str]) -> str:
+    """An attempt's hosts in a table cell: their names while they fit, else how many."""
+    names = ",".join(hosts)
+    return names if len(names) <= 30 else f"{len(hosts)} hosts" if hosts else "-"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -354,6 +379,10 @@ _WORDS: dict[Name, Words] = {
                                    f"({d['folder']})"),
     Name.FAILURE_DETAIL: lambda e, d: str(d["text"]),
     Name.RESTARTING: _restarting,
+    Name.ATTEMPT_HOSTS: lambda e, d: f"{L}attempt {d['attempt']}: {_membership(d)}",
+    Name.HOSTS_LEFT_OUT: lambda e, d: (
+        f"{L}left out of the first attempt: {_left_out(d['left_out'])}"
+        + (f"; spares in: {', '.join(d['spares'])}" if d["spares"] else "")),
     Name.SWEEP_UNREACHABLE: _sweep_unreachable,
     Name.SWEEP_INCOMPLETE: lambda e, d: (f"{L}host {e.host!r}: could not clear what run "
                                          f"{d['run_id']} left: {d['problem']}"),
@@ -450,6 +479,13 @@ _WORDS: dict[Name, Words] = {
     Name.DEGRADED: lambda e, d: (f"{L}run completed DEGRADED — {d['dead']} of {d['world_size']} "
                                  "ranks lost along the way (tolerated by elastic membership); "
                                  "survivors carried the full workload"),
+    Name.COMPLETED_ON_FEWER_HOSTS: lambda e, d: (
+        f"{L}run completed on {d['hosts']} of {d['roster']} hosts"
+        + (f" ({_left_out(d['left_out'])})" if d["left_out"] else "")
+        + f" — DEGRADED: {d['world_size']} ranks in the last attempt"),
+    Name.NOT_ENOUGH_HOSTS: lambda e, d: (
+        f"{L}not enough hosts: {len(d['hosts'])} of min {d['min_hosts']}"
+        + (f" ({_left_out(d['left_out'])})" if d["left_out"] else "")),
     Name.EVERY_RANK_LOST: lambda e, d: (f"{L}every rank was lost; consensus checkpoint saved if "
                                         "a save path was armed"),
     Name.MAX_FAILURE_EXCEEDED: _max_failure_exceeded,
@@ -532,6 +568,11 @@ def dry_run_text(d: Mapping[str, Any]) -> str:
                   "    FLODL_INTERNAL_CLUSTER_JSON=<envelope with the salt: sent on the "
                   "agent's stdin, never shown>"]
         lines += [f"  rank {r['rank']}: {_env_words(r['env'])}" for r in ranks]
+    if d.get("spares"):
+        lines += ["", f"spares (started only in place of a lost host): {', '.join(d['spares'])}"]
+    if d.get("min_hosts") is not None:
+        lines += [f"min_hosts {d['min_hosts']}: an attempt starts with at least that many "
+                  "hosts"]
     return "\n".join(lines) + "\n"
 
 

@@ -216,6 +216,10 @@ def cluster_for(cluster: ClusterSpec, alloc: Allocation, *,
         raise FdlError(f"cluster launcher: {per_node} ranks on each of {len(alloc.nodes)} "
                           f"nodes is {per_node * len(alloc.nodes)}; at most {RANKS_MAX}",
                           EXIT_USAGE)
+    min_hosts = cluster.elastic.min_hosts
+    if min_hosts is not None and min_hosts > len(alloc.nodes):
+        raise FdlError(f"{cluster.file}: elastic: min_hosts is {min_hosts}, but the allocation "
+                       f"has {len(alloc.nodes)} node(s)", EXIT_USAGE)
     path = spec.path or cluster.folder
     workers = tuple(
         WorkerSpec(index=i, host=node, nproc=nproc, local_devices=devices, path=path,
