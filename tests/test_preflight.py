@@ -463,3 +463,21 @@ def test_a_host_without_py_spy_gets_a_warning_naming_the_extra_to_install() -> N
     assert row.status is Status.WARN and "pip install fdl-fabric[stacks]" in row.reason
     ok = _row(evaluate(_plan(), HostFacts(_values(), shell_ms=5), CTL), "stacks")
     assert ok.status is Status.OK and "/usr/local/bin/py-spy" in ok.reason
+
+
+@pytest.mark.parametrize(("argv", "target"), [
+    (["python3", "train.py", "--lr", "1"], ("script", "train.py")),
+    (["/venv/bin/python", "-u", "train.py"], ("script", "train.py")),
+    (["python3.11", "-W", "ignore", "-X", "dev", "-OB", "run"], ("script", "run")),
+    (["python", "-u", "-m", "pkg.train", "--x"], ("module", "pkg.train")),
+    (["python3", "-mpkg.train"], ("module", "pkg.train")),
+    (["python3", "-c", "print(1)"], None),
+    (["python3", "-"], None),
+    (["python3"], None),
+    (["torchrun", "train.py"], None),
+])
+def test_the_script_or_module_of_a_python_command_is_read_past_its_options(
+        argv: list[str], target: object) -> None:
+    from fdl_fabric.preflight.probe import python_target
+
+    assert python_target(argv) == target

@@ -284,3 +284,19 @@ def test_fdl_fabric_run_refuses_several_nodes_and_passes_the_scripts_own_flags(
                   timeout=30)
     assert out.returncode == 0, out.stderr
     assert "['--nnodes', '7', '--tee', 'x']" in out.stdout
+
+
+@pytest.mark.parametrize(("what", "args", "why"), [
+    ("a missing script", ["missing.py"], "missing.py does not exist from"),
+    ("a folder", ["adir"], "adir is a folder, not a script from"),
+    ("a missing module", ["-m", "no_such_pkg.train"], "no module no_such_pkg.train from"),
+])
+def test_a_missing_script_module_or_folder_is_refused_before_any_rank_starts(
+        tmp_path: Path, what: str, args: list[str], why: str) -> None:
+    (tmp_path / "adir").mkdir()
+    out = fdl_run("--nproc-per-node", "2", "--max-restarts", "2", *args, cwd=tmp_path)
+    assert out.returncode == 1, what
+    assert why in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1].startswith("cluster launcher: pre-flight failed on 1 "
+                                                  "check(s), nothing was started")
+    assert out.stdout == "" and "restarting" not in out.stderr, "no rank ever started"

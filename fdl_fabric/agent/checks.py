@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from typing import Any, Callable, Dict, Optional
 
 from fdl_fabric import rank
@@ -111,6 +112,32 @@ def gpu_indices() -> Dict[str, Any]:
     return {"gpus": found}
 
 
+#: How long the interpreter may take to find a module (it imports the module's parents);
+#: beyond it the module is not checked. Well under the agent's heartbeat deadline.
+MODULE_CHECK_TIMEOUT = 5.0
+
+
+def find_module(python: str, module: str, cwd: str, python_path: Optional[str] = None) -> str:
+    """``ok``, ``missing``, or ``unknown`` (the check itself failed or took too long): the
+    module as ``python -m`` will look for it, from the rank's working directory, with the
+    PYTHONPATH the cluster file gives its ranks (else this agent's own)."""
+    env = dict(os.environ)
+    if python_path is not None:
+        env["PYTHONPATH"] = python_path
+    code = ("import importlib.util, sys\n"
+            "try:\n    found = importlib.util.find_spec(sys.argv[1]) is not None\n"
+            "except (ImportError, ValueError):\n    found = False\n"
+            "sys.exit(0 if found else 3)")
+    try:
+        done = subprocess.run([python, "-c", code, module],
+                              cwd=cwd if os.path.isdir(cwd) else None, env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=MODULE_CHECK_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return {0: "ok", 3: "missing"}.get(done.returncode, "unknown")
+
+
 def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str,
            beat: Optional[Callable[[float], None]] = None) -> Dict[str, str]:
     """Every fact the spec asks for, as ``name -> value`` strings. ``beat`` keeps the
@@ -134,7 +161,15 @@ def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str,
         if not os.path.isabs(script) and not os.path.isdir(cwd):
             values["pyscript"] = "nocwd"
         else:
-            values["pyscript"] = "ok" if os.path.isfile(os.path.join(cwd, script)) else "missing"
+            path = os.path.join(cwd, script)
+            values["pyscript"] = "ok" if os.path.isfile(path) else \
+                "dir" if os.path.isdir(path) else "missing"
+    module = checks.get("pymodule")
+    if module and values.get("prog", "").startswith("/"):
+        if beat is not None:
+            beat(0.0)
+        values["pymodule"] = find_module(values["prog"], str(module), cwd,
+                                         checks.get("pythonpath"))
     target = checks.get("dial")
     if target:
         if beat is not None:

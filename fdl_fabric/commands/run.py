@@ -102,6 +102,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(*_both("hang-timeout"), default=None, metavar="S",
                    help="seconds without output or progress from any rank after which the "
                    "run is hung: every rank's stack is shown, exit 1 (default: off)")
+    p.add_argument("--json", action="store_true",
+                   help="every event as one JSON line on stdout, the verdict last")
     p.add_argument("--quiet", action="store_true", help="no rank output")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more detail (-v, -vv)")
     p.add_argument("training_script", help="the script (or module, with -m) every rank runs")
@@ -201,8 +203,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             verbosity=1 + min(args.verbose, 2), quiet=args.quiet,
             log_dir=flags.log_dir(args.log_dir),
             hang_timeout=flags.seconds("--hang-timeout", args.hang_timeout),
-            # Nothing remote to check: the local program is found (or not) at spawn.
-            preflight=False)
+            json=args.json,
+            # The pre-flight refuses a missing script or module (or a folder) before any
+            # rank starts, instead of starting every rank (and every restart) to fail.
+            preflight=True)
     except FdlError as exc:
         EventBus(Console())(Name.REFUSED, command="fdl-fabric run", error=str(exc))
         return exc.exit_code

@@ -26,7 +26,8 @@ def launch_plan(cluster: ClusterSpec, worker: WorkerSpec, argv: Sequence[str],
     dial = Dial(host=dial_host, port=port, token="", tunnel=worker.tunnel,
                 listen_host=bind_host, listen_port=port, configured_port=port)
     return HostPlan(worker=worker, fast=True, argv=tuple(argv), prebuilt=prebuilt, dial=dial,
-                    path_env=worker.env.get("PATH", cluster.env.get("PATH")))
+                    path_env=worker.env.get("PATH", cluster.env.get("PATH")),
+                    python_path=worker.env.get("PYTHONPATH", cluster.env.get("PYTHONPATH")))
 
 
 def agent_checks(plan: HostPlan) -> dict[str, Any]:
@@ -37,6 +38,8 @@ def agent_checks(plan: HostPlan) -> dict[str, Any]:
         "cwd": plan.cwd if plan.prebuilt and plan.prebuilt.cwd_subpath else None,
         "program": plan.program,
         "pyscript": plan.python_script,
+        "pymodule": plan.python_module,
+        "pythonpath": plan.python_path,
         "path_env": plan.path_env,
         "dial": {"host": plan.dial.host, "port": plan.dial.port}
         if plan.dial.host not in BIND_ALL else None,

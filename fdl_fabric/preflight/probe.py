@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -101,6 +102,8 @@ class HostPlan:
     #: PATH as the rank will see it when cluster/host env sets it (exported literally,
     #: like the rank wrapper's env script does), else None.
     path_env: Optional[str] = None
+    #: PYTHONPATH when cluster/host env sets it: where ``python -m`` looks for modules.
+    python_path: Optional[str] = None
 
     @property
     def host(self) -> str:
@@ -120,13 +123,43 @@ class HostPlan:
 
     @property
     def python_script(self) -> Optional[str]:
-        """``train.py`` of ``python3 train.py``: the commonest missing file, cheap to check."""
-        if self.prebuilt or len(self.argv) < 2:
-            return None
-        interpreter, first = os.path.basename(self.argv[0]), self.argv[1]
-        if re.fullmatch(r"python[0-9.]*", interpreter) and first.endswith(".py"):
-            return first
+        """``train.py`` of ``python3 -u train.py``: the commonest missing file, cheap to
+        check (`fdl-fabric run` always builds ``python -u script``)."""
+        target = None if self.prebuilt else python_target(self.argv)
+        return target[1] if target and target[0] == "script" else None
+
+    @property
+    def python_module(self) -> Optional[str]:
+        """``pkg.train`` of ``python3 -m pkg.train``: checked with the same interpreter."""
+        target = None if self.prebuilt else python_target(self.argv)
+        return target[1] if target and target[0] == "module" else None
+
+
+#: Interpreter options that take the next word as their value (``-W ignore``).
+_PY_OPTIONS_WITH_VALUE = frozenset({"-W", "-X"})
+
+
+def python_target(argv: Sequence[str]) -> Optional[tuple[str, str]]:
+    """What a Python command line runs: ``("script", path)`` or ``("module", name)``, read
+    past the interpreter's own options the way python does; None for ``-c``, ``-``, a
+    bare interpreter, or a program that is not python."""
+    if not argv or not re.fullmatch(r"python[0-9.]*", os.path.basename(argv[0])):
         return None
+    i = 1
+    while i < len(argv):
+        word = argv[i]
+        if word == "-m" or (word.startswith("-m") and not word.startswith("--")):
+            module = word[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            return ("module", module) if module else None
+        if word in ("-", "-c") or word.startswith("-c"):
+            return None
+        if word in _PY_OPTIONS_WITH_VALUE:
+            i += 2
+        elif word.startswith("-"):
+            i += 1
+        else:
+            return ("script", word)
+    return None
 
 
 def _q(value: str) -> str:
@@ -247,7 +280,8 @@ def _program_section(plan: HostPlan) -> str:
         lines.append(f"  S={_q(script)}\n")
         lines.append('  case "$S" in /*) ;; *) [ -z "$N" ] || { e pyscript nocwd; exit 0; } ;;'
                      ' esac\n'
-                     '  if [ -f "$S" ]; then e pyscript ok; else e pyscript missing; fi\n')
+                     '  if [ -f "$S" ]; then e pyscript ok; elif [ -d "$S" ]; then e pyscript dir;'
+                     ' else e pyscript missing; fi\n')
     lines.append(")\n")
     return "".join(lines)
 

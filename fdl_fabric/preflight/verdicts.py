@@ -198,12 +198,26 @@ def _program_row(plan: HostPlan, v: Mapping[str, str]) -> Optional[Check]:
         return Check(plan.host, "program", Status.WARN,
                      f"{program} resolves to {got}; {script} not checked: the working directory "
                      f"{plan.cwd} is missing")
+    if script is not None and v.get("pyscript") == "dir":
+        return Check(plan.host, "program", Status.FAIL,
+                     f"{_resolved(program, got)}: {script} is a folder, not a script {where}")
     if script is not None and v.get("pyscript") != "ok":
         return Check(plan.host, "program", Status.FAIL,
-                     f"{program} resolves to {got}, but {script} does not exist {where}")
+                     f"{_resolved(program, got)}: {script} does not exist {where}")
+    module = plan.python_module
+    if module is not None and v.get("pymodule") == "missing":
+        return Check(plan.host, "program", Status.FAIL,
+                     f"{_resolved(program, got)}: no module {module} {where}")
     extra = f", {script} exists" if script is not None else ""
+    if module is not None and v.get("pymodule") == "ok":
+        extra = f", module {module} found"
     resolved = got if got == program else f"{program} -> {got}"
     return Check(plan.host, "program", Status.OK, f"{resolved}{extra}")
+
+
+def _resolved(program: str, got: str) -> str:
+    """The program as the rank will run it: its path, once, when it was given as one."""
+    return got if got == program else f"{program} (-> {got})"
 
 
 def _platform_row(plan: HostPlan, v: Mapping[str, str], ctl: ControllerFacts) -> Check:

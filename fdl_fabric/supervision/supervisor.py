@@ -469,8 +469,9 @@ class Supervisor:
         if not all(h.preflight_seen or h.gone for h in self.hosts.values()):
             return
         if self._preflight_failures:
+            # Each failed check was said as it came; the verdict line ends the launch.
             self._fail(event(Name.PREFLIGHT_FAILED, failures=self._preflight_failures),
-                       announced=False)
+                       announced=True)
             return
         self.events(Name.PREFLIGHT_PASSED, hosts=len(self.hosts))
         self._start_all()
