@@ -106,6 +106,8 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         "hang-timeout": "seconds without output or progress from any rank after which the "
         "run is hung: every rank's stack is shown, exit 1 (default: hang_timeout, off; "
         "0 turns it off)",
+        "json": "every event as one JSON line on stdout, rank output included, the verdict "
+        "last (docs/cli.md); the operator's lines stay on stderr",
     },
     optional=["verbose"],
 )
@@ -125,6 +127,7 @@ def launch(
     nproc_per_node: Optional[str] = None,
     agent_timeout: Optional[str] = None,
     hang_timeout: Optional[str] = None,
+    json: bool = False,
 ) -> None:
     """Launch the job described by the cluster file and supervise it to a verdict.
 
@@ -139,6 +142,7 @@ def launch(
                               agent_timeout=agent_timeout, hang_timeout=hang_timeout)
     except FdlError as exc:
         raise Exit(str(exc), code=exc.exit_code) from None
+    opts.json = json
     code = run_launch(opts)
     if code:
         raise Exit(code=code)

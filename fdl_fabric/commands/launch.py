@@ -57,7 +57,7 @@ from ..planning.envelope import (
 from ..planning.plan import LaunchPlan, build_plan, coordinator_bind_host
 from ..preflight import Status, agent_checks, judge, launch_plan
 from ..presentation.dryrun import dry_run_data, dry_run_devices, plan_as_json
-from ..presentation.output import Console, RunLog
+from ..presentation.output import Console, JsonConsole, RunLog
 from ..presentation.rankoutput import RankOutput
 from ..presentation.words import cause_data, unreachable
 from ..supervision import reports
@@ -102,6 +102,8 @@ class LaunchOptions:
     slurm: bool = False
     #: ``--nproc-per-node``: ranks on each Slurm node (wins over the file's).
     nproc_per_node: Optional[int] = None
+    #: ``--json``: every event as a JSON line on stdout (`output.JsonConsole`).
+    json: bool = False
     #: ``--agent-timeout``: seconds of silence after which a host is unresponsive.
     agent_timeout: Optional[float] = None
     #: ``--hang-timeout``: seconds without output or progress after which the run is
@@ -809,6 +811,9 @@ def make_console(opts: LaunchOptions) -> Console:
     """A live status view on a terminal; plain event lines in CI and pipes. Either way
     one writer thread owns the terminal (`screen`): supervision never waits on it."""
     hint = "--log-dir keeps them" if opts.log_dir else "use --log-dir to keep every line"
+    if opts.json:
+        return JsonConsole(verbosity=opts.verbosity, threaded=not opts.dry_run,
+                           dropped_hint=hint)
     live = sys.stdout.isatty() and not opts.dry_run and os.environ.get("TERM") != "dumb"
     return Console(verbosity=opts.verbosity, show_rank_output=not opts.quiet,
                    threaded=not opts.dry_run, live=live, dropped_hint=hint)

@@ -416,3 +416,47 @@ def log_record(event: Event) -> dict[str, Any]:
         out["rank"] = event.rank
     out.update(event.data)
     return out
+
+
+def json_record(event: Event) -> dict[str, Any]:
+    """An event as one ``--json`` line: when, its kind and name, where, its data, and its
+    words (rank output carries its text in ``data.text``; the raw bytes are left out)."""
+    data = {k: v for k, v in event.data.items() if k != "raw"}
+    out: dict[str, Any] = {"time": round(event.time, 6), "kind": event.kind.value,
+                           "name": event.name.value, "host": event.host, "rank": event.rank,
+                           "data": data}
+    if event.kind is not Kind.OUTPUT:
+        out["message"] = render(event)
+    return out
+
+
+class JsonConsole(Console):
+    """``--json``: every event as one JSON line on stdout (rank output too, as kind
+    ``output``), the verdict record last; the operator's words stay on stderr.
+
+    Lines go through the same writer thread as the text console, so a slow reader of
+    stdout holds up nobody but the agent whose output waits (`screen`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs["show_rank_output"] = False
+        kwargs["live"] = False
+        super().__init__(**kwargs)
+        self.color = False
+
+    def emit(self, event: Event) -> None:
+        line = (json.dumps(json_record(event), default=str, ensure_ascii=False) + "\n")
+        data = line.encode("utf-8", "replace")
+        if self.screen is None:
+            with self._lock:
+                self.out.write(line)
+                self.out.flush()
+        elif event.kind is Kind.OUTPUT:
+            self.screen.put_output(OUT, data, 1)
+        else:
+            self.screen.put_message(OUT, data)
+        super().emit(event)
+
+    def result(self, text: str) -> None:
+        """A report's words go to stderr: stdout carries only JSON lines."""
+        self.message(text.rstrip("\n"))
+
