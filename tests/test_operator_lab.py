@@ -154,6 +154,51 @@ def test_the_collection_imports_into_an_ops_repo_and_launches(sshd_lab, tmp_path
     assert (run_dir / "attempt_0" / "r1" / "stdout.log").exists()
 
 
+def test_the_python_api_gives_an_ops_repos_task_a_result_and_raises_on_bad_config(
+        sshd_lab, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=2)
+    cluster = lab.write_cluster([lab.worker(h, nproc=2) for h in lab.hosts])
+    ops = tmp_path / "ops"
+    ops.mkdir()
+    (ops / "tasks.py").write_text(textwrap.dedent(f"""\
+        import json
+
+        from invoke import task
+
+        import fdl_fabric
+        from fdl_fabric.errors import FdlError
+
+        FAIL_RANK_2 = "import os, sys; sys.exit(4 if os.environ['RANK'] == '2' else 0)"
+
+
+        @task
+        def train(c):
+            ok = fdl_fabric.launch({str(cluster)!r}, ["python3", "-c", "print('hi')"],
+                                   quiet=True)
+            bad = fdl_fabric.launch({str(cluster)!r}, ["python3", "-c", FAIL_RANK_2],
+                                    max_restarts=1, quiet=True)
+            try:
+                fdl_fabric.launch({str(ops / 'missing.yml')!r}, ["true"])
+                refused = None
+            except FdlError as exc:
+                refused = [type(exc).__name__, exc.exit_code, str(exc)]
+            print(json.dumps({{
+                "ok": [ok.verdict, ok.exit_code, ok.message, len(ok.ranks)],
+                "bad": [bad.verdict, bad.exit_code, bad.message, len(bad.attempts),
+                        bad.root_cause.rank, bad.root_cause.exit_code,
+                        [a.hosts for a in bad.attempts]],
+                "refused": refused}}))
+        """))
+    out = subprocess.run([sys.executable, "-m", "invoke", "train"], cwd=ops,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ok"] == ["ok", 0, "cluster launcher: run completed — all 4 ranks exited 0", 4]
+    assert got["bad"] == ["failed", 1, "cluster launcher: rank 2 of lab2 exited with status 4",
+                          2, 2, 4, [["lab1", "lab2"], ["lab1", "lab2"]]]
+    assert got["refused"] == ["ConfigError", 2, f"{ops / 'missing.yml'}: file not found"]
+
+
 def test_verbose_shows_routine_events_and_sets_flodl_verbosity(sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=1)
     cluster = lab.write_cluster([lab.worker(lab.hosts[0], nproc=1)])

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Optional, Union
@@ -104,6 +104,8 @@ class LaunchOptions:
     nproc_per_node: Optional[int] = None
     #: ``--json``: every event as a JSON line on stdout (`output.JsonConsole`).
     json: bool = False
+    #: Called with every event (the Python API's ``on_event``); must not raise.
+    on_event: Optional[Callable[[Event], None]] = None
     #: ``--agent-timeout``: seconds of silence after which a host is unresponsive.
     agent_timeout: Optional[float] = None
     #: ``--hang-timeout``: seconds without output or progress after which the run is
@@ -282,6 +284,9 @@ class Launch:
         self.hosts_of: list[tuple[str, ...]] = []
         #: Hosts whose connection is not to be trusted until it is made afresh.
         self.stale: set[str] = set()
+        #: What refused the launch (bad input, exit 2), and the exit code once it ended.
+        self.refused: Optional[FdlError] = None
+        self.exit_code: Optional[int] = None
 
     def run(self) -> int:
         """The launch; its exit code. Bad input is refused (exit 2, nothing started);
@@ -295,6 +300,7 @@ class Launch:
             except FdlError as exc:  # a ConfigError too: it is one, with exit code 2
                 if exc.exit_code == EXIT_USAGE and not self.run_id:
                     self.events(Name.REFUSED, error=str(exc))
+                    self.refused = exc
                     return EXIT_USAGE
                 self._failed(exc)
             except LaunchInterrupted as exc:
@@ -866,15 +872,36 @@ def third_party_logs(events: EventBus, verbosity: int) -> Iterator[None]:
 
 def launch(opts: LaunchOptions, *, console: Optional[Console] = None) -> int:
     """Run one launch and return its exit code (0 ok, 1 failure, 2 config, 130/143)."""
+    code = execute(opts, console=console).exit_code
+    return EXIT_FAILURE if code is None else code
+
+
+def execute(opts: LaunchOptions, *, console: Optional[Console] = None) -> Launch:
+    """Run one launch; the `Launch` holds its exit code, its attempts' results, and
+    what refused it (bad input) if anything did (the Python API reads them)."""
     console = console or make_console(opts)
     events = EventBus(console)
+    if opts.on_event is not None:
+        events.add(_Callback(opts.on_event))
     if opts.verbosity >= 2:
         opts.env_overrides.setdefault(ENV_VERBOSITY, str(opts.verbosity))
     try:
         with third_party_logs(events, opts.verbosity):
-            return Launch(opts, console, events).run()
+            run = Launch(opts, console, events)
+            run.exit_code = run.run()
+            return run
     finally:
         console.close()
 
 
-__all__ = ["EXIT_FAILURE", "FdlError", "LaunchOptions", "launch"]
+@dataclass
+class _Callback:
+    """A plain callable as an event sink."""
+
+    call: Callable[[Event], None]
+
+    def emit(self, event: Event) -> None:
+        self.call(event)
+
+
+__all__ = ["EXIT_FAILURE", "FdlError", "Launch", "LaunchOptions", "execute", "launch"]

@@ -1,0 +1,137 @@
+"""The Python API: ``fdl_fabric.launch(...) -> LaunchResult``.
+
+For an ops repo's tasks, a notebook or a test: the same launch as ``inv launch``, but
+with a result object instead of an exit code, and exceptions instead of ``sys.exit``.
+A configuration mistake (a bad cluster file, flag value or command) raises
+`fdl_fabric.errors.FdlError` (a `ConfigError` for the cluster file) with
+``exit_code == 2`` before anything is started; everything after that ends in a
+`LaunchResult`, whatever failed, as the command line ends in a verdict line.
+
+The console is the command line's (rank output on stdout, the launcher's lines on
+stderr) unless ``quiet``; ``on_event`` sees every event as it happens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from .clusterfile import ClusterSpec
+from .commands import flags
+from .commands.launch import LaunchOptions, execute
+from .errors import FdlError
+from .events import Event
+from .presentation.words import render
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of the last attempt ended."""
+
+    rank: int
+    host: str
+    #: ``succeeded``, ``failed``, ``stopped``, ``lost``, ``tolerated``, ``not started``.
+    state: str
+    exit_code: Optional[int]
+    signal: Optional[int]
+    #: Why no exit status came (its host was lost or stopped answering), else None.
+    lost: Optional[str]
+    duration: float
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of the launch (``--max-restarts`` makes several)."""
+
+    verdict: str
+    exit_code: int
+    #: The attempt's verdict in words (what ended it).
+    message: str
+    hosts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """The outcome of a launch: what the command line's last line and exit code say, as
+    data."""
+
+    #: ``ok``, ``degraded``, ``failed``, ``hung`` or ``interrupted``.
+    verdict: str
+    #: What ``inv launch`` would exit with (0 ok or degraded, 1 failed, 128 + signal).
+    exit_code: int
+    #: The verdict line.
+    message: str
+    run_id: Optional[str]
+    #: The ranks of the last attempt that started any.
+    ranks: tuple[RankOutcome, ...]
+    attempts: tuple[Attempt, ...]
+    #: The first rank that failed, when one did.
+    root_cause: Optional[RankOutcome]
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+def launch(cluster: Union[PathLike, ClusterSpec] = "cluster.yml",
+           command: Union[Sequence[str], str, None] = None, *,
+           max_restarts: Optional[int] = None, max_failure: Union[int, str, None] = None,
+           kill_grace: Optional[float] = None, log_dir: Optional[PathLike] = None,
+           env: Optional[Mapping[str, str]] = None, quiet: bool = False,
+           verbosity: int = 0, preflight: bool = True,
+           on_event: Optional[Callable[[Event], None]] = None) -> LaunchResult:
+    """Launch the job of ``cluster`` (a cluster file, or a `ClusterSpec` built in code)
+    and supervise it to its verdict.
+
+    ``command``: the words every rank runs (a string is split like ``--cmd``); default,
+    the file's ``command:``. The other arguments are the command line's flags. Raises
+    `FdlError` (exit_code 2) for a configuration mistake, before anything starts.
+    """
+    opts = LaunchOptions(
+        cluster_file=None if isinstance(cluster, ClusterSpec) else os.fspath(cluster),
+        cluster=cluster if isinstance(cluster, ClusterSpec) else None,
+        command=flags.command(command) if isinstance(command, str) else None,
+        argv=() if command is None or isinstance(command, str) else list(command),
+        kill_grace=flags.seconds("--kill-grace", None if kill_grace is None
+                                 else str(kill_grace)),
+        max_failure=flags.max_failure(None if max_failure is None else str(max_failure)),
+        max_restarts=flags.restarts("--max-restarts", max_restarts),
+        log_dir=flags.log_dir(None if log_dir is None else os.fspath(log_dir)),
+        env_overrides=dict(env or {}), verbosity=1 + verbosity, quiet=quiet,
+        preflight=preflight)
+    opts.on_event = on_event
+    launch_ = execute(opts)
+    if launch_.refused is not None:
+        raise launch_.refused
+    return result_of(launch_.results, launch_.hosts_of, launch_.run_id)
+
+
+def result_of(results: Sequence[Any], hosts_of: Sequence[tuple[str, ...]],
+              run_id: Optional[str]) -> LaunchResult:
+    """A launch's attempts (`supervision.RunResult`s) as one `LaunchResult`."""
+    if not results:
+        raise FdlError("the launch ended before its first attempt")
+    final = results[-1]
+    shown = next((r for r in reversed(results) if r.started_any), final)
+    hosts = [*hosts_of, *[()] * (len(results) - len(hosts_of))]
+    return LaunchResult(
+        verdict=final.verdict.value, exit_code=final.exit_code, message=render(final.cause),
+        run_id=run_id, ranks=tuple(_outcome(r) for r in shown.ranks),
+        attempts=tuple(Attempt(r.verdict.value, r.exit_code, render(r.cause), tuple(h))
+                       for r, h in zip(results, hosts)),
+        root_cause=_outcome(final.root_cause) if final.root_cause is not None else None)
+
+
+def _outcome(rank: Any) -> RankOutcome:
+    row = rank.summary()
+    exit_ = row["exit"] or {}
+    return RankOutcome(rank=row["rank"], host=row["host"], state=row["state"],
+                       exit_code=exit_.get("code"), signal=exit_.get("signal"),
+                       lost=exit_.get("lost"), duration=row["duration"])
+
+
+__all__ = ["Attempt", "LaunchResult", "RankOutcome", "launch"]
