@@ -55,9 +55,24 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
                    log_dir: Optional[str] = None, dry_run: bool = False,
                    preflight: bool = True, slurm: bool = False,
                    nproc_per_node: Optional[str] = None, agent_timeout: Optional[str] = None,
-                   hang_timeout: Optional[str] = None) -> LaunchOptions:
+                   hang_timeout: Optional[str] = None, hosts: Optional[str] = None,
+                   hostfile: Optional[str] = None,
+                   ssh_config: Optional[str] = None) -> LaunchOptions:
     """The launch's options from the flags as invoke gives them, every one checked: a bad
     value is a FdlError (exit 2) naming its flag, before anything is read or started."""
+    per_node = flags.nproc_per_node("--nproc-per-node", nproc_per_node)
+    from_hosts = flags.hosts_cluster(hosts, hostfile, ssh_config, per_node,
+                                     cluster_given=cluster is not None or slurm)
+    if from_hosts is not None:
+        return LaunchOptions(
+            cluster_file=None, cluster=from_hosts, command=flags.command(cmd),
+            argv=_remainder(), kill_grace=flags.seconds("--kill-grace", kill_grace),
+            verbosity=1 + flags.verbosity(verbose), quiet=quiet,
+            max_failure=flags.max_failure(max_failure),
+            max_restarts=flags.restarts("--max-restarts", max_restarts),
+            log_dir=flags.log_dir(log_dir or settings["log_dir"] or None), dry_run=dry_run,
+            preflight=preflight, agent_timeout=flags.agent_timeout(agent_timeout),
+            hang_timeout=flags.seconds("--hang-timeout", hang_timeout))
     return LaunchOptions(
         # --slurm reads a cluster file only when one is named: the flags can say it all.
         cluster_file=None if slurm and cluster is None
@@ -73,7 +88,7 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         dry_run=dry_run,
         preflight=preflight,
         slurm=slurm,
-        nproc_per_node=flags.nproc_per_node("--nproc-per-node", nproc_per_node),
+        nproc_per_node=per_node,
         agent_timeout=flags.agent_timeout(agent_timeout),
         hang_timeout=flags.seconds("--hang-timeout", hang_timeout),
     )
@@ -99,8 +114,13 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         "torchrun does (default: elastic.max_restarts, 0)",
         "slurm": "run on the nodes of the Slurm allocation this runs in (salloc, sbatch), "
         "one agent per node started by srun; reads a cluster file only with --cluster",
-        "nproc-per-node": "ranks on each Slurm node (default: nproc_per_node of the "
-        "cluster file)",
+        "nproc-per-node": "ranks on each host of --hosts (default 1; a hostfile's slots=N "
+        "wins), or on each Slurm node (default: nproc_per_node of the cluster file)",
+        "hosts": "the hosts, without a cluster file: node[1-4],gpu[01-02] (Slurm and "
+        "ClusterShell ranges), in rank order",
+        "hostfile": "the hosts from a DeepSpeed/MPI hostfile: `host slots=N` per line",
+        "ssh-config": "with --hosts/--hostfile: an ssh_config file read instead of "
+        "~/.ssh/config (like ssh -F): user, port, key, ProxyJump per host",
         "agent-timeout": "seconds without a word from a host's agent after which the host is "
         "unresponsive and its ranks lost (default: agent_timeout, 10)",
         "hang-timeout": "seconds without output or progress from any rank after which the "
@@ -128,6 +148,9 @@ def launch(
     agent_timeout: Optional[str] = None,
     hang_timeout: Optional[str] = None,
     json: bool = False,
+    hosts: Optional[str] = None,
+    hostfile: Optional[str] = None,
+    ssh_config: Optional[str] = None,
 ) -> None:
     """Launch the job described by the cluster file and supervise it to a verdict.
 
@@ -139,7 +162,8 @@ def launch(
                               quiet=quiet, verbose=verbose, max_failure=max_failure,
                               max_restarts=max_restarts, log_dir=log_dir, dry_run=dry_run,
                               preflight=preflight, slurm=slurm, nproc_per_node=nproc_per_node,
-                              agent_timeout=agent_timeout, hang_timeout=hang_timeout)
+                              agent_timeout=agent_timeout, hang_timeout=hang_timeout,
+                              hosts=hosts, hostfile=hostfile, ssh_config=ssh_config)
     except FdlError as exc:
         raise Exit(str(exc), code=exc.exit_code) from None
     opts.json = json

@@ -25,6 +25,8 @@ class SshSpec:
     port: Optional[int] = None
     identity_file: Optional[str] = None
     options: tuple[str, ...] = ()
+    #: An ssh_config file read instead of ``~/.ssh/config`` (``ssh -F``, ``--ssh-config``).
+    config_file: Optional[str] = None
 
 
 @dataclass(frozen=True)

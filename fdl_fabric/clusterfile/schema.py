@@ -80,7 +80,7 @@ _WORKER_KEYS = (
     "data_path",
     "spare",
 )
-_SSH_KEYS = ("target", "user", "port", "identity_file", "options")
+_SSH_KEYS = ("target", "user", "port", "identity_file", "options", "config_file")
 
 _T = TypeVar("_T")
 
@@ -557,6 +557,9 @@ def _read_ssh(r: NodeReader, field: Field, folder: str) -> SshSpec:
     if identity_file is not None:
         # The key is read by the local ssh client, so local rules apply even for remote hosts.
         identity_file = _resolve_path(identity_file, folder, is_local=True)
+    config_file = r.path(block.field("config_file"))
+    if config_file is not None:
+        config_file = _resolve_path(config_file, folder, is_local=True)
     options: list[str] = []
     options_field = block.field("options")
     items = r.sequence(options_field)
@@ -588,6 +591,7 @@ def _read_ssh(r: NodeReader, field: Field, folder: str) -> SshSpec:
         port=r.integer(block.field("port"), minimum=1, maximum=PORT_MAX),
         identity_file=identity_file,
         options=tuple(options),
+        config_file=config_file,
     )
 
 

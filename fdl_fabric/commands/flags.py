@@ -13,13 +13,15 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from ..agent.wire import AGENT_TIMEOUT_MIN
-from ..clusterfile import parse_max_failure
-from ..errors import usage
+from ..clusterfile import ClusterSpec, parse_max_failure
+from ..clusterfile.hosts import HostsError, cluster_from_hosts, expand_hosts, read_hostfile
+from ..errors import EXIT_USAGE, FdlError, usage
 from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
 from ..supervision.policy import MaxFailure
+from ..transport.base import launcher_address
 
 
 def verbosity(value: Union[None, bool, str, int]) -> int:
@@ -150,3 +152,46 @@ def log_dir(path: Optional[str]) -> Optional[str]:
             except OSError:
                 break
     return path
+
+
+def hosts_cluster(hosts: Optional[str], hostfile: Optional[str], ssh_config: Optional[str],
+                  nproc_per_node: Optional[int], *, cluster_given: bool,
+                  **top: Any) -> Optional[ClusterSpec]:
+    """``--hosts`` / ``--hostfile`` (with ``-F``): the cluster they stand for, or None when
+    neither is given. Checked like a cluster file (exit 2, the flag or line named)."""
+    if hosts is None and hostfile is None:
+        if ssh_config is not None:
+            raise usage("--ssh-config", "only with --hosts or --hostfile (a cluster file "
+                        "sets ssh.config_file per worker)")
+        return None
+    if hosts is not None and hostfile is not None:
+        raise usage("--hosts", "give --hosts or --hostfile, not both")
+    if cluster_given:
+        raise usage("--hosts" if hosts is not None else "--hostfile",
+                    "the hosts come from the command line or from --cluster, not both")
+    if ssh_config is not None and not os.path.isfile(ssh_config):
+        raise usage("--ssh-config", f"{ssh_config} is not a file")
+    try:
+        slots = expand_hosts(hosts) if hosts is not None else read_hostfile(str(hostfile))
+        source = "--hosts" if hosts is not None else str(hostfile)
+        controller = _controller_toward(slots[0].host, ssh_config)
+        if controller is not None:
+            top.setdefault("controller", {"host": controller})
+        return cluster_from_hosts(slots, nproc_per_node=nproc_per_node,
+                                  ssh_config=ssh_config, source=source, **top)
+    except HostsError as exc:
+        raise FdlError(str(exc), EXIT_USAGE) from None
+
+
+def _controller_toward(host: str, ssh_config: Optional[str]) -> Optional[str]:
+    """The address of this machine that the first host sees (what its ranks dial), for a
+    remote first host; None for this machine (the coordinator then binds loopback)."""
+    if host in ("localhost", "127.0.0.1"):
+        return None
+    target = host
+    if ssh_config is not None:
+        import paramiko  # only with -F: a local launch loads no SSH library
+
+        target = str(paramiko.SSHConfig.from_path(ssh_config).lookup(host).get("hostname", host))
+    return launcher_address(target)
+

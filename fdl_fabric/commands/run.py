@@ -81,7 +81,15 @@ def parser() -> argparse.ArgumentParser:
                 "Exit codes: 0 ok, 1 failure, 2 usage error, 130/143 interrupted.")
     p.add_argument(*_both("nproc-per-node"), default="1", metavar="N",
                    help="ranks on this host: a number, or gpu, cpu, auto (as torchrun)")
-    p.add_argument("--nnodes", default="1", help="must be 1 (use `fdl-fabric launch` for more)")
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="with --hosts: the fewest hosts an attempt may run on, and how "
+                   "many start (the rest are spares); without, 1")
+    p.add_argument("--hosts", default=None, metavar="LIST",
+                   help="run on these hosts over SSH: node[1-4],gpu[01-02]")
+    p.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="the hosts from a DeepSpeed/MPI hostfile (`host slots=N`)")
+    p.add_argument("-F", "--ssh-config", default=None, metavar="FILE",
+                   help="an ssh_config file instead of ~/.ssh/config (like ssh -F)")
     p.add_argument("--standalone", action="store_true", help="accepted, nothing to do")
     p.add_argument(*_both("master-port"), type=int, default=None, metavar="PORT",
                    help="MASTER_PORT for torch.distributed (default: a free port)")
@@ -166,11 +174,50 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-u", args.training_script, *script_args]
 
 
+def nnodes(text: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes N`` or ``MIN:MAX``."""
+    low, _, high = text.strip().partition(":")
+    high = high or low
+    if not (low.isascii() and low.isdigit() and high.isascii() and high.isdigit()) \
+            or not 1 <= int(low) <= int(high):
+        raise usage("--nnodes", f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return int(low), int(high)
+
+
+def hosts_cluster_for(args: argparse.Namespace) -> Optional[ClusterSpec]:
+    """``--hosts`` / ``--hostfile``: a multi-host run, torchrun's command line on the
+    hosts given; ``--nnodes MIN:MAX`` maps onto ``elastic.min_hosts`` and spares."""
+    if args.hosts is None and args.hostfile is None:
+        return None
+    low, high = nnodes(args.nnodes) if args.nnodes.strip() not in ("1", "1:1") else (0, 0)
+    per_node = None if args.nproc_per_node.strip() == "1" else nproc(args.nproc_per_node)
+    grace = flags.seconds("--kill-grace", args.kill_grace)
+    top: dict[str, object] = {
+        "kill_grace": 30.0 if grace is None else grace,
+        "elastic": {"max_restarts": flags.restarts("--max-restarts", args.max_restarts) or 0,
+                    **({"min_hosts": low} if low else {})}}
+    if args.master_port is not None:
+        top["master_port"] = args.master_port
+    cluster = flags.hosts_cluster(args.hosts, args.hostfile, args.ssh_config, per_node,
+                                  cluster_given=False, max_hosts=high or None, **top)
+    assert cluster is not None
+    roster = sum(1 for w in cluster.workers if not w.spare)
+    if low and low > roster:
+        raise usage("--nnodes", f"MIN is {low}, but only {roster} host(s) were given")
+    return cluster
+
+
 def cluster_for(args: argparse.Namespace) -> ClusterSpec:
-    """The one-host cluster a ``run`` means (what a cluster.yml would say)."""
+    """The cluster a ``run`` means (what a cluster.yml would say): the hosts of
+    ``--hosts``/``--hostfile``, else this one host."""
+    from_hosts = hosts_cluster_for(args)
+    if from_hosts is not None:
+        return from_hosts
+    if args.ssh_config is not None:
+        raise usage("--ssh-config", "only with --hosts or --hostfile")
     if args.nnodes.strip() not in ("1", "1:1"):
-        raise usage("--nnodes", f"`fdl-fabric run` is one host, got {args.nnodes!r}: for "
-                          "several hosts write a cluster.yml and use `fdl-fabric launch`")
+        raise usage("--nnodes", f"`fdl-fabric run` without --hosts is one host, got "
+                    f"{args.nnodes!r}: give the hosts with --hosts or --hostfile")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise usage("--master-port", f"expected 1-65535, got {args.master_port}")
     grace = flags.seconds("--kill-grace", args.kill_grace)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
@@ -165,3 +166,20 @@ class Transport(abc.ABC):
     def details(self) -> dict[str, Any]:
         """What the dry run's JSON says of how the host is reached."""
         return {"transport": self.kind}
+
+
+def launcher_address(toward: str) -> str:
+    """The address of this machine that ``toward`` would see: what ranks dial to reach the
+    coordinator. A connected UDP socket sends nothing; the kernel only picks the route."""
+    try:
+        infos = socket.getaddrinfo(toward, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return socket.gethostname()
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((sockaddr[0], 9))
+                return str(s.getsockname()[0])
+            except OSError:
+                continue
+    return socket.gethostname()

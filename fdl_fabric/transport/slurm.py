@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -56,7 +55,7 @@ from ..events import EventBus, Name
 from ..limits import RANKS_MAX
 from ..shell import quote
 from . import bundle
-from .base import AgentProcess, ByteSink, ProbeResult, Transport
+from .base import AgentProcess, ByteSink, ProbeResult, Transport, launcher_address
 from .local import local_environment, start_local
 
 ENV_JOB_ID = "SLURM_JOB_ID"
@@ -152,23 +151,6 @@ def node_addrs(nodes: Sequence[str], *, run: Run = client) -> dict[str, str]:
         if name and addr:
             addrs[name.group(1)] = addr.group(1)
     return {n: addrs.get(n, n) for n in nodes}
-
-
-def launcher_address(toward: str) -> str:
-    """The address of this machine that ``toward`` would see: what ranks dial to reach the
-    coordinator. A connected UDP socket sends nothing; the kernel only picks the route."""
-    try:
-        infos = socket.getaddrinfo(toward, None, type=socket.SOCK_DGRAM)
-    except OSError:
-        return socket.gethostname()
-    for family, _, _, _, sockaddr in infos:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect((sockaddr[0], 9))
-                return str(s.getsockname()[0])
-            except OSError:
-                continue
-    return socket.gethostname()
 
 
 def load(cluster_file: Optional[str], *, flag: str = "--slurm",

@@ -207,7 +207,8 @@ def make_connection(
     # (gateway, inline_ssh_env, ...) into its config, and a Config shared between the
     # threads that connect hosts in parallel made one connect in 26 fail with "No
     # attribute or config key found for 'gateway'" at 32 hosts.
-    kwargs["config"] = config.clone() if config is not None else Config()
+    kwargs["config"] = config.clone() if config is not None else Config(
+        runtime_ssh_path=settings.config_file)
     if gateway is not None:
         kwargs["gateway"] = gateway
     conn = FdlConnection(**kwargs)

@@ -76,6 +76,8 @@ class SshSettings:
     alive_count_max: int
     proxy_jump: Optional[str]
     batch_mode: bool
+    #: ``ssh -F``: the ssh_config Fabric reads instead of ``~/.ssh/config``.
+    config_file: Optional[str] = None
 
     @property
     def alive_timeout(self) -> float:
@@ -165,7 +167,8 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
     """
     spec = worker.ssh
     _check_spec_names(worker)
-    opts = {**DEFAULT_OPTIONS, **parse_options(spec.options)}
+    opts = {**DEFAULT_OPTIONS, **_from_config_file(spec.config_file, worker.host),
+            **parse_options(spec.options)}
     strict = opts["stricthostkeychecking"].lower()
     if strict == "off":
         strict = "no"
@@ -198,7 +201,37 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
         alive_count_max=int(count_max),
         proxy_jump=opts.get("proxyjump") if opts.get("proxyjump", "none") != "none" else None,
         batch_mode=opts["batchmode"].lower() == "yes",
+        config_file=spec.config_file,
     )
+
+
+#: What an ``ssh -F`` file may set that the launcher applies itself (the rest, HostName,
+#: User, Port, IdentityFile, ProxyJump, Fabric reads from the same file when connecting).
+_FROM_CONFIG_FILE = ("stricthostkeychecking", "userknownhostsfile", "connecttimeout",
+                     "serveraliveinterval", "serveralivecountmax", "batchmode", "port",
+                     "hostname", "user", "identityfile", "proxyjump")
+
+
+def _from_config_file(path: Optional[str], host: str) -> dict[str, str]:
+    """The options an ``ssh -F`` file gives ``host``, as ssh would read them (first
+    match wins); a file that cannot be read is an error naming it."""
+    if path is None:
+        return {}
+    import paramiko  # only for an -F file: a local-only launch loads no SSH library
+
+    try:
+        found = paramiko.SSHConfig.from_path(path).lookup(host)
+    except OSError as exc:
+        raise SshOptionError(f"ssh config {path}: {exc.strerror or exc}") from None
+    out: dict[str, str] = {}
+    for key in _FROM_CONFIG_FILE:
+        value = found.get(key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None and (key != "hostname" or value != host):
+            out[key] = os.path.expanduser(str(value)) if key in (
+                "identityfile", "userknownhostsfile") else str(value)
+    return out
 
 
 def resolve_all_settings(
