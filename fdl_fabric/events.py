@@ -173,6 +173,7 @@ class Name(str, Enum):
     STACKS_NO_LIVE_RUN = ("stacks_no_live_run", Kind.VERDICT)
     STACKS_RUN_UNKNOWN = ("stacks_run_unknown", Kind.VERDICT)
     STACKS_VIEW = ("stacks_view", Kind.RESULT)
+    STATUS_VIEW = ("status_view", Kind.RESULT)
     PLOT_FAILED = ("plot_failed", Kind.VERDICT)
     PLOT_DRAWN = ("plot_drawn", Kind.RESULT)
 

@@ -20,6 +20,7 @@ from .commands.cleanup import run_cleanup
 from .commands.launch import LaunchOptions
 from .commands.launch import launch as run_launch
 from .commands.stacks import run_stacks
+from .commands.status import run_status
 from .errors import FdlError
 from .events import EventBus, Name
 from .preflight import check_cluster
@@ -294,8 +295,39 @@ def _usage_errors_exit_2() -> None:
 
 
 #: This collection's tasks, by their command-line names.
-TASK_NAMES = frozenset({"launch", "cleanup", "prebuild-check", "plot-run", "stacks"})
+TASK_NAMES = frozenset({"launch", "cleanup", "prebuild-check", "plot-run", "stacks",
+                        "status"})
 _usage_errors_exit_2()
+
+@task(
+    help={
+        "cluster": "cluster file whose hosts are asked (default: cluster.yml)",
+        "hosts": "ask these hosts instead: node[1-4],gpu[01-02]",
+        "hostfile": "ask the hosts of a DeepSpeed/MPI hostfile instead",
+        "ssh-config": "with --hosts/--hostfile: an ssh_config file (like ssh -F)",
+        "all": "every live run on those hosts, not only this cluster's",
+        "json": "print the runs as JSON",
+    },
+)
+def status(c: Context, cluster: Optional[str] = None, hosts: Optional[str] = None,
+           hostfile: Optional[str] = None, ssh_config: Optional[str] = None,
+           all: bool = False, json: bool = False) -> None:
+    """List the live runs on the cluster's hosts: run id, launcher, uptime, ranks.
+
+    Read from the records each host keeps; the runs are never touched. Exit 0, or 1 when
+    a host could not be asked, 2 on bad input.
+    """
+    try:
+        from_hosts = flags.hosts_cluster(hosts, hostfile, ssh_config, None,
+                                         cluster_given=cluster is not None)
+    except FdlError as exc:
+        raise Exit(str(exc), code=exc.exit_code) from None
+    code = run_status(None if from_hosts else flags.cluster_file(cluster, _settings(c)["cluster"]),
+                      cluster=from_hosts, every_run=all or from_hosts is not None,
+                      as_json=json)
+    if code:
+        raise Exit(code=code)
+
 
 ns = Collection("fdl")
 ns.add_task(launch)
@@ -303,4 +335,5 @@ ns.add_task(cleanup)
 ns.add_task(prebuild_check)
 ns.add_task(plot_run, name="plot-run")
 ns.add_task(stacks)
+ns.add_task(status)
 ns.configure({"fdl": dict(CONFIG_DEFAULTS)})

@@ -238,3 +238,17 @@ def test_digits_that_are_not_ascii_are_a_usage_error_naming_the_flag(flag, call,
     with pytest.raises(FdlError) as refused:
         call(value)
     assert refused.value.exit_code == 2 and str(refused.value).startswith(flag)
+
+
+def test_fdl_fabric_help_lists_every_command_in_one_line_each_and_no_invoke_internals() -> None:
+    out = fdl_fabric("--help")
+    assert out.returncode == 0
+    listed = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["run", "launch", "cleanup", "prebuild-check", "stacks", "status",
+                      "plot-run"]
+    assert "--prompt-for-sudo-password" not in out.stdout and "core-opts" not in out.stdout
+    run_help = fdl_fabric("--help", "run")
+    assert run_help.returncode == 0 and run_help.stdout.startswith("usage: fdl-fabric run")
+    assert "--hosts LIST" in run_help.stdout
+    bare = fdl_fabric()
+    assert bare.returncode == 2 and "commands:" in bare.stderr

@@ -105,3 +105,30 @@ def test_a_bad_hostfile_line_is_refused_naming_the_file_and_line(tmp_path: Path)
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert f"{hostfile}:2: expected `host slots=N`, got 'gpus=4'" in out.stderr
+
+
+def test_status_shows_a_live_run_on_two_hosts_and_nothing_once_it_ended(
+        sshd_lab, tmp_path: Path) -> None:
+    from labutil import LiveLaunch
+
+    lab = sshd_lab(n_hosts=2)
+    cluster = lab.write_cluster([lab.worker(h, nproc=2) for h in lab.hosts])
+    status = [sys.executable, "-m", "invoke", "--search-root", str(ROOT), "status",
+              "--cluster", str(cluster), "--json"]
+    run = LiveLaunch(cluster, "--", "python3", "-c",
+                     "import time; print('up', flush=True); time.sleep(6)")
+    try:
+        run.wait_line(r"lab2:cpu:r3\] up", stderr=False)
+        out = subprocess.run(status, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        (live,) = json.loads(out.stdout)["runs"]
+        assert live["run"] == run.run_id and live["launcher"]["pid"] == run.proc.pid
+        assert {h: [r["rank"] for r in ranks] for h, ranks in live["hosts"].items()} == {
+            "lab1": [0, 1], "lab2": [2, 3]}
+        assert all(r["state"] == "running" for rs in live["hosts"].values() for r in rs)
+        assert live["uptime"] >= 0
+        assert run.finish(60) == 0, run.err
+    finally:
+        run.kill()
+    after = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    assert after.returncode == 0 and json.loads(after.stdout)["runs"] == []

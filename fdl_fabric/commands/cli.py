@@ -35,11 +35,43 @@ def program() -> FdlProgram:
     return FdlProgram(namespace=ns, version=__version__, name="fdl-fabric", binary="fdl-fabric")
 
 
+#: ``fdl-fabric --help``: the commands, one line each (invoke's core options are no
+#: business of a user of this tool; ``fdl-fabric COMMAND --help`` details each).
+HELP = f"""\
+usage: fdl-fabric COMMAND [options]     (fdl-fabric {__version__})
+
+Launch and supervise multi-host training jobs over SSH or Slurm.
+
+commands:
+  run             torchrun's command line: fdl-fabric run --nproc-per-node 2 train.py
+  launch          launch the job of a cluster file (or --hosts) and supervise it to a verdict
+  cleanup         stop leftover ranks on every host, then verify none remains
+  prebuild-check  check every host before launching: ssh, paths, program, GPUs, port
+  stacks          show where each rank of a live run is (Python stacks), untouched
+  status          list the live runs on the hosts: run id, launcher, uptime, ranks
+  plot-run        draw a run's timeline from its events.jsonl
+
+fdl-fabric COMMAND --help shows a command's options. Exit codes: 0 ok, 1 the run or a
+host failed, 2 bad input (nothing started), 128+N interrupted by signal N.
+"""
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """``fdl-fabric run ...`` is torchrun's command line; everything else is a task."""
     args = list(sys.argv if argv is None else argv)
-    if len(args) > 1 and args[1] == "run":
+    rest = args[1:]
+    if rest in (["-h"], ["--help"], ["help"]):
+        sys.stdout.write(HELP)
+        sys.exit(0)
+    if not rest:
+        sys.stderr.write(HELP)
+        sys.exit(2)
+    if rest in (["--help", "run"], ["-h", "run"], ["help", "run"]):
+        rest = ["run", "--help"]
+    if rest[0] == "help" and len(rest) == 2:
+        rest = ["--help", rest[1]]
+    if rest[0] == "run":
         from .run import main as run_main
 
-        sys.exit(run_main(args[2:]))
-    program().run(args)
+        sys.exit(run_main(rest[1:]))
+    program().run([args[0], *rest])

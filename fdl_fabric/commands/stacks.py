@@ -11,8 +11,7 @@ and the same grouped view a hung run prints is shown. The run is never touched.
 from __future__ import annotations
 
 import queue
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from ..clusterfile import ClusterSpec
@@ -21,54 +20,9 @@ from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from ..supervision import reports
-from ..transport import for_cluster
-from ..transport.fanout import close_all, connect_each, start_each
 from ..transport.session import AgentSession
 from ..transport.sshconfig import load_with_settings
-
-#: Seconds every host has to list its runs, and then to report its ranks' stacks.
-ANSWER_TIMEOUT = 30.0
-
-
-def _collect(inbox: queue.SimpleQueue[reports.Report], hosts: set[str], kind: type,
-             timeout: float) -> tuple[dict[str, Any], dict[str, str]]:
-    """One report of ``kind`` per host (or why none came)."""
-    found: dict[str, Any] = {}
-    problems: dict[str, str] = {}
-    deadline = time.monotonic() + timeout
-    pending = set(hosts)
-    while pending:
-        try:
-            report = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            for host in pending:
-                problems[host] = f"no answer within {timeout:g}s"
-            break
-        host = str(getattr(report, "host", ""))
-        if host not in pending:
-            continue
-        if isinstance(report, kind):
-            found[host] = report
-            pending.discard(host)
-        elif isinstance(report, reports.AgentGone):
-            problems[host] = report.reason or "its agent ended"
-            pending.discard(host)
-    return found, problems
-
-
-def newest_live_run(runs: Sequence[Mapping[str, Any]]) -> Optional[str]:
-    """The live run started last, by its launcher's start time."""
-    live = [r for r in runs if r.get("live")]
-    if not live:
-        return None
-
-    def started(run: Mapping[str, Any]) -> float:
-        launcher = run.get("launcher") or {}
-        value = launcher.get("started") if isinstance(launcher, dict) else None
-        value = value or run.get("started") or 0
-        return float(value) if isinstance(value, (int, float)) else 0.0
-
-    return str(max(live, key=started)["run"])
+from .asking import ANSWER_TIMEOUT, asking_agents, collect, newest_live_run
 
 
 def run_stacks(cluster_file: str, *, run_id: Optional[str] = None,
@@ -82,19 +36,8 @@ def run_stacks(cluster_file: str, *, run_id: Optional[str] = None,
     except FdlError as exc:
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code
-    inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
-    transports = for_cluster(cluster, settings, purpose="cleanup")
-    errors = connect_each(transports.values())
-    sessions: dict[str, AgentSession] = {}
-    try:
-        sessions, failed = start_each([t for h, t in transports.items() if h not in errors],
-                                      inbox.put)
-        errors.update(failed)
+    with asking_agents(cluster, settings) as (sessions, inbox, errors):
         return _show(cluster, sessions, inbox, errors, run_id, events)
-    finally:
-        for session in sessions.values():
-            session.close_input()
-        close_all(transports.values())
 
 
 def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
@@ -104,7 +47,7 @@ def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
     key = cluster_key(cluster)
     for session in sessions.values():
         session.list_runs(None if run_id else key)
-    listed, problems = _collect(inbox, set(sessions), reports.Runs, ANSWER_TIMEOUT)
+    listed, problems = collect(inbox, set(sessions), reports.Runs, ANSWER_TIMEOUT)
     problems.update(errors)
     runs = [r for rep in listed.values() for r in rep.runs]
     chosen = run_id or newest_live_run(runs)
@@ -120,7 +63,7 @@ def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
         return EXIT_FAILURE
     for host in holders:
         sessions[host].stacks(0, run=chosen, host=host)
-    answers, late = _collect(inbox, holders, reports.Stacks, ANSWER_TIMEOUT)
+    answers, late = collect(inbox, holders, reports.Stacks, ANSWER_TIMEOUT)
     problems.update(late)
     data: dict[str, Any] = {"reason": f"run {chosen}", "ranks": {}, "hosts": {},
                             "problems": problems, "py_spy": {}}

@@ -539,9 +539,33 @@ _WORDS: dict[Name, Words] = {
     Name.STACKS_RUN_UNKNOWN: lambda e, d: (f"stacks: run {d['run_id']} is not recorded on any "
                                            f"host of {d['file']}"),
     Name.STACKS_VIEW: _stacks,
+    Name.STATUS_VIEW: lambda e, d: status_text(d),
     Name.PLOT_FAILED: lambda e, d: f"plot-run: cannot draw {d['run_dir']}: {d['error']}",
     Name.PLOT_DRAWN: lambda e, d: str(d["path"]),
 }
+
+
+def status_text(d: Mapping[str, Any]) -> str:
+    """``status``: each live run, its launcher, uptime and hosts with their ranks."""
+    lines = [f"{len(d['runs'])} live run(s) on the {d['hosts']} host(s) of {d['file']}"]
+    for run in d["runs"]:
+        launcher = run["launcher"]
+        who = f"{launcher.get('host', '?')} pid {launcher.get('pid', '?')}" if launcher else "?"
+        up = "" if run["uptime"] is None else f", up {_duration(run['uptime'])}"
+        lines.append(f"run {run['run']}: launcher {who}{up}")
+        for host, ranks in run["hosts"].items():
+            states = sorted({r["state"] for r in ranks})
+            numbers = [r["rank"] for r in ranks]
+            span = f"{numbers[0]}-{numbers[-1]}" if len(numbers) > 1 else str(numbers[0])
+            lines.append(f"  {host}: ranks {span} {'/'.join(states)}")
+    lines += [f"{host}: not asked: {why}" for host, why in d["problems"].items()]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def dry_run_text(d: Mapping[str, Any]) -> str:

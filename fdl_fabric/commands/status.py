@@ -1,0 +1,83 @@
+"""``fdl-fabric status`` / ``inv status``: the live runs on a cluster's hosts.
+
+Read from the records the agents keep on each host (`fdl_fabric.agent.procs`), through
+one agent per host (`asking`), so it works from any terminal while the launcher runs,
+and after the launcher died too: a run whose launcher is gone but whose ranks are still
+up shows as such. Like ``squeue`` for a Slurm user: what runs, where, since when.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from ..clusterfile import ClusterSpec
+from ..errors import EXIT_FAILURE, FdlError
+from ..events import EventBus, Name
+from ..planning.plan import cluster_key
+from ..presentation.output import Console
+from ..supervision import reports
+from ..transport import resolve_cluster
+from ..transport.sshconfig import resolve_all_settings
+from .asking import ANSWER_TIMEOUT, asking_agents, collect
+
+
+def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = None,
+               every_run: bool = False, as_json: bool = False,
+               console: Optional[Console] = None) -> int:
+    """The live runs of the cluster (or, with ``every_run``, of any cluster) on its
+    hosts: 0 when every host answered, 1 when one could not, 2 on bad input."""
+    console = console or Console()
+    events = EventBus(console)
+    try:
+        cluster = resolve_cluster(cluster_file, cluster)
+        settings = resolve_all_settings(cluster, events)
+    except FdlError as exc:
+        events(Name.REFUSED, error=str(exc))
+        return exc.exit_code
+    key = None if every_run else cluster_key(cluster)
+    with asking_agents(cluster, settings) as (sessions, inbox, errors):
+        for session in sessions.values():
+            session.list_runs(key)
+        listed, problems = collect(inbox, set(sessions), reports.Runs, ANSWER_TIMEOUT)
+    problems.update(errors)
+    runs = live_runs([r for rep in listed.values() for r in rep.runs], now=time.time())
+    data: dict[str, Any] = {"file": cluster.file, "hosts": len(cluster.workers), "runs": runs,
+                            "problems": dict(sorted(problems.items()))}
+    if as_json:
+        console.json(data)
+    else:
+        events(Name.STATUS_VIEW, **data)
+    return EXIT_FAILURE if problems else 0
+
+
+def live_runs(records: Sequence[Mapping[str, Any]], *, now: float) -> list[dict[str, Any]]:
+    """Each host's record of a run, merged into one entry per live run, newest first:
+    its launcher, its hosts with their ranks and whether each is up, its uptime."""
+    merged: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        if not rec.get("live"):
+            continue
+        run = merged.setdefault(str(rec["run"]), {
+            "run": rec["run"], "launcher": rec.get("launcher") or {}, "hosts": {},
+            "started": None})
+        started = _started(rec)
+        if started is not None and (run["started"] is None or started < run["started"]):
+            run["started"] = started
+        run["hosts"][rec["host"]] = sorted(
+            ({"rank": r["rank"], "pid": r["pid"], "state": "running" if r["alive"] else "ended"}
+             for r in rec.get("ranks", ())), key=lambda r: r["rank"])
+    out = []
+    for run in merged.values():
+        run["uptime"] = None if run["started"] is None else round(max(0.0, now - run["started"]), 1)
+        out.append(run)
+    out.sort(key=lambda r: -(r["started"] or 0))
+    return out
+
+
+def _started(record: Mapping[str, Any]) -> Optional[float]:
+    launcher = record.get("launcher")
+    value = launcher.get("started") if isinstance(launcher, dict) else None
+    value = value or record.get("started")
+    return float(value) if isinstance(value, (int, float)) else None
