@@ -252,3 +252,14 @@ def test_fdl_fabric_help_lists_every_command_in_one_line_each_and_no_invoke_inte
     assert "--hosts LIST" in run_help.stdout
     bare = fdl_fabric()
     assert bare.returncode == 2 and "commands:" in bare.stderr
+
+
+@pytest.mark.parametrize("before", [[], ["--nproc-per-node", "2"], ["--max_restarts", "1", "-v"],
+                                    ["--log-dir", "/tmp/x", "--nnodes=1"]])
+def test_a_refused_torchrun_flag_keeps_its_explanation_wherever_it_stands(
+        before: list[str]) -> None:
+    out = fdl_fabric("run", *before, "--tee", "3", "x.py")
+    assert out.returncode == 2
+    assert out.stderr.strip().endswith("--tee: not supported by `fdl-fabric run`: every rank's "
+                                       "output is forwarded with a [host:device:rN] prefix; "
+                                       "--log-dir keeps each rank's stdout and stderr")

@@ -120,11 +120,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _refuse_torchrun_only_flags(argv: list[str]) -> None:
-    """Before argparse: a torchrun flag we do not take gets its own explanation."""
-    for word in argv:
+    """Before argparse: a torchrun flag we do not take gets its own explanation, wherever
+    it stands among our own flags (their values are skipped, not taken for the script)."""
+    valued = {option for action in parser()._actions if action.nargs != 0
+              for option in action.option_strings}
+    words = iter(argv)
+    for word in words:
         if not word.startswith("--"):
             if not word.startswith("-"):
                 return  # the script: everything after it is the script's own
+            if word in valued:
+                next(words, None)
+            continue
+        if word in valued:  # `--flag value`: the value is not the script
+            next(words, None)
             continue
         name = word[2:].split("=", 1)[0].replace("_", "-")
         if name in REFUSED:
