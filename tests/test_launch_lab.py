@@ -177,6 +177,21 @@ def test_refused_authentication_fails_naming_the_host(sshd_lab, tmp_path: Path) 
     out = run_launch(cluster, "--cmd", "true", env={"SSH_AUTH_SOCK": ""})
     assert out.returncode == 1
     assert "lab1" in out.stderr and "authentication refused" in out.stderr
+    host = lab.hosts[0]
+    # What to fix is named: the destination as written and the key that was offered.
+    assert f"({lab.user}@{host.addr}:{host.port} with key {other_key})" in out.stderr
+
+
+def test_a_missing_identity_file_is_named_with_the_destination(sshd_lab, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=1)
+    w = lab.worker(lab.hosts[0])
+    w["ssh"]["identity_file"] = str(tmp_path / "no_such_key")
+    cluster = lab.write_cluster([w])
+    out = run_launch(cluster, "--cmd", "true", env={"SSH_AUTH_SOCK": ""})
+    assert out.returncode == 1
+    host = lab.hosts[0]
+    assert (f"identity file {tmp_path / 'no_such_key'} does not exist ({lab.user}@{host.addr}:"
+            f"{host.port} with key {tmp_path / 'no_such_key'})") in out.stderr, out.stderr
 
 
 def test_a_missing_remote_path_stops_the_ranks_already_started(sshd_lab, tmp_path: Path) -> None:

@@ -217,8 +217,28 @@ def make_connection(
     return conn
 
 
-def describe_connect_error(exc: BaseException) -> str:
-    """A one-line, actionable reason for a failed connect."""
+def describe_connect_error(exc: BaseException,
+                           settings: Optional[SshSettings] = None) -> str:
+    """A one-line, actionable reason for a failed connect: what failed, for which
+    ``user@target:port`` as written (not the logical host name), with which key."""
+    if settings is not None:
+        return f"{_describe(exc, settings)} ({_destination(settings)})"
+    return _describe(exc, None)
+
+
+def _destination(settings: SshSettings) -> str:
+    user = f"{settings.user}@" if settings.user else ""
+    port = f":{settings.port}" if settings.port else ""
+    keys = ", ".join(settings.identity_files)
+    with_key = f" with key {keys}" if keys else ""
+    via = f" via ssh config {settings.config_file}" if settings.config_file else ""
+    return f"{user}{settings.target}{port}{with_key}{via}"
+
+
+def _describe(exc: BaseException, settings: Optional[SshSettings]) -> str:
+    if isinstance(exc, FileNotFoundError) and settings is not None \
+            and exc.filename in settings.identity_files:
+        return f"identity file {exc.filename} does not exist"
     if isinstance(exc, paramiko.BadHostKeyException):
         return (
             f"host key has CHANGED (got {exc.key.get_name()} {exc.key.get_fingerprint().hex()}, "
@@ -246,7 +266,7 @@ def open_connection(settings: SshSettings, config: Optional[Config] = None) -> F
         conn.open()
     except Exception as exc:  # every transport failure becomes one clear error
         conn.close()
-        raise SshConnectError(settings.host, describe_connect_error(exc)) from exc
+        raise SshConnectError(settings.host, describe_connect_error(exc, settings)) from exc
     return conn
 
 
@@ -415,8 +435,6 @@ class SshTransport(Transport):
             reason = exc.reason
             if "CHANGED" in reason:
                 reason += f" (known_hosts: {settings.known_hosts_file}, entry {key_name})"
-            elif reason.startswith("authentication refused") and settings.identity_files:
-                reason += f" (identity: {', '.join(settings.identity_files)})"
             result.reach, result.reach_status = reason, "FAIL"
             return result
         connect_ms = _ms(start)
