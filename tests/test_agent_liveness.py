@@ -23,8 +23,8 @@ from fdl_fabric.agent import procs, wire
 STUCK = (
     "import sys, time\n"
     "def stuck_here():\n"
+    "    print('up', flush=True)  # inside: a Ctrl-C after 'up' always finds it here\n"
     "    time.sleep(300)\n"
-    "print('up', flush=True)\n"
     "stuck_here()\n"
 )
 

@@ -226,7 +226,8 @@ def cluster_for(args: argparse.Namespace) -> ClusterSpec:
         raise usage("--ssh-config", "only with --hosts or --hostfile")
     if args.nnodes.strip() not in ("1", "1:1"):
         raise usage("--nnodes", f"`fdl-fabric run` without --hosts is one host, got "
-                    f"{args.nnodes!r}: give the hosts with --hosts or --hostfile")
+                    f"{args.nnodes!r}: give the hosts with --hosts or --hostfile, or write "
+                    "a cluster.yml for `fdl-fabric launch`")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise usage("--master-port", f"expected 1-65535, got {args.master_port}")
     grace = flags.seconds("--kill-grace", args.kill_grace)
