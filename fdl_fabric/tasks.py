@@ -8,12 +8,12 @@ this repo and the ``fdl-fabric`` console script use the same collection.
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from invoke.collection import Collection
 from invoke.context import Context
 from invoke.exceptions import Exit
-from invoke.tasks import task
+from invoke.tasks import Task, task
 
 from .commands import flags
 from .commands.cleanup import run_cleanup
@@ -26,6 +26,25 @@ from .events import EventBus, Name
 from .preflight import check_cluster
 from .presentation.output import Console
 from .presentation.plot import plot_run as draw
+
+
+class _ChosenShortFlags(Task[Any]):
+    """A task whose short flags are chosen, not derived from letters: invoke's automatic
+    ones gave ``inv launch`` ``-m`` for ``--cmd`` (torchrun's ``-m`` is a module), ``-n``
+    for ranks per host (srun's ``-n`` is total tasks) and ``-h`` for ``--hang-timeout``."""
+
+    SHORT: dict[str, str] = {}
+
+    def arg_opts(self, name: str, default: str, taken_names: set[str]) -> dict[str, Any]:
+        opts: dict[str, Any] = super().arg_opts(name, default, taken_names)
+        opts["names"] = opts["names"][:1] + ([self.SHORT[name]] if name in self.SHORT else [])
+        return opts
+
+
+class _LaunchTask(_ChosenShortFlags):
+    SHORT = {"cluster": "c", "dry_run": "d", "json": "j", "kill_grace": "k", "log_dir": "l",
+             "quiet": "q", "verbose": "v", "hosts": "H", "ssh_config": "F"}
+
 
 #: Defaults for the ``fdl`` config section: set them in invoke.yaml / fabric.yaml
 #: (``fdl: {cluster: lab.yml, log_dir: runs/logs}``) or the environment
@@ -96,6 +115,7 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
 
 
 @task(
+    klass=_LaunchTask,
     help={
         "cluster": "cluster file (default: cluster.yml)",
         "cmd": "command to run on every rank (default: `command:` of the cluster file); "

@@ -263,3 +263,12 @@ def test_a_refused_torchrun_flag_keeps_its_explanation_wherever_it_stands(
     assert out.stderr.strip().endswith("--tee: not supported by `fdl-fabric run`: every rank's "
                                        "output is forwarded with a [host:device:rN] prefix; "
                                        "--log-dir keeps each rank's stdout and stderr")
+
+
+def test_launchs_short_flags_do_not_contradict_torchrun_or_srun() -> None:
+    out = subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(ROOT), "launch",
+                          "--help"], capture_output=True, text=True, timeout=30)
+    shorts = {line.split()[0].rstrip(",") for line in out.stdout.splitlines()
+              if line.startswith("  -") and not line.startswith("  --")}
+    assert {"-c", "-H", "-F", "-v", "-q", "-d"} <= shorts
+    assert not shorts & {"-m", "-n", "-h"}, "torchrun's -m, srun's -n, everyone's -h"
