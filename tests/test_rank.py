@@ -41,10 +41,13 @@ SALT = bytes(range(16, 32))
 RUN = "20250101-000000-feedbeef"
 
 PRELUDE = """\
-import json, os, sys, time
+import json, os, sys, threading, time
 import fdl_fabric.rank as rank
-def say(**kw):
-    print(json.dumps(kw), flush=True)
+_said = threading.Lock()
+def say(**kw):  # one write per line, under a lock: callbacks say things from their thread
+    with _said:
+        sys.stdout.write(json.dumps(kw) + "\\n")
+        sys.stdout.flush()
 def wait_stop(limit=4.0):
     deadline = time.monotonic() + limit
     while not rank.should_stop() and time.monotonic() < deadline:
