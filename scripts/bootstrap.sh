@@ -20,6 +20,7 @@ if [ "$want_test" = 1 ]; then
     && command -v srun >/dev/null 2>&1 || missing+=(slurm-wlm)
   { command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ]; } || missing+=(munge)
   command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+  command -v zsh >/dev/null 2>&1 || missing+=(zsh)  # the zsh completion test
   if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
       echo "bootstrap: installing ${missing[*]} (apt-get)"

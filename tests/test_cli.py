@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -272,3 +273,30 @@ def test_launchs_short_flags_do_not_contradict_torchrun_or_srun() -> None:
               if line.startswith("  -") and not line.startswith("  --")}
     assert {"-c", "-H", "-F", "-v", "-q", "-d"} <= shorts
     assert not shorts & {"-m", "-n", "-h"}, "torchrun's -m, srun's -n, everyone's -h"
+
+
+def _complete(shell: str, words: list[str]) -> list[str]:
+    """What Tab offers after ``words`` (the last one being completed), in a real shell."""
+    setup = "setopt ksharrays; " if shell == "zsh" else ""  # bashcompinit's 0-based arrays
+    quoted = " ".join(shlex.quote(w) for w in words)
+    code = (f'eval "$({shlex.quote(sys.executable)} -m fdl_fabric --completion {shell})"; '
+            f"{setup}COMP_WORDS=({quoted}); COMP_CWORD={len(words) - 1}; _fdl_fabric; "
+            'printf "%s\\n" "${COMPREPLY[@]}"')
+    out = subprocess.run([shell, "-c", code], capture_output=True, text=True, timeout=30,
+                         cwd=str(ROOT))
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    return out.stdout.split()
+
+
+def test_bash_completes_the_commands_including_run_and_each_commands_flags() -> None:
+    assert _complete("bash", ["fdl-fabric", "ru"]) == ["run"]
+    assert _complete("bash", ["fdl-fabric", "st"]) == ["stacks", "status"]
+    assert _complete("bash", ["fdl-fabric", "run", "--nproc"]) == [
+        "--nproc-per-node", "--nproc_per_node"]
+    assert _complete("bash", ["fdl-fabric", "launch", "--host"]) == ["--hostfile", "--hosts"]
+
+
+def test_zsh_loads_the_completion_and_offers_the_same_words() -> None:
+    # zsh filters the candidates by what is typed itself (compadd); all must be there.
+    assert {"run", "launch", "status", "plot-run"} <= set(_complete("zsh", ["fdl-fabric", ""]))
+    assert {"--hosts", "--json", "-F"} <= set(_complete("zsh", ["fdl-fabric", "run", "--"]))

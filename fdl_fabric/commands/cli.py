@@ -35,6 +35,9 @@ def program() -> FdlProgram:
     return FdlProgram(namespace=ns, version=__version__, name="fdl-fabric", binary="fdl-fabric")
 
 
+#: The commands, in the order help lists them.
+COMMANDS = ("run", "launch", "cleanup", "prebuild-check", "stacks", "status", "plot-run")
+
 #: ``fdl-fabric --help``: the commands, one line each (invoke's core options are no
 #: business of a user of this tool; ``fdl-fabric COMMAND --help`` details each).
 HELP = f"""\
@@ -53,6 +56,7 @@ commands:
 
 fdl-fabric COMMAND --help shows a command's options. Exit codes: 0 ok, 1 the run or a
 host failed, 2 bad input (nothing started), 128+N interrupted by signal N.
+Shell completion: eval "$(fdl-fabric --completion bash)" (or zsh).
 """
 
 
@@ -66,6 +70,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not rest:
         sys.stderr.write(HELP)
         sys.exit(2)
+    if rest[0] == "--completion":
+        from .completion import SHELLS, script
+
+        if len(rest) != 2 or rest[1] not in SHELLS:
+            sys.stderr.write(f"fdl-fabric: --completion: expected one of "
+                             f"{', '.join(SHELLS)}\n")
+            sys.exit(2)
+        sys.stdout.write(script(rest[1]))
+        sys.exit(0)
     if rest in (["--help", "run"], ["-h", "run"], ["help", "run"]):
         rest = ["run", "--help"]
     if rest[0] == "help" and len(rest) == 2:
