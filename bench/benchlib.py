@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -231,3 +231,42 @@ def machine_notes() -> dict[str, str]:
         "fdl_fabric commit": commit + (" (+ uncommitted changes outside bench/)"
                                        if dirty else ""),
     }
+
+
+class BenchError(RuntimeError):
+    """One run went wrong (a timeout, a missing line): the sample is recorded as failed."""
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float,
+               interval: float = 0.02) -> Any:
+    """``predicate()``'s first true value, polled every ``interval``; a `BenchError`
+    naming ``what`` once ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def run_in_scratch(prefix: str, args: Any, bench: Callable[[Any, Path, TextIO], int],
+                   cleanup: Callable[[], None]) -> int:
+    """``bench(args, folder, stdout)`` in a scratch folder that is removed afterwards
+    (unless ``args.keep``), with ``cleanup()`` run whatever happens and TERM/INT turned
+    into an orderly stop (`terminate_gracefully`)."""
+    import tempfile
+
+    out = sys.stdout
+    with terminate_gracefully():
+        tmp = Path(tempfile.mkdtemp(prefix=prefix))
+        try:
+            return bench(args, tmp, out)
+        finally:
+            cleanup()
+            if args.keep:
+                out.write(f"kept {tmp}\n")
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+

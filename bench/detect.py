@@ -254,20 +254,12 @@ def stop_everything() -> None:
 # --------------------------------------------------------------------------------------
 
 
-class BenchError(RuntimeError):
-    """One run went wrong (a timeout, a missing line); the sample is recorded as failed."""
+BenchError = benchlib.BenchError
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout: float = STEP_TIMEOUT,
                interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+    return benchlib.wait_until(predicate, what, timeout, interval)
 
 
 def line_time(sink: list[tuple[float, str]], pattern: str, after: float) -> Optional[float]:

@@ -60,13 +60,11 @@ import os
 import random
 import re
 import shlex
-import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -127,20 +125,8 @@ _RUN_IDS: set[str] = set()  # launches whose leftovers are killed at exit
 _LABS: list[Any] = []
 
 
-class BenchError(RuntimeError):
-    """One run went wrong (a timeout, a missing line): the sample is recorded as failed."""
-
-
-def wait_until(predicate: Callable[[], Any], what: str, timeout: float,
-               interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+BenchError = benchlib.BenchError
+wait_until = benchlib.wait_until
 
 
 class Launch(LiveProcess):
@@ -546,18 +532,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    out = sys.stdout
-    with benchlib.terminate_gracefully():
-        tmp = Path(tempfile.mkdtemp(prefix="fdl-elastic-hosts-"))
-        try:
-            return _bench(args, tmp, out)
-        finally:
-            cleanup()
-            if args.keep:
-                out.write(f"kept {tmp}\n")
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
+    return benchlib.run_in_scratch("fdl-elastic-hosts-", parse_args(argv), _bench, cleanup)
 
 
 def _bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:

@@ -72,13 +72,11 @@ import random
 import re
 import select
 import shlex
-import shutil
 import signal
 import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import termios
 import threading
 import time
@@ -141,20 +139,12 @@ _LABS: list[Any] = []
 _PTYS: list[Pty] = []
 
 
-class BenchError(RuntimeError):
-    """One run went wrong (a timeout, a missing line): the sample is recorded as failed."""
+BenchError = benchlib.BenchError
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout: float = STEP_TIMEOUT,
                interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+    return benchlib.wait_until(predicate, what, timeout, interval)
 
 
 def exit_time(proc: subprocess.Popen[Any], timeout: float) -> Optional[float]:
@@ -1171,18 +1161,7 @@ DEFAULT_REPEAT = {"detect": 5, "hang": 5, "idle": 1, "ctrlc": 20}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    out = sys.stdout
-    with benchlib.terminate_gracefully():
-        tmp = Path(tempfile.mkdtemp(prefix="fdl-liveness-"))
-        try:
-            return _bench(args, tmp, out)
-        finally:
-            cleanup()
-            if args.keep:
-                out.write(f"kept {tmp}\n")
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
+    return benchlib.run_in_scratch("fdl-liveness-", parse_args(argv), _bench, cleanup)
 
 
 def _bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
