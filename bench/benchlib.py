@@ -270,3 +270,17 @@ def run_in_scratch(prefix: str, args: Any, bench: Callable[[Any, Path, TextIO], 
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
 
+
+def kill_run(run_id: str) -> list[int]:
+    """SIGKILL what is still there of a run (by pid; psutil checks it is the same
+    process); the pids it found."""
+    import psutil
+
+    from fdl_fabric.testing import processes_of_run
+
+    left = processes_of_run(run_id)
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    return [p.pid for p in left]
+

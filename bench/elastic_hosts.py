@@ -165,12 +165,8 @@ def run_leftovers(run_id: str, timeout: float) -> list[int]:
             _RUN_IDS.discard(run_id)
             return []
         time.sleep(0.1)
-    left = processes_of_run(run_id)
-    for p in left:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
     _RUN_IDS.discard(run_id)
-    return [p.pid for p in left]
+    return benchlib.kill_run(run_id)
 
 
 def _kill_procs(procs: Sequence[psutil.Process]) -> list[int]:

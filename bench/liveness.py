@@ -248,12 +248,8 @@ def run_leftovers(run_id: str, timeout: float) -> list[int]:
             _RUN_IDS.discard(run_id)
             return []
         time.sleep(0.05)
-    left = processes_of_run(run_id)
-    for p in left:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
     _RUN_IDS.discard(run_id)
-    return [p.pid for p in left]
+    return benchlib.kill_run(run_id)
 
 
 def kill_alive(procs: Sequence[psutil.Process], timeout: float = 5.0) -> list[int]:
