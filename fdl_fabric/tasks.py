@@ -277,17 +277,35 @@ def prebuild_check(
         raise Exit(code=code)
 
 
+PLOT_USAGE = """Usage: plot-run RUN_DIR [--output FILE.svg|FILE.png]
+
+Draw a run's timeline: each rank's attempts against time, coloured by how they ended.
+
+  RUN_DIR              <log-dir>/<run_id> of a run launched with --log-dir
+  -o, --output FILE    picture to write, .svg or .png
+                       (default: RUN_DIR/timeline.svg and RUN_DIR/timeline.png)"""
+
+
 @task(help={"run-dir": "<log-dir>/<run_id> of a run launched with --log-dir",
-            "output": "SVG file to write (default: <run-dir>/timeline.svg)"})
+            "output": "picture to write, .svg or .png "
+                      "(default: <run-dir>/timeline.svg and timeline.png)"})
 def plot_run(c: Context, run_dir: str, output: str = "") -> None:
-    """Draw a run's timeline (ranks against time, deaths, cohort formation) as SVG."""
+    """Draw a run's timeline: each rank's attempts against time, coloured by how they ended."""
+    if run_dir in ("-h", "--help"):  # invoke hands a positional the next word, --help too
+        print(PLOT_USAGE)
+        return
     events = EventBus(Console())
     try:
         drawn = draw(run_dir, output)
-    except (OSError, ValueError) as exc:  # no such run folder, no events in it
+    except ImportError as exc:  # matplotlib: the `plot` extra
+        events(Name.PLOT_FAILED, run_dir=run_dir,
+               error=f"{exc.name or exc} is not installed (pip install 'fdl-fabric[plot]')")
+        raise Exit(code=2) from None
+    except (OSError, ValueError) as exc:  # no such run folder, no events in it, a bad name
         events(Name.PLOT_FAILED, run_dir=run_dir, error=str(exc))
         raise Exit(code=2) from None
-    events(Name.PLOT_DRAWN, path=str(drawn))
+    for path in drawn:
+        events(Name.PLOT_DRAWN, path=str(path))
 
 
 def _usage_errors_exit_2() -> None:

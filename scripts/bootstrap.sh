@@ -10,7 +10,7 @@ want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
 
 if [ "$want_test" = 1 ]; then
-  "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r requirements-torch.txt -e ".[stacks]" 2>&1 \
+  "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r requirements-torch.txt -e ".[stacks,plot]" 2>&1 \
     | grep -v -e "Running pip as the 'root' user" -e "is ignored: it is neither" || true
   # Debian packages the labs need: sshd (the sshd lab), Slurm's daemons and clients and
   # munge (the Slurm lab). Installed only when missing, and only as root.

@@ -130,23 +130,3 @@ def test_what_a_command_was_asked_for_goes_to_stdout() -> None:
     console, out, err = _console(verbosity=-1)
     console.emit(event(Name.PLOT_DRAWN, path="/tmp/x.svg"))
     assert out.getvalue() == "/tmp/x.svg\n" and err.getvalue() == ""
-
-
-def test_plot_run_draws_each_rank_the_formation_and_deaths(tmp_path: Path) -> None:
-    from fdl_fabric.presentation.plot import plot_run
-
-    run = tmp_path / "run1"
-    run.mkdir()
-    events = [
-        {"time": 0.0, "event": "launch", "message": "run"},
-        {"time": 0.1, "event": "spawn", "message": "s", "host": "a", "rank": 0},
-        {"time": 0.1, "event": "spawn", "message": "s", "host": "b", "rank": 1},
-        {"time": 0.5, "event": "formed", "message": "f"},
-        {"time": 1.0, "event": "tolerated", "message": "t", "host": "b", "rank": 1},
-        {"time": 2.0, "event": "exit", "message": "e", "host": "a", "rank": 0, "ok": True},
-        {"time": 2.1, "event": "verdict", "message": "v"},
-    ]
-    (run / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events))
-    svg = plot_run(str(run)).read_text()
-    assert svg.startswith("<svg") and "r0 a" in svg and "r1 b" in svg
-    assert "cohort formed" in svg and "<title>tolerated</title>" in svg
