@@ -64,6 +64,14 @@ class Name(str, Enum):
     LAUNCH = ("launch", Kind.LAUNCH)
     CONNECTED = ("connected", Kind.CONNECT)
     TUNNEL_OPENED = ("tunnel_opened", Kind.CONNECT)
+    #: A tunnel turned a forwarded connection away for the first time (said once).
+    TUNNEL_TURNING_AWAY = ("tunnel_turning_away", Kind.WARNING)
+    #: How many forwarded connections a tunnel turned away in all, when it closed.
+    TUNNEL_TURNED_AWAY = ("tunnel_turned_away", Kind.WARNING)
+    #: sshd listens on a tunnel's port beyond loopback (GatewayPorts).
+    TUNNEL_EXPOSED = ("tunnel_exposed", Kind.WARNING)
+    #: The launcher raised its soft RLIMIT_NOFILE to what the run needs.
+    OPEN_FILES_RAISED = ("open_files_raised", Kind.INFO)
     PLAN_LOOPBACK_MASTER = ("plan_loopback_master", Kind.WARNING)
     PLAN_LOOPBACK_CONTROLLER = ("plan_loopback_controller", Kind.WARNING)
     OMP_DEFAULTED = ("omp_defaulted", Kind.INFO)

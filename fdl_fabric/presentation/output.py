@@ -29,7 +29,7 @@ from ..events import Event, Kind, Name
 from ..supervision.supervisor import Rank, RankState
 from .screen import ERR, OUT, Screen
 from .stacks import dump_text
-from .words import render
+from .words import fit, render
 
 #: Event kinds shown only with -v: routine progress that would drown the rank output.
 _VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.JOIN}
@@ -45,6 +45,32 @@ def redact_env(env: dict[str, str]) -> dict[str, str]:
     """Values of secret-looking keys replaced by ``***`` (the names stay visible)."""
     return {k: ("***" if SECRET_KEY_RE.search(k) and not k.startswith("FLODL_INTERNAL_") else v)
             for k, v in env.items()}
+
+
+def is_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (OSError, ValueError):
+        return False
+
+
+def terminal_width(stream: Any) -> Optional[int]:
+    """The columns of the terminal ``stream`` writes to, asked of its file descriptor (a
+    stale ``COLUMNS`` does not count); None for a pipe or a file, whose lines are never
+    wrapped."""
+    if not is_terminal(stream):
+        return None
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or None
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+#: Before a launcher line on a terminal: back to the start of the line, cleared. The
+#: cursor is there already, unless the terminal echoed a key meanwhile (``^C``), which
+#: would push the line to the right and a line that fits over the edge.
+LINE_START = b"\r\x1b[K"
 
 
 def use_color(stream: Any) -> bool:
@@ -83,9 +109,12 @@ class Console:
         self._hosts: dict[str, int] = {}
         self._lock = threading.Lock()
         self.live = live and threaded
+        #: Launcher lines go to a terminal: laid out for its width (`words.fit`).
+        self.err_terminal = is_terminal(self.err)
         self.screen: Optional[Screen] = None
         if threaded:
-            self.screen = Screen(self.out, self.err, dropped_hint=dropped_hint)
+            self.screen = Screen(self.out, self.err, dropped_hint=dropped_hint,
+                                 notice=self._notice)
 
     def host_color(self, host: str) -> int:
         return self._hosts.setdefault(host, len(self._hosts)) % len(_PALETTE)
@@ -122,7 +151,7 @@ class Console:
             return
         if event.kind in (Kind.STACKS, Kind.SUMMARY):
             if self.verbosity >= 0:
-                self.message(render(event))
+                self._say(event)
             return
         if event.kind is Kind.STOPPING and event.data.get("signal") and self.screen is not None:
             # Ctrl-C or TERM: the verdict must show within the grace, whatever the
@@ -137,7 +166,7 @@ class Console:
             event.kind in _VERBOSE_KINDS or (event.kind is Kind.EXIT and event.data.get("ok"))
         ):
             return
-        self.message(render(event))
+        self._say(event)
 
     def _result_text(self, event: Event) -> str:
         if event.name is Name.CHECK_REPORT and self.color:
@@ -145,12 +174,34 @@ class Console:
         return render(event)
 
     def message(self, text: str) -> None:
-        """A line for the operator (status, warnings, verdicts): on stderr."""
+        """A line for the operator (status, warnings, verdicts): on stderr, laid out for
+        the terminal's width when it is one (`words.fit`), whole in a pipe or a file."""
+        width = self.err_width()
+        self._write_message(text if width is None else fit(text, width))
+
+    def err_width(self) -> Optional[int]:
+        """The width launcher lines are laid out for: None (whole lines) unless stderr is
+        a terminal."""
+        return terminal_width(self.err) if self.err_terminal else None
+
+    def _say(self, event: Event) -> None:
+        self._write_message(render(event, self.err_width()))
+
+    def _notice(self, event: Event) -> bytes:
+        """A notice of the writer thread itself (`screen`), laid out as `message` does."""
+        return self._message_bytes(render(event, self.err_width()))
+
+    def _message_bytes(self, text: str) -> bytes:
+        data = (text + "\n").encode("utf-8", "replace")
+        return LINE_START + data if self.err_terminal else data
+
+    def _write_message(self, text: str) -> None:
+        data = self._message_bytes(text)
         if self.screen is not None:
-            self.screen.put_message(ERR, (text + "\n").encode("utf-8", "replace"))
+            self.screen.put_message(ERR, data)
             return
         with self._lock:
-            self.err.write(text + "\n")
+            self.err.write(data.decode("utf-8", "replace"))
             self.err.flush()
 
     def result(self, text: str) -> None:
@@ -190,7 +241,14 @@ class Console:
 
 
 def render_status(ranks: Sequence[Rank], width: int, height: int, color: bool) -> str:
-    """The live table as terminal text, at most ``height - 2`` lines (the rest elided)."""
+    """The live table as terminal text: at most ``height - 1`` lines (the ranks that do
+    not fit are counted), and the empty line below them.
+
+    It ends with a newline: the cursor waits at the start of the empty line below the
+    table, where the terminal's echo of a key (``^C`` when the operator interrupts) lands
+    and is erased with the table. Left at the end of a full-width last row, the echo
+    would wrap onto a line of its own, and the erasure, one line short, would leave the
+    table's header behind in the scrollback."""
     from rich.console import Console as RichConsole
 
     keep = max(1, height - 3)
@@ -206,7 +264,7 @@ def render_status(ranks: Sequence[Rank], width: int, height: int, color: bool) -
     text = buf.getvalue().rstrip("\n")
     if more > 0:
         text += f"\n… {more} more rank(s)"
-    return text
+    return text + "\n"
 
 
 def _uptime(rank: Rank) -> str:

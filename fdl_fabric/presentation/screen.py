@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import IO, Any, Optional
 
-from fdl_fabric.events import Name, event
+from fdl_fabric.events import Event, Name, event
 from fdl_fabric.presentation.words import render
 
 #: Bytes of rank output queued for the console before producers wait for room.
@@ -56,7 +56,8 @@ WRITE_SLICE = 4096
 OUT = "out"
 ERR = "err"
 
-#: Renders the live table for a terminal this many columns wide and rows high.
+#: Renders the live table for a terminal this many columns wide and rows high. A trailing
+#: newline leaves the cursor on the empty line below the table (erased with it).
 StatusRender = Callable[[int, int], str]
 
 
@@ -116,7 +117,8 @@ class Screen:
     """The writer thread and its queue; see the module docstring."""
 
     def __init__(self, out: IO[Any], err: IO[Any], *, buffer_bytes: int = BUFFER_BYTES,
-                 stall_after: float = STALL_AFTER, dropped_hint: str = "") -> None:
+                 stall_after: float = STALL_AFTER, dropped_hint: str = "",
+                 notice: Optional[Callable[[Event], bytes]] = None) -> None:
         self._streams = {OUT: _Stream(out, self._moved), ERR: _Stream(err, self._moved)}
         self._items: deque[tuple[str, str, bytes, int]] = deque()
         self._queued_bytes = 0
@@ -133,6 +135,8 @@ class Screen:
         self._closed_out_lines = 0
         self._told_closed = False
         self._hint = dropped_hint
+        #: How the writer's own notices reach stderr (the console lays them out).
+        self._notice = notice or _line
         self._status: Optional[StatusRender] = None
         self._status_lines = 0
         self._closing = False
@@ -277,14 +281,14 @@ class Screen:
             self._dropping = False
             if self.dropped_lines:
                 self._dropped_total += self.dropped_lines
-                self._items.append(("message", ERR, _line(
-                    Name.CONSOLE_STALLED, dropped=self.dropped_lines, hint=self._hint), 0))
+                self._items.append(("message", ERR, self._notice(event(
+                    Name.CONSOLE_STALLED, dropped=self.dropped_lines, hint=self._hint)), 0))
                 self.dropped_lines = 0
         out = self._streams[OUT]
         if out.dead is not None and not self._told_closed:
             self._told_closed = True
-            self._items.append(("message", ERR, _line(
-                Name.STDOUT_CLOSED, error=out.dead, hint=self._hint), 0))
+            self._items.append(("message", ERR, self._notice(event(
+                Name.STDOUT_CLOSED, error=out.dead, hint=self._hint)), 0))
 
     def _write_batch(self, items: list[tuple[str, str, bytes, int]],
                      status: Optional[StatusRender]) -> None:
@@ -303,12 +307,13 @@ class Screen:
                     with self._cond:
                         self._closed_out_lines += lines  # refused by a stdout that closed
                 continue
-            if target.cut:  # finish the line the interrupt cut, then the launcher's words
-                target.cut = False
-                target.write(b"\n")
+            for cut in self._streams.values():
+                if cut.cut:  # finish the line the interrupt cut, then the launcher's words
+                    cut.cut = False
+                    cut.write(b"\n")
             target.write(data)
         if status is not None and out.dead is None:
-            size = shutil.get_terminal_size((100, 24))
+            size = _size(out)
             with contextlib.suppress(Exception):  # a rendering problem must not end output
                 text = status(size.columns, size.lines)
                 if self._status_lines:
@@ -324,11 +329,23 @@ class Screen:
         return self._dropped_total + self.dropped_lines + self._closed_out_lines
 
 
+def _size(stream: _Stream) -> os.terminal_size:
+    """The size of the terminal the live table is drawn on, asked of its descriptor: a
+    stale ``COLUMNS`` would draw a table wider than the terminal, which wraps it, and
+    the erasure would miss the lines it wrapped onto."""
+    if stream.fd is not None:
+        with contextlib.suppress(OSError):
+            size = os.get_terminal_size(stream.fd)
+            if size.columns > 0 and size.lines > 0:
+                return size
+    return shutil.get_terminal_size((100, 24))
+
+
 def _erase(lines: int) -> bytes:
     """Move to the start of a drawn block of ``lines`` lines and clear it (as rich does)."""
     return b"\r\x1b[2K" + b"\x1b[1A\x1b[2K" * (lines - 1)
 
 
-def _line(name: Name, **data: Any) -> bytes:
+def _line(notice: Event) -> bytes:
     """A notice the writer puts in the stream itself, in order with the output it concerns."""
-    return (render(event(name, **data)) + "\n").encode()
+    return (render(notice) + "\n").encode()

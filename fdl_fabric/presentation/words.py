@@ -12,12 +12,18 @@ rendering of the event that caused it (`render_verdict`).
 It imports nothing of ours but `events`, so any layer that must put words somewhere
 other than a console (a shutdown reason on the wire to the ranks, a result's message
 for a caller of the Python API) renders through it too.
+
+The words are one line per message, whatever its length: pipes, logs and greps get them
+whole. Only a terminal gets them laid out for its width (``render(event, width)``,
+`fit`): a line that fits stays as it is, a longer one is wrapped between words with its
+continuation indented, and the end-of-run tables wrap their cause column in place.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .. import shell
 from ..events import Event, Name
@@ -27,9 +33,51 @@ L = "cluster launcher: "
 C = "cluster coordinator: "
 
 
-def render(event: Event) -> str:
-    """The event in words (one line, or a block for tables and views)."""
-    return _WORDS[event.name](event, event.data)
+def render(event: Event, width: Optional[int] = None) -> str:
+    """The event in words (one line, or a block for tables and views); with ``width``,
+    laid out for a terminal that many columns wide (what fits is left as it is)."""
+    if width is None:
+        return _WORDS[event.name](event, event.data)
+    fitted = _FITTED.get(event.name)
+    if fitted is not None:
+        return fitted(event, event.data, width)
+    return fit(_WORDS[event.name](event, event.data), width)
+
+
+#: Continuation lines of a wrapped line are indented this much more than the line.
+HANG = "  "
+#: Narrower than this, no layout helps: lines are left to the terminal.
+MIN_WIDTH = 20
+
+
+def fit(text: str, width: int) -> str:
+    """``text`` for a terminal ``width`` columns wide: each line that fits stays as it is;
+    a longer one is wrapped between words (never inside one, never at a hyphen, so no
+    ``)`` or half a word starts a line), its continuation lines indented by `HANG` more
+    than it. A word longer than a whole line is left to the terminal."""
+    if width < MIN_WIDTH:
+        return text
+    return "\n".join(_fit_line(line, width) for line in text.split("\n"))
+
+
+def _fit_line(line: str, width: int) -> str:
+    if len(line) <= width:
+        return line
+    indent = line[:len(line) - len(line.lstrip(" "))]
+    hang = indent + HANG if len(indent + HANG) < width // 2 else indent
+    lines = textwrap.wrap(line, width, subsequent_indent=hang, break_long_words=False,
+                          break_on_hyphens=False)
+    if len(lines) > 1 and len(lines[-1].strip()) <= _WIDOW and " " in lines[-2].strip():
+        # A last line of one short word (``2``, ``r1)``) takes the word before it along.
+        head, word = lines[-2].rsplit(" ", 1)
+        last = f"{hang}{word} {lines[-1].strip()}"
+        if len(last) <= width:
+            lines[-2:] = [head.rstrip(), last]
+    return "\n".join(lines) if lines else line
+
+
+#: A wrapped line's last line is never this short a word alone.
+_WIDOW = 3
 
 
 def has_words(name: Name) -> bool:
@@ -95,6 +143,42 @@ def _launch(e: Event, d: Mapping[str, Any]) -> str:
                       for h, rs in d["ranks"].items())
     return (f"{L}run {d['run_id']}: {d['world_size']} rank(s) on {len(d['ranks'])} host(s) "
             f"({hosts})")
+
+
+def _tunnel_turning_away(e: Event, d: Mapping[str, Any]) -> str:
+    why = {"busy": f"more than {d['limit']} open at once",
+           "files": "too few open files left to the launcher",
+           "silent": f"more than {d['silent_max']} waiting without a byte, or silent for "
+                     f"{_s(d['silent_seconds'])}"}.get(d["why"], d["why"])
+    return (f"{L}tunnel {e.host}:127.0.0.1:{d['port']}: turning away forwarded connections "
+            f"({why}); someone on {e.host} may be flooding the port. Open connections stay "
+            "open; the count follows when the tunnel closes")
+
+
+def _tunnel_turned_away(e: Event, d: Mapping[str, Any]) -> str:
+    parts = []
+    if d.get("busy"):
+        parts.append(f"{d['busy']:,} beyond {d['limit']} open at once")
+    if d.get("files"):
+        parts.append(f"{d['files']:,} for want of open files")
+    if d.get("silent"):
+        parts.append(f"{d['silent']:,} that sent nothing")
+    return (f"{L}tunnel {e.host}:127.0.0.1:{d['port']}: turned away {d['turned_away']:,} "
+            f"forwarded connection(s) ({'; '.join(parts)})")
+
+
+def _tunnel_exposed(e: Event, d: Mapping[str, Any]) -> str:
+    return (f"{L}tunnel {e.host}:127.0.0.1:{d['port']} listens on "
+            f"{' and '.join(d['addresses'])} too, not only on loopback (GatewayPorts in "
+            f"{e.host}'s sshd_config): anyone who reaches {e.host} can connect to the "
+            "coordinator through it (a join still needs the run's key); set GatewayPorts no "
+            "or clientspecified there")
+
+
+def _open_files_raised(e: Event, d: Mapping[str, Any]) -> str:
+    hard = "unlimited" if d.get("hard") is None else d["hard"]
+    return (f"{L}raised the open-file limit (RLIMIT_NOFILE) from {d['was']} to {d['now']} "
+            f"(hard limit {hard}): this run needs about {d['needed']}")
 
 
 def _loopback_master(e: Event, d: Mapping[str, Any]) -> str:
@@ -278,18 +362,18 @@ def _verdict(e: Event, d: Mapping[str, Any]) -> str:
 
 
 # -- the end of a launch ----------------------------------------------------------------------
-def _summary(e: Event, d: Mapping[str, Any]) -> str:
+def _summary(e: Event, d: Mapping[str, Any], width: Optional[int] = None) -> str:
     """The end-of-run table: rank, host, exit, cause, duration; plain aligned text."""
     rows = [(str(r["rank"]), r["host"], exit_cell(r.get("exit")), cause_cell(r),
              f"{r['duration']:.1f}s") for r in d["ranks"]]
-    return _table(("rank", "host", "exit", "cause", "duration"), rows)
+    return _table(("rank", "host", "exit", "cause", "duration"), rows, width)
 
 
-def _attempts(e: Event, d: Mapping[str, Any]) -> str:
+def _attempts(e: Event, d: Mapping[str, Any], width: Optional[int] = None) -> str:
     """One row per attempt: what ended it."""
     rows = [(str(i), _hosts_cell(a.get("hosts") or ()), a["verdict"],
              attempt_cause(a["cause"])) for i, a in enumerate(d["attempts"])]
-    return _table(("attempt", "hosts", "verdict", "cause"), rows)
+    return _table(("attempt", "hosts", "verdict", "cause"), rows, width)
 
 
 def _hosts_cell(hosts: Sequence[str]) -> str:
@@ -298,10 +382,33 @@ def _hosts_cell(hosts: Sequence[str]) -> str:
     return names if len(names) <= 30 else f"{len(hosts)} hosts" if hosts else "-"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+#: The column of an end-of-run table that wraps when the table is wider than the
+#: terminal (the cause, in both), and the narrowest it is made.
+_WRAPPED_COLUMN = 3
+_WRAPPED_MIN = 16
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
+           width: Optional[int] = None) -> str:
+    """Aligned columns, two spaces apart. With ``width`` (a terminal) and a table wider
+    than that, the cause column is narrowed and its cells wrapped between words inside
+    it, the other cells on their row's first line; what still does not fit is `fit`."""
     table = [tuple(header), *[tuple(r) for r in rows]]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
+    over = sum(widths) + 2 * (len(widths) - 1) - (width or 0)
+    col = _WRAPPED_COLUMN
+    if width is None or over <= 0 or widths[col] <= _WRAPPED_MIN:
+        text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                         for r in table)
+        return text if width is None else fit(text, width)
+    widths[col] = max(_WRAPPED_MIN, len(header[col]), widths[col] - over)
+    lines = []
+    for row in table:
+        pieces = textwrap.wrap(row[col], widths[col], break_on_hyphens=False) or [""]
+        for i, piece in enumerate(pieces):
+            cells = [piece if j == col else (c if i == 0 else "") for j, c in enumerate(row)]
+            lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+    return fit("\n".join(lines), width)
 
 
 def _root_cause(e: Event, d: Mapping[str, Any]) -> str:
@@ -357,12 +464,22 @@ _NAMES = {n.value: n for n in Name}
 
 Words = Callable[[Event, Mapping[str, Any]], str]
 
+#: The words that lay themselves out for a terminal's width (the others are `fit`).
+_FITTED: dict[Name, Callable[[Event, Mapping[str, Any], int], str]] = {
+    Name.SUMMARY: _summary,
+    Name.ATTEMPTS: _attempts,
+}
+
 _WORDS: dict[Name, Words] = {
     # the launch
     Name.LAUNCH: _launch,
     Name.CONNECTED: lambda e, d: f"{L}connected to {e.host}",
     Name.TUNNEL_OPENED: lambda e, d: (f"{L}tunnel {e.host}:127.0.0.1:{d['port']} -> controller "
                                       f"{d['target']}:{d['port']}"),
+    Name.TUNNEL_TURNING_AWAY: _tunnel_turning_away,
+    Name.TUNNEL_TURNED_AWAY: _tunnel_turned_away,
+    Name.TUNNEL_EXPOSED: _tunnel_exposed,
+    Name.OPEN_FILES_RAISED: _open_files_raised,
     Name.PLAN_LOOPBACK_MASTER: _loopback_master,
     Name.PLAN_LOOPBACK_CONTROLLER: _loopback_controller,
     Name.OMP_DEFAULTED: lambda e, d: (
