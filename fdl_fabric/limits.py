@@ -9,6 +9,9 @@ docs/cluster-yml.md lists them; change a value here and the whole program follow
 The sizing target is a 1,000-host cluster with headroom: four times the hosts, more ranks per
 host than any machine has cores or GPUs, and exec-level limits taken from Linux. Standard
 library only, so anything can import it.
+
+The last section holds the launcher's own bounds at run time: the open files a launch needs,
+and how much a tunnel may carry.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ __all__ = [
     "HOST_LABEL_MAX",
     "HOST_NAME_MAX",
     "MERGED_ENTRIES_MAX",
+    "NOFILE_BASE",
+    "NOFILE_PENDING_MIN",
+    "NOFILE_PER_HOST",
+    "NOFILE_PER_RANK",
     "NUMBER_MAX_CHARS",
     "PATH_MAX_BYTES",
     "PORT_MAX",
@@ -34,6 +41,14 @@ __all__ = [
     "SECONDS_MAX",
     "SSH_OPTIONS_MAX",
     "SSH_OPTION_MAX_BYTES",
+    "TUNNEL_EXTRA",
+    "TUNNEL_FDS_FIXED",
+    "TUNNEL_FDS_PER_CONNECTION",
+    "TUNNEL_FD_RESERVE",
+    "TUNNEL_FIRST_FRAME_MAX",
+    "TUNNEL_PER_RANK",
+    "TUNNEL_WAITING_MAX",
+    "TUNNEL_WAITING_SECONDS",
     "USER_NAME_MAX",
     "WORKERS_MAX",
 ]
@@ -124,3 +139,63 @@ MERGED_ENTRIES_MAX = 1 << 21
 #: Problems listed before reading stops. A file can repeat one broken mapping through
 #: aliases; 100 lines are enough to fix a file in one pass.
 PROBLEMS_MAX = 100
+
+# -- the launcher's own resources at run time ---------------------------------------------------
+# What one launch holds open, so it can be checked against RLIMIT_NOFILE before anything starts
+# (`fdl_fabric.transport.tunnel.check_open_files`) and so a tunnel never takes what the agents'
+# sessions need. With paramiko an SSH connection is one socket; its sessions and forwarded
+# channels are none (as long as nobody asks a channel for its fileno, which makes a pipe).
+
+#: Open files a launch needs whatever the cluster: the standard streams, the run log's files,
+#: the screen writer, selectors and wake-up pairs, imports, DNS, a reconnect or two in flight.
+NOFILE_BASE = 64
+
+#: Per host: its SSH connection (one socket), or a local or Slurm agent's three pipes, and
+#: room for a reconnect's socket while the old one closes.
+NOFILE_PER_HOST = 4
+
+#: Per rank of the world: its connection in the coordinator.
+NOFILE_PER_RANK = 1
+
+#: Connections the coordinator may hold before their hello: twice the world size, and at
+#: least this many (its own floor for pending connections).
+NOFILE_PENDING_MIN = 256
+
+#: Forwarded connections one tunnel carries at once: this many per rank of its host (a rank
+#: holds one; the rest leave room for redials after a reset, an exiting rank's last words and
+#: the agent's pre-flight dial) ...
+TUNNEL_PER_RANK = 4
+
+#: ... plus this many, so a host of one rank is not held to four.
+TUNNEL_EXTRA = 8
+
+#: Open files one forwarded connection costs the launcher: its socket to the coordinator and
+#: the coordinator's end of it (the channel itself costs none).
+TUNNEL_FDS_PER_CONNECTION = 2
+
+#: Open files one tunnel costs whatever it carries: its selector and its wake-up socket pair.
+TUNNEL_FDS_FIXED = 3
+
+#: Open files a tunnel leaves free whatever its bound: a forwarded connection gets no socket
+#: when taking one would leave fewer than this under the soft limit (the agents' sessions,
+#: reconnects and log files come first).
+TUNNEL_FD_RESERVE = 64
+
+#: Bytes of the first frame a forwarded connection must send before it gets a socket to the
+#: coordinator: the coordinator's own bound before a hello is verified (a hello or the agent's
+#: probe is a few hundred bytes). A connection whose first four bytes announce more (or less
+#: than a tag) is no rank's and is turned away at once.
+TUNNEL_FIRST_FRAME_MAX = 4096
+
+#: Forwarded connections waiting for their first whole frame, held by one tunnel, and as many
+#: again whose frame is in and wait for room under the bound. They cost no open file (the
+#: socket to the coordinator is opened once the frame is in: a rank speaks first), only a
+#: paramiko channel and the frame. Beyond this, of those without a frame the one that has
+#: waited longest is closed (a rank sends its hello within a round trip of connecting, and
+#: an idle flood never does); of those with one, the newest is refused.
+TUNNEL_WAITING_MAX = 256
+
+#: A forwarded connection that has not sent its first frame after this many seconds is
+#: closed (the coordinator gives a connection as long for its hello), and so is one whose
+#: frame has waited this long for a place under the bound.
+TUNNEL_WAITING_SECONDS = 10.0

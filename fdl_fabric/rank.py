@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import json
 import os
+import random
 import socket
 import struct
 import sys
@@ -58,8 +59,11 @@ ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 #: Seconds between heartbeats. Not scaled: the coordinator's timeout is what scales.
 HEARTBEAT_INTERVAL = 1.0
-#: Seconds between connection attempts while the coordinator is not up yet.
+#: The longest pause between connection attempts (the coordinator not up yet, or turning
+#: connections away under a flood): pauses start at `RETRY_FIRST` and double up to this.
 CONNECT_RETRY = 0.5
+#: The first pause before dialing again after a refusal or a reset (with jitter: 50-100 %).
+RETRY_FIRST = 0.05
 #: Socket timeout after the handshake: bounds a stalled write, paces the reader loop.
 SOCKET_TIMEOUT = 5.0
 #: The `on_shutdown` reason when the connection to the coordinator is gone.
@@ -360,10 +364,18 @@ _client: Optional[_Client] = None
 _exit_failed = False
 
 
+def _pause(attempt: int, deadline: float) -> None:
+    """Wait before dialing again: `RETRY_FIRST` doubling up to `CONNECT_RETRY`, with jitter
+    (ranks turned away together do not come back together), never past the deadline."""
+    delay = min(CONNECT_RETRY, RETRY_FIRST * 2 ** min(attempt, 16)) * random.uniform(0.5, 1.0)
+    time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+
+
 def _connect(config: _Config, deadline: float, budget: float) -> socket.socket:
-    """Dial until the coordinator answers, every CONNECT_RETRY seconds, until the deadline."""
+    """Dial until the coordinator answers (pausing as `_pause` says), until the deadline."""
     address = (config.controller_host, config.controller_port)
     last: Optional[OSError] = None
+    attempt = 0
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -373,13 +385,42 @@ def _connect(config: _Config, deadline: float, budget: float) -> socket.socket:
             return socket.create_connection(address, timeout=min(remaining, SOCKET_TIMEOUT))
         except OSError as exc:
             last = exc
-        time.sleep(max(0.0, min(CONNECT_RETRY, deadline - time.monotonic())))
+        _pause(attempt, deadline)
+        attempt += 1
+
+
+class _TurnedAway(Exception):
+    """The coordinator refused this connection for now (a reset, or a ``reject`` with
+    ``retry`` under a flood of connections): dial again."""
+
+
+#: What a connection turned away before its hello meets (a reset, or a close that crossed
+#: the hello): dial again. A plain close without a reply is not one: a wrong salt gets it.
+_RETRY_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
 def _handshake(config: _Config, deadline: float, budget: float) -> _Client:
-    """Send hello, wait for welcome or reject; any failure is a RuntimeError."""
+    """Dial and say hello until welcomed or the deadline; a refusal or a reset (a flood of
+    other connections) means dial again, after a short pause. A reject, a timeout or any
+    other failure is a RuntimeError."""
+    attempt = 0
+    while True:
+        sock = _connect(config, deadline, budget)
+        try:
+            return _greet(sock, config, deadline, budget)
+        except _TurnedAway as exc:
+            sock.close()
+            turned_away = str(exc)
+        _pause(attempt, deadline)
+        attempt += 1
+        if deadline - time.monotonic() <= 0:
+            raise RuntimeError(f"cluster rank: rank {config.membership.rank}: the coordinator "
+                               f"turned every connection away for {budget:g}s: {turned_away}")
+
+
+def _greet(sock: socket.socket, config: _Config, deadline: float, budget: float) -> _Client:
+    """Send hello on ``sock``, wait for welcome; `_TurnedAway` means dial again."""
     me = config.membership
-    sock = _connect(config, deadline, budget)
     buf = bytearray()
     try:
         sock.settimeout(max(deadline - time.monotonic(), 1.0))
@@ -390,10 +431,14 @@ def _handshake(config: _Config, deadline: float, budget: float) -> _Client:
         sock.close()
         raise RuntimeError(f"cluster rank: rank {me.rank}: the coordinator did not answer "
                            f"hello within {budget:g}s") from None
+    except _RETRY_ERRORS as exc:
+        raise _TurnedAway(str(exc)) from None
     except (OSError, FrameError) as exc:
         sock.close()
         raise RuntimeError(f"cluster rank: rank {me.rank}: handshake with the coordinator "
                            f"failed: {exc}") from None
+    if reply is not None and reply["type"] == "reject" and reply.get("retry") is True:
+        raise _TurnedAway(str(reply.get("reason", "busy")))
     if reply is None or reply["type"] != "welcome":
         sock.close()
         if reply is None:
@@ -419,8 +464,10 @@ def join(timeout: float = 30.0) -> Membership:
     """Join the cohort; returns who this process is. Idempotent within a process.
 
     ``timeout`` (scaled by FLODL_NET_TIMEOUT_SCALE) bounds dialing plus the
-    handshake; the coordinator may start after the rank. Raises RuntimeError
-    on a reject, a timeout or a bad environment.
+    handshake; the coordinator may start after the rank, and a connection it refuses
+    or resets (a flood of other connections on its port) is dialed again, after a
+    pause of 25 ms doubling up to 0.5 s. Raises RuntimeError on a reject, a timeout or
+    a bad environment.
     """
     global _client
     with _lock:

@@ -52,6 +52,15 @@ class _LaunchTask(_ChosenShortFlags):
 CONFIG_DEFAULTS = {"cluster": "cluster.yml", "log_dir": ""}
 
 
+def _cluster_file(c: Context, cluster: Optional[str]) -> str:
+    """The ``--cluster`` flag (or the configured default), checked: a bad one is exit 2
+    with one line, as every usage error of these tasks."""
+    try:
+        return flags.cluster_file(cluster, _settings(c)["cluster"])
+    except FdlError as exc:
+        raise Exit(str(exc), code=exc.exit_code) from None
+
+
 def _settings(c: Context) -> dict[str, str]:
     section = c.config.get("fdl", {}) or {}
     return {key: section.get(key, default) or default for key, default in CONFIG_DEFAULTS.items()}
@@ -223,7 +232,11 @@ def cleanup(
     carry the run's id. A run whose launcher is alive is left alone unless named with
     --run-id or --force is given. Exit 1 if anything survives.
     """
-    file = cluster if slurm else flags.cluster_file(cluster, _settings(c)["cluster"])
+    file = cluster if slurm else _cluster_file(c, cluster)
+    try:
+        pattern = flags.pattern(pattern)
+    except FdlError as exc:
+        raise Exit(str(exc), code=exc.exit_code) from None
     code = run_cleanup(file, run_id=run_id, all_runs=all, pattern=pattern, slurm=slurm,
                        force=force)
     if code:
@@ -243,7 +256,7 @@ def stacks(c: Context, cluster: Optional[str] = None, run_id: Optional[str] = No
     run goes on). With py-spy on a host (`pip install fdl-fabric[stacks]`), every
     thread's Python stack; without it, what /proc says.
     """
-    code = run_stacks(flags.cluster_file(cluster, _settings(c)["cluster"]), run_id=run_id)
+    code = run_stacks(_cluster_file(c, cluster), run_id=run_id)
     if code:
         raise Exit(code=code)
 
@@ -271,7 +284,7 @@ def prebuild_check(
     data_path, clock skew and the controller port, all hosts in parallel.
     Exit 0 when nothing FAILs, 1 otherwise, 2 on a config error.
     """
-    code = check_cluster(cluster or _settings(c)["cluster"], cmd=cmd, words=_remainder(),
+    code = check_cluster(_cluster_file(c, cluster), cmd=cmd, words=_remainder(),
                          as_json=json, fast=fast)
     if code:
         raise Exit(code=code)
@@ -325,7 +338,9 @@ def _usage_errors_exit_2() -> None:
         except ParseError as exc:
             name = str(getattr(exc.context, "name", "") or "")
             if name.rpartition(".")[2] in TASK_NAMES:
-                raise Exit(str(exc), code=2) from None
+                from .commands.cli import usage_line
+
+                raise Exit(usage_line(exc, sys.argv, binary="inv"), code=2) from None
             raise
 
     parse_tasks._fdl_usage_exit = True  # type: ignore[attr-defined]
@@ -360,7 +375,7 @@ def status(c: Context, cluster: Optional[str] = None, hosts: Optional[str] = Non
                                          cluster_given=cluster is not None)
     except FdlError as exc:
         raise Exit(str(exc), code=exc.exit_code) from None
-    code = run_status(None if from_hosts else flags.cluster_file(cluster, _settings(c)["cluster"]),
+    code = run_status(None if from_hosts else _cluster_file(c, cluster),
                       cluster=from_hosts, every_run=all or from_hosts is not None,
                       as_json=json)
     if code:

@@ -28,7 +28,9 @@ def python() -> str:
 
 @pytest.fixture(autouse=True)
 def _no_inherited_verbosity(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("FLODL_VERBOSITY", "FLODL_NET_TIMEOUT_SCALE", "FLODL_INTERNAL_PREBUILD_PER_HOST"):
+    for key in ("FLODL_VERBOSITY", "FLODL_NET_TIMEOUT_SCALE", "FLODL_INTERNAL_PREBUILD_PER_HOST",
+                # the run registry's place: the default, /tmp/fdl-fabric-<uid> (the lab's)
+                "FDL_FABRIC_STATE_DIR", "XDG_RUNTIME_DIR"):
         monkeypatch.delenv(key, raising=False)
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
 

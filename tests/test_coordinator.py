@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -31,12 +32,16 @@ from fdl_fabric.rank import (
     take_frame,
 )
 from fdl_fabric.supervision.coordinator import (
-    PENDING_MAX,
+    ACCEPT_PER_TURN,
+    BUSY_REASON,
+    HELLO_PROMPT,
+    PENDING_PER_SOURCE,
     PRE_AUTH_FRAME,
     Coordinator,
     CoordinatorError,
     CoordinatorSpec,
     DeadRanks,
+    PendingPeers,
 )
 
 SALT = bytes(range(16))
@@ -546,16 +551,168 @@ def test_before_its_hello_a_peer_may_send_a_small_frame_only_after_it_the_full_s
     assert not member.is_closed(0.3)
 
 
-def test_the_oldest_peer_without_a_hello_is_dropped_past_the_cap(
+BUSY = {"type": "reject", "reason": BUSY_REASON, "retry": True}
+
+
+class Gate:
+    """An event sink that holds the coordinator's I/O thread inside the first event
+    ``hold`` accepts, until `release`: meanwhile the test lines up what it will find."""
+
+    def __init__(self, hold: Callable[[Event], bool]) -> None:
+        self.hold = hold
+        self.held = threading.Event()
+        self._open = threading.Event()
+
+    def emit(self, e: Event) -> None:
+        if not self.held.is_set() and self.hold(e):
+            self.held.set()
+            self._open.wait(10.0)
+
+    def release(self) -> None:
+        self._open.set()
+
+
+def _pending(h: Harness) -> int:
+    return len(h.coord._pending)
+
+
+def test_past_the_per_source_limit_the_newest_is_asked_to_dial_again_and_the_oldest_kept(
         make: Callable[..., Harness]) -> None:
     h = make()
-    idle = [h.rank() for _ in range(PENDING_MAX)]
-    assert wait_for(lambda: len(h.coord._conns) == PENDING_MAX)
+    idle = [h.rank() for _ in range(PENDING_PER_SOURCE)]
+    assert wait_for(lambda: _pending(h) == PENDING_PER_SOURCE)
     newest = h.rank()
-    assert idle[0].is_closed()
-    assert not newest.is_closed(0.2) and not idle[-1].is_closed(0.2)
-    for f in [*idle, newest]:
-        f.sock.close()
+    assert newest.recv() == BUSY  # keyed with the run's salt: a rank knows to dial again
+    assert newest.is_closed()
+    assert not idle[0].is_closed(0.2) and not idle[-1].is_closed(0.01)
+    assert h.said(Kind.WARNING) == [(Name.PEER_DROPPED, None, None, {
+        "peer": f"127.0.0.1:{newest.local_port}", "refused": 1,
+        "reason": f"too many connections without a hello from one address "
+                  f"(limit {PENDING_PER_SOURCE}); refused the newest"})]
+    assert h.rank().hello(0)["type"] == "welcome"  # a hello already in needs no place
+
+
+def test_a_connection_whose_hello_is_in_is_judged_at_once_even_when_its_source_is_full(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    gate = Gate(lambda e: e.name is Name.PEER_DROPPED)
+    h.coord.events.add(gate)
+    idle = [h.rank() for _ in range(PENDING_PER_SOURCE)]
+    assert wait_for(lambda: _pending(h) == PENDING_PER_SOURCE)
+    h.rank()  # refused: the I/O thread now waits in the gate
+    assert gate.held.wait(3.0)
+    rank = h.rank()
+    rank.send({"type": "hello", "rank": 0, "host": "h0", "pid": 1})  # in before its accept
+    late = h.rank()  # idle, behind it in the queue
+    gate.release()
+    assert rank.recv()["type"] == "welcome"
+    assert late.recv() == BUSY and late.is_closed()
+    assert not idle[0].is_closed(0.1)
+    assert h.coord.joined == {0}
+
+
+def test_under_refusals_a_silent_connection_loses_its_place_after_the_prompt_deadline(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    idle = [h.rank() for _ in range(PENDING_PER_SOURCE)]
+    assert wait_for(lambda: _pending(h) == PENDING_PER_SOURCE)
+    time.sleep(HELLO_PROMPT * 1.2)
+    assert not idle[0].is_closed(0.01)  # past the prompt deadline, but nobody was refused
+    assert h.rank().recv() == BUSY  # now someone is: the source is pressed
+    assert idle[0].recv() == BUSY and idle[-1].recv() == BUSY
+    assert wait_for(lambda: _pending(h) == 0)
+    assert h.rank().hello(1)["type"] == "welcome"
+    reasons = [r for w in h.log.of(Kind.WARNING) for r in
+               ([w.data["reason"]] if "reason" in w.data else list(w.data["reasons"]))]
+    assert reasons[0].startswith("too many connections without a hello from one address")
+    h.coord.stop()
+    counted = h.log.named(Name.PEERS_REFUSED)[-1].data["reasons"]
+    assert counted == {f"no hello within {HELLO_PROMPT:g}s while connections were being "
+                       "refused": PENDING_PER_SOURCE}
+
+
+def test_a_heartbeat_is_read_in_the_next_turn_however_many_connections_wait(
+        make: Callable[..., Harness]) -> None:
+    """Issue 22: accepting used to loop until the queue was empty, so a steady stream of
+    connects kept the loop from ever reading a heartbeat."""
+    h = make(2)
+    member = h.rank()
+    assert member.hello(0)["type"] == "welcome"
+    gate = Gate(lambda e: e.name is Name.RANK_JOINED and e.rank == 1)
+    h.coord.events.add(gate)
+    admitted: list[int] = []
+    heard: list[int] = []
+    admit, handle = h.coord._admit, h.coord._handle
+
+    def counting_admit(sock: socket.socket, addr: Any) -> None:
+        admitted.append(1)
+        admit(sock, addr)
+
+    def noting_handle(conn: Any, message: dict[str, Any]) -> None:
+        if message["type"] == "heartbeat":
+            heard.append(len(admitted))
+        handle(conn, message)
+
+    h.coord._admit = counting_admit  # type: ignore[method-assign]
+    h.coord._handle = noting_handle  # type: ignore[method-assign]
+    other = h.rank()
+    other.send({"type": "hello", "rank": 1, "host": "h1", "pid": 2})
+    assert gate.held.wait(3.0)
+    queued = [socket.create_connection(("127.0.0.1", h.coord.port), timeout=3.0)
+              for _ in range(500)]
+    try:
+        member.send({"type": "heartbeat"})
+        gate.release()
+        assert wait_for(lambda: bool(heard))
+        assert wait_for(lambda: len(admitted) >= 500), len(admitted)  # 500 + the hello of rank 1
+        assert heard[0] <= 2 * ACCEPT_PER_TURN, heard
+    finally:
+        for s in queued:
+            s.close()
+
+
+# -- the admission policy, without sockets -----------------------------------------------
+def test_pending_peers_refuse_the_newest_past_the_per_source_limit_never_an_older_one() -> None:
+    peers: PendingPeers[str] = PendingPeers(per_source=2, cap=10, prompt=1.0, timeout=10.0)
+    assert peers.refusal("a") is None
+    peers.add("a1", "a", 0.0)
+    peers.add("a2", "a", 0.1)
+    assert peers.refusal("a") == ("too many connections without a hello from one address "
+                                  "(limit 2); refused the newest")
+    assert peers.refusal("b") is None  # another address has its own places
+    peers.add("b1", "b", 0.2)
+    assert peers.oldest_first() == ["a1", "a2", "b1"] and peers.from_source("a") == 2
+    peers.remove("a1")
+    peers.remove("a1")  # idempotent
+    assert peers.refusal("a") is None and peers.from_source("a") == 1 and len(peers) == 2
+
+
+def test_pending_peers_past_the_global_cap_refuse_every_source() -> None:
+    peers: PendingPeers[str] = PendingPeers(per_source=5, cap=3, prompt=1.0, timeout=10.0)
+    for n, source in enumerate("abc"):
+        peers.add(source, source, float(n))
+    assert peers.refusal("d") == \
+        "too many connections without a hello (limit 3); refused the newest"
+    # past the cap, every source is pressed: anyone's connection past the prompt deadline goes
+    assert [c for c, _, again in peers.expired(2.5) if again] == ["a", "b"]
+
+
+def test_pending_peers_expire_at_the_hello_timeout_and_under_refusals_at_the_prompt() -> None:
+    peers: PendingPeers[str] = PendingPeers(per_source=2, cap=10, prompt=1.0, timeout=10.0)
+    peers.add("a1", "a", 0.0)
+    peers.add("b1", "b", 0.0)
+    peers.add("a2", "a", 5.0)
+    assert peers.expired(5.5) == []  # nobody was refused: 10 s to say hello
+    assert peers.refusal("a") is not None
+    # a2 is still within its prompt deadline, and b was not refused
+    assert peers.expired(5.5) == [("a1", "no hello within 1s while connections were being "
+                                         "refused", True)]
+    peers.remove("a1")
+    assert peers.expired(5.6) == []  # the pressure ended with that round
+    assert peers.expired(10.5) == [("b1", "no hello within 10s", False)]
+    short: PendingPeers[str] = PendingPeers(per_source=2, cap=10, prompt=1.0, timeout=0.2)
+    short.add("x", "a", 0.0)
+    assert short.prompt == 0.2 and short.expired(0.3) == [("x", "no hello within 0.2s", False)]
 
 
 def test_refused_peers_make_one_line_at_once_then_one_count(make: Callable[..., Harness]) -> None:

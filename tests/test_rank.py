@@ -16,6 +16,7 @@ import queue
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -33,7 +34,7 @@ import fdl_fabric.rank as rank_mod
 from fdl_fabric.events import EventBus, EventLog, Kind, Name, event
 from fdl_fabric.planning.envelope import ENV_CLUSTER_JSON, ENV_LOCAL_RANK, SlimEnvelope
 from fdl_fabric.rank import encode_frame
-from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec
+from fdl_fabric.supervision.coordinator import BUSY_REASON, Coordinator, CoordinatorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_PY = ROOT / "fdl_fabric" / "rank.py"
@@ -205,6 +206,92 @@ def test_a_duplicate_rank_gets_the_reject_reason_as_runtime_error(
         """, world_size=2, ranks=(0, 1))
     assert dup.said() == {"error": "cluster rank: the coordinator rejected rank 0: rank 0 "
                                    "already joined", "launched": True, "stop": False}
+
+
+class Scripted:
+    """A stand-in coordinator: connection n gets ``answers[n]`` (the last one repeats).
+
+    ``busy`` reads the hello and answers the coordinator's keyed ``reject`` with ``retry``
+    (what a flooded coordinator says); ``reset`` closes with a reset without reading
+    anything; ``welcome`` welcomes rank 0 of 1 and keeps the connection open.
+    """
+
+    def __init__(self, *answers: str) -> None:
+        self.answers = answers
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.seen: list[str] = []
+        self.kept: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            answer = self.answers[min(len(self.seen), len(self.answers) - 1)]
+            self.seen.append(answer)
+            if answer == "reset":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()
+                continue
+            conn.settimeout(4.0)
+            hello = rank_mod.receive(conn, bytearray(), SALT, RUN, 0)
+            assert hello is not None and hello["type"] == "hello"
+            if answer == "busy":
+                conn.sendall(encode_frame(SALT, RUN, 0, {
+                    "type": "reject", "reason": BUSY_REASON, "retry": True}))
+                conn.close()
+            else:
+                conn.sendall(encode_frame(SALT, RUN, 0, {
+                    "type": "welcome", "rank": 0, "world_size": 1, "members": [0],
+                    "formed": True}))
+                self.kept.append(conn)
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.kept:
+            conn.close()
+
+
+def test_a_rank_turned_away_or_reset_dials_again_and_joins() -> None:
+    """Issue 22: under a flood the coordinator turns connections away; a rank dials again
+    (after 25-50 ms, then 50-100 ms...) instead of failing its join."""
+    server = Scripted("busy", "reset", "busy", "welcome")
+    one = Lab(Coordinator(CoordinatorSpec(run_id=RUN, salt=SALT, world_size=1,
+                                          bind_host="127.0.0.1", port=server.port),
+                          EventBus()), EventLog())
+    proc = one.spawn(0, """
+        started = time.monotonic()
+        m = rank.join(timeout=4)
+        say(rank=m.rank, took=time.monotonic() - started)
+        """, world_size=1, ranks=(0,))
+    try:
+        said = proc.said()
+        assert said["rank"] == 0 and said["took"] < 1.5, said
+        assert server.seen == ["busy", "reset", "busy", "welcome"]
+        assert proc.wait() == 0
+    finally:
+        proc.kill()
+        server.close()
+
+
+def test_a_rank_turned_away_until_its_deadline_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = Scripted("busy")
+    monkeypatch.setenv(ENV_CLUSTER_JSON, envelope(server.port, 1, (0,)))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(ENV_LOCAL_RANK, "0")
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 0: the coordinator turned every "
+                                               r"connection away for 0\.5s: .*dial again"):
+            rank_mod.join(timeout=0.5)
+    finally:
+        server.close()
+    assert 0.4 < time.monotonic() - started < 1.5
+    assert 3 <= len(server.seen) <= 12  # redialed, with pauses between
+    assert rank_mod._client is None
 
 
 # -- liveness and shutdown --------------------------------------------------------------------

@@ -683,6 +683,44 @@ def test_a_death_reported_with_the_last_hosts_end_counts_in_the_verdict() -> Non
     assert result.faults == {}
 
 
+def test_a_rank_lost_while_it_was_being_stopped_still_counts_in_the_verdict() -> None:
+    """Issue 22: a tunnel flood dropped an agent's session while its ranks were being
+    stopped; those losses never reached the policy, and the run ended "full workload
+    delivered", exit 0. Every lost rank counts: here the run is DEGRADED, not OK."""
+    cohort = FormedCohort()
+    sup, (h0, h1), log = supervise({0: (0, None)}, {1: None}, cohort=cohort)
+
+    def session_drops() -> None:
+        h1.started = True
+        h1.post(reports.Spawned("h1", 1, 1001))
+        sup.by_rank[1].stop_requested = True  # a stop was on its way when the session went
+        h1.gone = True
+        h1.post(reports.AgentGone("h1", False, "session dropped"))
+
+    h1.start_ranks = session_drops  # type: ignore[method-assign]
+    result = sup.run()
+    assert result.ranks[1].state is RankState.LOST
+    assert result.verdict is Verdict.DEGRADED and result.cause.name is Name.DEGRADED
+    assert result.cause.data == {"dead": 1, "world_size": 2}
+    assert result.root_cause is result.ranks[1]
+
+
+def test_under_kill_all_a_rank_lost_while_being_stopped_fails_the_run() -> None:
+    sup, (h0, h1), _ = supervise({0: (0, None)}, {1: None})
+
+    def session_drops() -> None:
+        h1.started = True
+        h1.post(reports.Spawned("h1", 1, 1001))
+        sup.by_rank[1].stop_requested = True
+        h1.gone = True
+        h1.post(reports.AgentGone("h1", False, "session dropped"))
+
+    h1.start_ranks = session_drops  # type: ignore[method-assign]
+    result = sup.run()
+    assert result.verdict is Verdict.FAILED and result.exit_code == 1
+    assert failed(result, "h1", 1)["lost"] == "agent lost: session dropped"
+
+
 class PausingInbox:
     """The supervisor's inbox; its next wait lasts ``pause`` seconds, as if the launcher
     had been stopped (SIGSTOP, a suspended VM) while it waited for reports."""

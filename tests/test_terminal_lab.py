@@ -276,7 +276,8 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root")
     where = tmp_path / "tiny"
     where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(where)],
+                   check=True)  # 0700: a --log-dir others can write is refused
     try:
         yield where
     finally:

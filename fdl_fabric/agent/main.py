@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from fdl_fabric.agent import children, lines, procs, stacks, watchdog, wire
+from fdl_fabric.agent import children, lines, procs, registry, stacks, watchdog, wire
 from fdl_fabric.rank import ENV_CLUSTER_JSON, ENV_ERROR_FILE
 
 #: Frames waiting for the launcher beyond this many bytes pause reading rank output,
@@ -571,7 +571,11 @@ class Agent:
             if self.watchdog is not None:
                 self.watchdog.watch(child.pid, child.start)
             self.send(wire.SPAWNED, {"rank": rank, "pid": child.pid})
-        self._write_record()
+        if self.ranks:  # nothing started (the first spawn failed): nothing to record
+            self._write_record()
+        note = registry.take_note()  # the registry had to move: said once, by this agent
+        if note is not None:
+            self._error(note)
 
     def _write_record(self) -> None:
         spec = self.spec

@@ -14,8 +14,9 @@ A process belongs to a run on this host when either
 Nothing is ever selected by command line (DeepSpeed's ``pkill -f`` cleanup killed other
 users' jobs, DeepSpeed#6807), except behind an explicit ``--pattern``.
 
-The registry is one JSON file per run and host, ``/tmp/fdl-fabric-<uid>/<run>@<host>.json``
-(folder 0700, file 0600), written by the agent alone, atomically. JSON rather than
+The registry is one JSON file per run and host, ``<registry>/<run>@<host>.json`` (folder
+0700, file 0600; the folder is ``/tmp/fdl-fabric-<uid>`` unless `registry` says why not),
+written by the agent alone, atomically. JSON rather than
 ``key=value`` text: no field value, such as a host name, can forge another field.
 ``inv cleanup`` and the agent's pre-spawn sweep read it to find runs that outlived their
 launcher.
@@ -37,6 +38,8 @@ import signal
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from fdl_fabric.agent import registry
+from fdl_fabric.agent.registry import RegistryError
 from fdl_fabric.rank import ENV_HOST_NAME, ENV_RUN_ID
 
 #: Seconds between TERM and KILL when a sweep stops leftovers (the seed's `sleep 1`).
@@ -55,8 +58,8 @@ LIVE_WINDOW = 5 * RECORD_TOUCH
 
 
 def registry_dir() -> str:
-    """The per-user registry folder on this host."""
-    return f"/tmp/fdl-fabric-{os.getuid()}"
+    """The folder this host's records are written to (`registry.writable_dir`)."""
+    return registry.writable_dir()
 
 
 # -- /proc ----------------------------------------------------------------------------------
@@ -245,26 +248,22 @@ def stop(current: Callable[[], List[int]], grace: float,
 
 
 # -- the registry ---------------------------------------------------------------------------
-class RegistryError(Exception):
-    """The registry folder cannot be trusted (another owner, a symlink)."""
+__all__ = ["RegistryError"]  # re-exported: callers catch procs.RegistryError
 
 
 def _checked_dir(folder: str, create: bool) -> bool:
-    """True when ``folder`` is usable; creates it 0700 if asked. Refuses foreign folders."""
+    """True when ``folder`` is usable; creates it 0700 if asked. Refuses foreign folders,
+    naming their owner and the remedy."""
     if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(folder, 0o700)
-    try:
-        st = os.lstat(folder)
-    except FileNotFoundError:
-        return False
-    import stat as _stat
-
-    if _stat.S_ISLNK(st.st_mode) or not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise RegistryError(f"{folder} is not a folder owned by this user; refusing to use it")
-    if st.st_mode & 0o077:
-        os.chmod(folder, 0o700)
-    return True
+        try:
+            registry.make_private(folder)
+        except RegistryError as exc:
+            raise RegistryError(registry.refusal([str(exc)])) from None
+        return True
+    why = registry.foreign(folder)
+    if why is not None:
+        raise RegistryError(registry.refusal([f"{folder} {why}"]))
+    return os.path.isdir(folder)
 
 
 #: Bytes of a rank's error file that are read and reported; the rest is cut.
@@ -280,9 +279,9 @@ def error_file(run_id: str, host: str, attempt: int, rank: int,
     """
     base = folder or registry_dir()
     _checked_dir(base, create=True)
-    path = os.path.join(_run_folder(run_id, host, base), f"attempt_{attempt}", f"r{rank}",
-                        "error.json")
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    leaf = os.path.join(_run_folder(run_id, host, base), f"attempt_{attempt}", f"r{rank}")
+    registry.make_private(leaf)  # every level 0700, whatever the umask
+    path = os.path.join(leaf, "error.json")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     return path
@@ -293,6 +292,7 @@ def read_error_file(path: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as fh:
+            os.fchmod(fd, 0o600)  # the rank wrote it with its own umask (often 0644)
             return fh.read(ERROR_FILE_MAX).decode("utf-8", "replace")
     except OSError:
         return ""
@@ -305,15 +305,19 @@ def remove_error_files(run_id: str, host: str, folder: Optional[str] = None) -> 
         shutil.rmtree(_run_folder(run_id, host, folder))
 
 
-def _run_folder(run_id: str, host: str, folder: Optional[str] = None) -> str:
-    """``<registry>/<run>@<host>``: one host's part of a run. Per host, because several
-    nodes of one run can share a machine (and its /tmp) in a test lab."""
+def _run_name(run_id: str, host: str) -> str:
+    """``<run>@<host>``: one host's part of a run. Per host, because several nodes of one
+    run can share a machine (and its /tmp) in a test lab."""
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id):
         raise ValueError(f"not a run id: {run_id!r}")
     slug = re.sub(r"[^A-Za-z0-9._-]", "_", host)
     if slug != host or len(slug) > 64:  # keep names short and distinct
         slug = slug[:40] + "-" + hashlib.sha256(host.encode("utf-8")).hexdigest()[:12]
-    return os.path.join(folder or registry_dir(), f"{run_id}@{slug}")
+    return f"{run_id}@{slug}"
+
+
+def _run_folder(run_id: str, host: str, folder: Optional[str] = None) -> str:
+    return os.path.join(folder or registry_dir(), _run_name(run_id, host))
 
 
 def record_path(run_id: str, host: str, folder: Optional[str] = None) -> str:
@@ -341,12 +345,18 @@ def remove_record(run_id: str, host: str, folder: Optional[str] = None) -> None:
 
 
 def read_records(folder: Optional[str] = None) -> tuple:  # type: ignore[type-arg]
-    """(records, problems): every readable run record, and why others were skipped."""
-    folder = folder or registry_dir()
-    if not _checked_dir(folder, create=False):
-        return [], []
+    """(records, problems): every readable run record, and why others were skipped. In
+    ``folder``, or else in every place this user's registry may be (`registry`)."""
     records: List[Dict[str, Any]] = []
     problems: List[str] = []
+    folders = [folder] if folder else registry.readable_dirs()
+    for place in folders:
+        if _checked_dir(place, create=False):
+            _read_folder(place, records, problems)
+    return records, problems
+
+
+def _read_folder(folder: str, records: List[Dict[str, Any]], problems: List[str]) -> None:
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".json"):
             continue
@@ -361,7 +371,6 @@ def read_records(folder: Optional[str] = None) -> tuple:  # type: ignore[type-ar
             continue
         record["path"] = path
         records.append(record)
-    return records, problems
 
 
 def _valid_record(data: Any) -> Dict[str, Any]:
@@ -379,7 +388,7 @@ def _valid_record(data: Any) -> Dict[str, Any]:
                 isinstance(r.get(k), int) and not isinstance(r.get(k), bool)
                 for k in ("rank", "pid", "start")):
             raise ValueError("a rank entry lacks integer rank, pid or start")
-    record_path(data["run"], data["host"])  # a run id that is a safe file name
+    _run_name(data["run"], data["host"])  # a run id that is a safe file name
     return dict(data)
 
 
@@ -613,6 +622,7 @@ def _verify_record(record: Dict[str, Any], folder: Optional[str],
     with contextlib.suppress(OSError):
         os.unlink(record["path"])
     # Its error files and a cleanup's note go with it: nothing of the run is left.
+    folder = folder or os.path.dirname(record["path"])  # where the record was found
     remove_error_files(record["run"], record["host"], folder)
     with contextlib.suppress(OSError, ValueError):
         os.unlink(_note_path(record["run"], record["host"], folder))
@@ -625,6 +635,6 @@ def _stop_live_agent(record: Dict[str, Any], by: Dict[str, Any],
     agent = record_agent(record)
     if agent is None:
         return
-    write_stop_note(record["run"], record["host"], by, folder)
+    write_stop_note(record["run"], record["host"], by, folder or os.path.dirname(record["path"]))
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(agent, signal.SIGTERM)

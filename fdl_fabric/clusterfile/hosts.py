@@ -21,9 +21,12 @@ import yaml
 from ..limits import WORKERS_MAX
 from .loading import parse_cluster
 from .model import ClusterSpec
+from .problems import ConfigError, Problem
 
 #: One hostfile line: a host, then ``key=value`` words.
 _WORD_RE = re.compile(r"([A-Za-z_]+)=([0-9]+)")
+#: The key of a worker's problem in the cluster the hosts stand for: its index, its field.
+_WORKER_KEY_RE = re.compile(r"workers\[([0-9]+)\](?:\.(.*))?")
 
 
 class HostsError(ValueError):
@@ -36,6 +39,8 @@ class HostSlot:
 
     host: str
     slots: Optional[int] = None
+    #: The hostfile line it was read from (None: ``--hosts``).
+    line: Optional[int] = None
 
 
 def expand_hosts(text: str) -> list[HostSlot]:
@@ -76,7 +81,9 @@ def read_hostfile(path: str) -> list[HostSlot]:
                 raise HostsError(f"{path}:{number}: expected `host slots=N`, got {word!r}")
             if m.group(1) == "slots":
                 slots = int(m.group(2))
-        found.append(HostSlot(words[0], slots))
+                if slots < 1:  # not "the default": a host with no rank is no host here
+                    raise HostsError(f"{path}:{number}: slots must be at least 1, got {word!r}")
+        found.append(HostSlot(words[0], slots, number))
         if len(found) > WORKERS_MAX:
             raise HostsError(f"{path}: more than {WORKERS_MAX} hosts")
     if not found:
@@ -103,7 +110,30 @@ def cluster_from_hosts(hosts: Sequence[HostSlot], *, nproc_per_node: Optional[in
             worker["spare"] = True
         workers.append(worker)
     text = yaml.safe_dump({**top, "workers": workers}, sort_keys=False)
-    return parse_cluster(text, file=source, folder=folder)
+    try:
+        return parse_cluster(text, file=source, folder=folder)
+    except ConfigError as exc:
+        raise HostsError(_one_line(exc.problems, hosts, source)) from None
+
+
+def _one_line(problems: Sequence[Problem], hosts: Sequence[HostSlot], source: str) -> str:
+    """The schema's problems with the hosts, as one line naming the flag (or the hostfile's
+    line) and the host as given, not the lines of the YAML written for them."""
+    said = []
+    for p in problems:
+        m = _WORKER_KEY_RE.fullmatch(p.key)
+        if m is None or int(m.group(1)) >= len(hosts):
+            said.append(f"{source}: {p.key}: {p.message}" if p.key else f"{source}: {p.message}")
+            continue
+        h = hosts[int(m.group(1))]
+        where = source if h.line is None else f"{source}:{h.line}"
+        field = m.group(2) or ""
+        what = f"slots={h.slots}" if field == "nproc" and h.slots is not None else \
+            (field if field not in ("", "host") else "")
+        named = "" if repr(h.host) in p.message else f"{h.host!r}: "
+        said.append(f"{where}: {named}{what + ': ' if what else ''}{p.message}")
+    more = f" (and {len(said) - 1} more problem(s))" if len(said) > 1 else ""
+    return said[0] + more
 
 
 def _top_level_parts(text: str) -> list[str]:

@@ -4,29 +4,150 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import sys
+from collections.abc import Container, Sequence
 from typing import Optional
 
 from invoke.exceptions import Exit, ParseError
+from invoke.parser.argument import Argument
+from invoke.parser.context import ParserContext
 from invoke.program import Program
 
 from .. import __version__
+from ..errors import EXIT_USAGE, FdlError
+
+#: invoke's core flags that mean something to ``fdl-fabric``; the others (``--echo``,
+#: ``--dry``, ``--list``, ``-T``, ...) drive invoke's own runner and listing, nothing of
+#: ours, and are refused as the unknown flags they are to a user of this tool.
+CORE_FLAGS = frozenset({"help", "version"})
 
 
 class FdlProgram(Program):
-    """invoke's Program, with usage errors exiting 2 instead of 1."""
+    """invoke's Program, with every usage error one line naming the flag, exit 2."""
+
+    def core_args(self) -> list[Argument]:
+        args: list[Argument] = super().core_args()
+        for arg in args:  # refused as given, not cast first (`-T abc` was int()'s traceback)
+            if arg.name not in CORE_FLAGS and arg.kind is int:
+                arg.kind = str
+        return args
+
+    def parse_core_args(self) -> None:
+        super().parse_core_args()
+        self._refuse_core_flags(self.core[0], CORE_FLAGS, None)
 
     def parse_core(self, argv: Optional[list[str]]) -> None:
         try:
             super().parse_core(argv)
         except ParseError as exc:
-            raise Exit(str(exc), code=2) from None
+            raise Exit(usage_line(exc, self.argv), code=EXIT_USAGE) from None
 
     def parse_tasks(self) -> None:
         try:
             super().parse_tasks()
-        except ParseError as exc:
-            raise Exit(str(exc), code=2) from None
+        except (ParseError, Exit) as exc:
+            # An Exit: the tasks' own wrapper (`tasks._usage_errors_exit_2`) said it first.
+            error = exc if isinstance(exc, ParseError) else exc.__context__
+            if not isinstance(error, ParseError):
+                raise
+            said = _given_twice(error.context, self.argv) or _flag_taken_for_positional(
+                error.context) or usage_line(error, self.argv)
+            raise Exit(said, code=EXIT_USAGE) from None
+        task = self.tasks[0].name if self.tasks else None
+        if len(self.tasks) > 1:  # invoke runs `a b` as two tasks; this tool is one command
+            raise Exit(f"{self.tasks[1].name}: a second command after {task}; fdl-fabric runs "
+                       "one command at a time", code=EXIT_USAGE)
+        self._refuse_core_flags(self.core_via_tasks, {"help"}, task,
+                                taken={*self.tasks[0].flags, *self.tasks[0].flags.aliases}
+                                if self.tasks else set())
+        twice = _given_twice(self.tasks[0], self.argv) if self.tasks else None
+        if twice:
+            raise Exit(twice, code=EXIT_USAGE)
+
+    def execute(self) -> None:
+        try:
+            super().execute()
+        except FdlError as exc:  # a bad value a task checked outside its own catch
+            raise Exit(str(exc), code=exc.exit_code) from None
+
+    def _refuse_core_flags(self, context: ParserContext, allowed: Container[str],
+                           task: Optional[str], taken: Container[str] = ()) -> None:
+        for arg in context.args.values():
+            if arg.got_value and arg.name not in allowed:
+                where = f"fdl-fabric {task}" if task else "fdl-fabric"
+                raise Exit(f"{_typed(arg, self.argv, taken)}: no such flag ({where} --help "
+                           "lists the flags)", code=EXIT_USAGE)
+
+
+def _given_twice(context: Optional[ParserContext], argv: Sequence[str]) -> Optional[str]:
+    """A flag with a value given twice: invoke keeps the first value and then takes the
+    second for a stray word, or, with no second value, says nothing at all."""
+    if context is None or not context.name:
+        return None
+    words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    for long, arg in context.flags.items():
+        if not arg.takes_value or arg.optional:
+            continue
+        spellings = {long, *(a for a, to in context.flags.aliases.items() if to == long)}
+        given = [w for w in words if w.split("=", 1)[0] in spellings]
+        if len(given) > 1:
+            return f"{long}: given {len(given)} times; give it once"
+    return None
+
+
+def _flag_taken_for_positional(context: Optional[ParserContext]) -> Optional[str]:
+    """invoke fills a missing positional (plot-run's RUN_DIR) with the next word, an unknown
+    flag too, and then stumbles on the real one: name the flag, not the folder."""
+    if context is None:
+        return None
+    for arg in context.positional_args:
+        value = arg.value
+        if isinstance(value, str) and value.startswith("-") and value not in ("-h", "--help"):
+            return f"{value}: no such flag (fdl-fabric {context.name} --help lists the flags)"
+    return None
+
+
+def _typed(arg: Argument, argv: Sequence[str], taken: Container[str] = ()) -> str:
+    """The flag as the user wrote it (``-l`` or ``--list``), for one invoke Argument; not
+    a spelling the task has for a flag of its own (``launch -d`` is its dry run)."""
+    spellings = {s for s in (f"-{n}" if len(n) == 1 else f"--{n}" for n in arg.names)
+                 if s not in taken}
+    for word in argv[1:]:
+        if word.split("=", 1)[0] in spellings:
+            return word.split("=", 1)[0]
+    return f"--{arg.name}"
+
+
+def usage_line(exc: ParseError, argv: Sequence[str] = (), binary: str = "fdl-fabric") -> str:
+    """invoke's parse error as one line that names the flag as typed: ``--kill-grace:
+    expected a value``, not ``Flag <Argument: kill_grace (k)> needed value ...``."""
+    text = str(exc)
+    task = getattr(exc.context, "name", None)
+    where = f"{binary} {task} --help" if task else f"{binary} --help"
+    flag = re.fullmatch(r"Flag <Argument: ([\w-]+)[^>]*> (needed value and was not given one|"
+                        r"doesn't take any value)!", text)
+    if flag is not None:
+        name = f"--{flag.group(1).replace('_', '-')}"
+        what = "expected a value" if flag.group(2).startswith("needed") else "takes no value"
+        return f"{name}: {what} ({where} lists the flags)"
+    unknown = re.fullmatch(r"No idea what (.*) is!", text, re.DOTALL)
+    try:
+        word = ast.literal_eval(unknown.group(1)) if unknown is not None else None
+    except (ValueError, SyntaxError):
+        word = None
+    if not isinstance(word, str):
+        return " ".join(text.split())
+    if word.startswith("-"):
+        return f"{word}: no such flag ({where} lists the flags)"
+    for given in argv:  # `--dry-run=1`: invoke hands the value on as a word of its own
+        if given.endswith(f"={word}") and given.startswith("-"):
+            return (f"{given.split('=', 1)[0]}: takes no value, got {given!r} ({where} "
+                    "lists the flags)")
+    if task is None:
+        return f"{word}: no such command ({binary} --help lists them)"
+    return f"{word!r}: unexpected word ({where} lists the flags and arguments)"
 
 
 def program() -> FdlProgram:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -22,6 +24,7 @@ from ..errors import EXIT_USAGE, FdlError, usage
 from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
 from ..supervision.policy import MaxFailure
 from ..transport.base import launcher_address
+from .trusted import untrusted
 
 
 def verbosity(value: Union[None, bool, str, int]) -> int:
@@ -53,6 +56,10 @@ def seconds(flag: str, text: Optional[str]) -> Optional[float]:
     if text is None:
         return None
     try:
+        # float() takes any script's digits ('٣' is 3.0); a number here is ASCII, as for
+        # every other flag.
+        if not str(text).isascii():
+            raise ValueError(text)
         value = float(str(text).strip())
     except ValueError:
         raise usage(flag, f"expected a number of seconds, got {text!r}") from None
@@ -138,6 +145,10 @@ def log_dir(path: Optional[str]) -> Optional[str]:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise usage("--log-dir", f"{probe} is not a folder")
+    why = untrusted(path)
+    if why is not None:
+        raise usage("--log-dir", f"{why}: another user could redirect the run's logs "
+                    "(use a folder only you can write)")
     try:
         if missing:
             os.makedirs(target)
@@ -152,6 +163,18 @@ def log_dir(path: Optional[str]) -> Optional[str]:
             except OSError:
                 break
     return path
+
+
+def pattern(text: Optional[str]) -> Optional[str]:
+    """cleanup's ``--pattern``: a regular expression, checked here rather than by every
+    host's agent after the connections are made."""
+    if text is None:
+        return None
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise usage("--pattern", f"not a regular expression: {exc}") from None
+    return text
 
 
 def hosts_cluster(hosts: Optional[str], hostfile: Optional[str], ssh_config: Optional[str],
@@ -174,11 +197,16 @@ def hosts_cluster(hosts: Optional[str], hostfile: Optional[str], ssh_config: Opt
     try:
         slots = expand_hosts(hosts) if hosts is not None else read_hostfile(str(hostfile))
         source = "--hosts" if hosts is not None else str(hostfile)
-        controller = _controller_toward(slots[0].host, ssh_config)
-        if controller is not None:
-            top.setdefault("controller", {"host": controller})
-        return cluster_from_hosts(slots, nproc_per_node=nproc_per_node,
-                                  ssh_config=ssh_config, source=source, **top)
+        # Every host is checked before the first one is looked up (a name lookup is the
+        # first thing that leaves this machine).
+        cluster = cluster_from_hosts(slots, nproc_per_node=nproc_per_node,
+                                     ssh_config=ssh_config, source=source, **top)
+        controller = None if "controller" in top else \
+            _controller_toward(slots[0].host, ssh_config)
+        if controller is None:
+            return cluster
+        return cluster_from_hosts(slots, nproc_per_node=nproc_per_node, ssh_config=ssh_config,
+                                  source=source, controller={"host": controller}, **top)
     except HostsError as exc:
         raise FdlError(str(exc), EXIT_USAGE) from None
 
@@ -193,5 +221,8 @@ def _controller_toward(host: str, ssh_config: Optional[str]) -> Optional[str]:
         import paramiko  # only with -F: a local launch loads no SSH library
 
         target = str(paramiko.SSHConfig.from_path(ssh_config).lookup(host).get("hostname", host))
-    return launcher_address(target)
+    try:
+        return launcher_address(target)
+    except UnicodeError:  # a name the IDNA codec refuses: as for a name that does not resolve
+        return socket.gethostname()
 

@@ -56,6 +56,7 @@ from ..planning.envelope import (
 )
 from ..planning.plan import LaunchPlan, build_plan, coordinator_bind_host
 from ..preflight import Status, agent_checks, judge, launch_plan
+from ..preflight.run import port_owner
 from ..presentation.dryrun import dry_run_data, dry_run_devices, plan_as_json
 from ..presentation.output import Console, JsonConsole, RunLog
 from ..presentation.rankoutput import RankOutput
@@ -70,6 +71,7 @@ from ..transport import Transport, for_cluster, resolve_cluster
 from ..transport.fanout import close_all, connect_all, connect_each, start_agents
 from ..transport.session import AgentSession
 from ..transport.sshconfig import SshSettings, resolve_all_settings
+from ..transport.tunnel import check_open_files, open_tunnel
 from .cleanup import sweep_request, sweep_with_agents
 
 #: Seconds to wait for every agent's answer to a device probe.
@@ -372,6 +374,7 @@ class Launch:
         """Connect, start the agents, plan, then one attempt after another, each on the
         hosts the membership rule gives it (`supervision.membership`)."""
         opts, cluster = self.opts, r.cluster
+        check_open_files(cluster, self.events)  # before anything is contacted: exit 2
         self.run_id = new_run_id()
         if opts.log_dir:
             self.log = RunLog(opts.log_dir, self.run_id, on_error=self._log_failed)
@@ -513,7 +516,9 @@ class Launch:
         try:
             coordinator.start()
         except CoordinatorError as exc:
-            raise FdlError(f"{exc} — nothing was started") from None
+            held = (f" (held by {port_owner(plan.cluster.controller.port)})"
+                    if "in use" in str(exc) else "")
+            raise FdlError(f"{exc}{held} — nothing was started") from None
         try:
             if attempt == 0:  # after the bind: a tunnel delivers to the coordinator
                 for w in plan.cluster.workers:
@@ -591,7 +596,8 @@ class Launch:
         # The forward delivers to wherever the coordinator listens.
         target = coordinator_bind_host(cluster)
         try:
-            self.stack.enter_context(self.transports[host].tunnel(port, target))
+            self.stack.enter_context(open_tunnel(self.transports[host], port, target,
+                                                 self.events))
         except Exception as exc:
             raise FdlError(f"cluster launcher: host {host!r}: tunnel could not bind "
                            f"127.0.0.1:{port} on the remote side: {exc}") from None

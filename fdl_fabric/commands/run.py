@@ -16,7 +16,9 @@ silently ignored.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import secrets
 import socket
 import sys
@@ -62,11 +64,26 @@ REFUSED = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with usage errors as exit 2 and a `run:` prefix."""
+    """argparse whose usage errors are one line naming the flag, exit 2 (`main` says it as
+    it says every other bad value), not its usage block."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"fdl-fabric run: {message}\n")
+        raise FdlError(_one_line(message), EXIT_USAGE)
+
+
+def _one_line(message: str) -> str:
+    """argparse's ``argument --a/--a_b: ...`` as ``--a: ...``, as every other flag is named."""
+    named = re.fullmatch(r"argument ([^/:\s]+)(?:/\S+)?: (.*)", message, re.DOTALL)
+    if named is not None:
+        flag, what = named.groups()
+        what = {"expected one argument": "expected a value"}.get(what, what)
+        what = re.sub(r"^ignored explicit argument (.*)", r"takes no value, got \1", what)
+        message = f"{flag}: {what}"
+    unknown = re.fullmatch(r"unrecognized arguments: (.+)", message)
+    if unknown is not None:
+        given = [word.split("=", 1)[0] for word in unknown.group(1).split()]
+        message = f"{', '.join(given)}: no such flag{'s' if len(given) > 1 else ''}"
+    return f"{' '.join(message.split())} (fdl-fabric run --help lists the flags)"
 
 
 def _both(name: str) -> list[str]:
@@ -203,8 +220,7 @@ def hosts_cluster_for(args: argparse.Namespace) -> Optional[ClusterSpec]:
     grace = flags.seconds("--kill-grace", args.kill_grace)
     top: dict[str, object] = {
         "kill_grace": 30.0 if grace is None else grace,
-        "elastic": {"max_restarts": flags.restarts("--max-restarts", args.max_restarts) or 0,
-                    **({"min_hosts": low} if low else {})}}
+        "elastic": {"max_restarts": flags.restarts("--max-restarts", args.max_restarts) or 0}}
     if args.master_port is not None:
         top["master_port"] = args.master_port
     cluster = flags.hosts_cluster(args.hosts, args.hostfile, args.ssh_config, per_node,
@@ -213,12 +229,19 @@ def hosts_cluster_for(args: argparse.Namespace) -> Optional[ClusterSpec]:
     roster = sum(1 for w in cluster.workers if not w.spare)
     if low and low > roster:
         raise usage("--nnodes", f"MIN is {low}, but only {roster} host(s) were given")
-    return cluster
+    if not low:
+        return cluster
+    # `elastic.min_hosts` of the file, once the hosts it needs are known to be there (the
+    # schema would say the same of `--hosts`, without naming --nnodes).
+    return dataclasses.replace(cluster, elastic=dataclasses.replace(cluster.elastic,
+                                                                    min_hosts=low))
 
 
 def cluster_for(args: argparse.Namespace) -> ClusterSpec:
     """The cluster a ``run`` means (what a cluster.yml would say): the hosts of
     ``--hosts``/``--hostfile``, else this one host."""
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise usage("--master-port", f"expected 1-65535, got {args.master_port}")
     from_hosts = hosts_cluster_for(args)
     if from_hosts is not None:
         return from_hosts
@@ -228,8 +251,6 @@ def cluster_for(args: argparse.Namespace) -> ClusterSpec:
         raise usage("--nnodes", f"`fdl-fabric run` without --hosts is one host, got "
                     f"{args.nnodes!r}: give the hosts with --hosts or --hostfile, or write "
                     "a cluster.yml for `fdl-fabric launch`")
-    if args.master_port is not None and not 1 <= args.master_port <= 65535:
-        raise usage("--master-port", f"expected 1-65535, got {args.master_port}")
     grace = flags.seconds("--kill-grace", args.kill_grace)
     cwd = os.getcwd()
     worker = WorkerSpec(index=0, host="localhost", nproc=nproc(args.nproc_per_node),
@@ -255,12 +276,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         _refuse_torchrun_only_flags(args_list)
         args = parser().parse_args(args_list)
+        # Every flag first; the cluster last, as it looks the first host up.
+        words = worker_argv(args)
+        hang_timeout = flags.seconds("--hang-timeout", args.hang_timeout)
+        log_dir = flags.log_dir(args.log_dir)
         opts = LaunchOptions(
-            cluster=cluster_for(args), argv=worker_argv(args),
+            cluster=cluster_for(args), argv=words,
             verbosity=1 + min(args.verbose, 2), quiet=args.quiet,
-            log_dir=flags.log_dir(args.log_dir),
-            hang_timeout=flags.seconds("--hang-timeout", args.hang_timeout),
-            json=args.json,
+            log_dir=log_dir, hang_timeout=hang_timeout, json=args.json,
             # The pre-flight refuses a missing script or module (or a folder) before any
             # rank starts, instead of starting every rank (and every restart) to fail.
             preflight=True)

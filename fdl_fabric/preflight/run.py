@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
+from ..agent import procs
 from ..clusterfile import ClusterSpec
 from ..planning.envelope import ENV_PREBUILD, EnvelopeError, PrebuiltBinary, parse_prebuilt
 from ..planning.plan import controller_dial_host, coordinator_bind_host
@@ -73,23 +74,50 @@ class _TokenListener:
         self.sock.close()
 
 
-def _port_owner(port: int) -> str:
-    """``pid 123 (python3)`` for the local listener on ``port``, best effort."""
+def port_owner(port: int) -> str:
+    """Who listens on ``port`` here, for the refusal: one of this user's own live runs
+    (its run id, from the registry), another process of this user (pid and name), or
+    another user's process (whose pid a non-root user cannot see). Best effort."""
     try:
         import psutil
 
         for conn in psutil.net_connections(kind="inet"):
             if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
-                if conn.pid is None:
-                    return "another user's process"
-                try:
-                    name = psutil.Process(conn.pid).name()
-                except psutil.Error:
-                    name = "?"
-                return f"pid {conn.pid} ({name})"
+                return _listener(conn.pid)
     except Exception:
         pass
     return "another process"
+
+
+def _listener(pid: Optional[int]) -> str:
+    import psutil
+
+    if pid is None:
+        return "a process of another user"
+    try:
+        proc = psutil.Process(pid)
+        name, uid, argv = proc.name(), proc.uids().real, " ".join(proc.cmdline())
+        since = time.strftime("%H:%M:%S", time.localtime(proc.create_time()))
+    except psutil.Error:
+        return f"pid {pid}"
+    if uid != os.getuid():
+        return f"pid {pid} ({name}) of another user"
+    runs = _own_runs_of(pid)
+    if runs:
+        return f"your own live run {', '.join(runs)} (launcher pid {pid}, since {since})"
+    if "fdl-fabric" in argv or "fdl_fabric" in argv or " launch" in argv:
+        return f"pid {pid} ({name}), one of your own fdl-fabric launches (since {since})"
+    return f"pid {pid} ({name}), one of your own processes, not an fdl-fabric launch"
+
+
+def _own_runs_of(pid: int) -> list[str]:
+    """The run ids of this user's recorded live runs whose launcher is ``pid`` here."""
+    try:
+        records, _ = procs.read_records()
+    except OSError:
+        return []
+    return sorted({str(r["run"]) for r in records if procs.record_live(r)
+                   and isinstance(r.get("launcher"), dict) and r["launcher"].get("pid") == pid})
 
 
 def _open_listener(cluster: ClusterSpec, token: str) -> tuple[Check, Optional[_TokenListener]]:
@@ -103,7 +131,7 @@ def _open_listener(cluster: ClusterSpec, token: str) -> tuple[Check, Optional[_T
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             row = Check(CONTROLLER, "port", Status.FAIL,
-                        f"{address} is in use by {_port_owner(port)}: the coordinator cannot "
+                        f"{address} is in use by {port_owner(port)}: the coordinator cannot "
                         "bind it (pick another controller.port, or stop that process)")
         elif exc.errno == errno.EADDRNOTAVAIL:
             return (Check(CONTROLLER, "port", Status.FAIL,

@@ -502,6 +502,9 @@ class JsonConsole(Console):
         self.color = False
 
     def emit(self, event: Event) -> None:
+        if event.name is Name.REFUSED:  # bad input is refused before any event, on stderr
+            super().emit(event)
+            return
         line = (json.dumps(json_record(event), default=str, ensure_ascii=False) + "\n")
         data = line.encode("utf-8", "replace")
         if self.screen is None:

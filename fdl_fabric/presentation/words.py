@@ -148,8 +148,9 @@ def _launch(e: Event, d: Mapping[str, Any]) -> str:
 def _tunnel_turning_away(e: Event, d: Mapping[str, Any]) -> str:
     why = {"busy": f"more than {d['limit']} open at once",
            "files": "too few open files left to the launcher",
-           "silent": f"more than {d['silent_max']} waiting without a byte, or silent for "
-                     f"{_s(d['silent_seconds'])}"}.get(d["why"], d["why"])
+           "silent": f"more than {d['waiting_max']} waiting for a first frame, or waiting "
+                     f"{_s(d['waiting_seconds'])}",
+           "garbled": "first bytes that are no frame"}.get(d["why"], d["why"])
     return (f"{L}tunnel {e.host}:127.0.0.1:{d['port']}: turning away forwarded connections "
             f"({why}); someone on {e.host} may be flooding the port. Open connections stay "
             "open; the count follows when the tunnel closes")
@@ -162,7 +163,9 @@ def _tunnel_turned_away(e: Event, d: Mapping[str, Any]) -> str:
     if d.get("files"):
         parts.append(f"{d['files']:,} for want of open files")
     if d.get("silent"):
-        parts.append(f"{d['silent']:,} that sent nothing")
+        parts.append(f"{d['silent']:,} that sent no first frame")
+    if d.get("garbled"):
+        parts.append(f"{d['garbled']:,} whose first bytes were no frame")
     return (f"{L}tunnel {e.host}:127.0.0.1:{d['port']}: turned away {d['turned_away']:,} "
             f"forwarded connection(s) ({'; '.join(parts)})")
 

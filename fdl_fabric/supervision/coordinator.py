@@ -19,6 +19,14 @@ One I/O thread does everything that touches sockets (accept, read, the 50 ms
 tick, broadcasts), so connection state needs no locking. The supervisor thread
 only reads a few fields and queues requests; a lock covers those.
 Standard library only.
+
+The port is open to anyone who can reach it (and `/proc/net/tcp` shows it to every
+user of the machine), so a flood of connections must not starve the cohort (issue 22):
+each turn of the loop accepts at most `ACCEPT_PER_TURN`, so the ranks' frames and the
+tick always get their turn; a connection whose first frame is already in is judged at
+once; any other waits for its hello in `PendingPeers`, which refuses the *newest*
+beyond `PENDING_PER_SOURCE` from one address or the global cap, never an older one,
+and asks it (a keyed ``reject`` with ``retry``) to dial again.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Generic, Optional, TypeVar
 
 from ..events import Event, EventBus, Name, event
 from ..presentation.words import cause_data, render
@@ -45,9 +53,28 @@ _WAKE = object()
 #: Largest frame a connection may send before its hello verified: a hello or a probe is
 #: about a hundred bytes, so an unauthenticated peer can make us hold little.
 PRE_AUTH_FRAME = 4096
-#: Connections without a verified hello held at once (at least; twice the world size if
-#: larger); the oldest is dropped when another arrives.
+#: Connections accepted per turn of the I/O loop. Under a steady stream of connects the
+#: listener is always ready; past this many the next turn reads the ranks' frames first and
+#: the tick keeps its place. Small, because an accept under a flood also does the kernel's
+#: work for the flooder's handshakes queued on the listener: with 4 flooding threads on
+#: 2 cores, heartbeat latency p99 was 56 ms with 64 a turn, 6.5 ms with 8 (bench/flood.py).
+ACCEPT_PER_TURN = 8
+#: Connections without a verified hello held at once from one source address. A real rank
+#: sends its hello right after connecting, and one already in is judged at once without a
+#: place here, so the places serve only hellos still in flight; beyond the limit the newest
+#: connection is refused (and asked to dial again), never an older one.
+PENDING_PER_SOURCE = 64
+#: Connections without a verified hello held at once in all (at least; twice the world size
+#: if larger); beyond it the newest is refused, as above.
 PENDING_MAX = 256
+#: While connections are being refused, a waiting connection of the refused source (of any
+#: source, past the global cap) that has not said hello within this many seconds loses its
+#: place: it is not a rank about to say hello in time (one does so within milliseconds).
+#: Without refusals the spec's ``hello_timeout`` (10 s) holds.
+HELLO_PROMPT = 1.0
+#: The reason a refused or expired connection is given, in a keyed ``reject`` with
+#: ``retry``: a rank dials again (`fdl_fabric.rank.join`), anyone else just goes away.
+BUSY_REASON = "the coordinator is busy with other connections; dial again"
 #: Refused connections are reported at once, then as one count per this many seconds.
 REJECT_REPORT_INTERVAL = 5.0
 #: A write to a rank that stalls this long closes that connection (the peer stopped reading).
@@ -58,6 +85,8 @@ _DIAGNOSE_WINDOW = 16
 _DIAGNOSE_MAX_PAYLOAD = 64 * 1024
 _RANK_MESSAGES = frozenset({"hello", "heartbeat", "exiting", "ack_shutdown", "probe"})
 _RECV_CHUNK = 65536
+#: `PendingPeers` holds any hashable handle (the coordinator's `_Conn`; tests use strings).
+_H = TypeVar("_H")
 
 
 
@@ -183,6 +212,87 @@ class DeadRanks:
             return [r for r, dead in enumerate(self._flags) if dead]
 
 
+class PendingPeers(Generic[_H]):
+    """Connections that have not said hello yet: oldest first, counted per source address.
+
+    The coordinator's admission policy, kept free of sockets and clocks so it is tested
+    on its own. A new connection gets a place unless its source already holds
+    ``per_source`` or all sources ``cap``: then `refusal` says why, and the *newest* is
+    refused, never a connection already waiting (it may be a rank about to say hello).
+    A refusal marks its source (or, past the cap, every source) as pressed until the next
+    `expired`; there, a pressed source's connections older than ``prompt`` seconds lose
+    their place, anyone's older than ``timeout``. So an idle flooder holds its places for
+    about ``prompt`` seconds, and a refused rank, which dials again, finds one free.
+    """
+
+    def __init__(self, per_source: int, cap: int, prompt: float, timeout: float) -> None:
+        self.per_source, self.cap = per_source, cap
+        self.prompt, self.timeout = min(prompt, timeout), timeout
+        #: Connection -> (source, when it arrived); dicts keep insertion order: oldest first.
+        self._since: dict[_H, tuple[str, float]] = {}
+        self._count: dict[str, int] = {}
+        self._pressed: set[str] = set()
+        self._all_pressed = False
+
+    def __len__(self) -> int:
+        return len(self._since)
+
+    def __contains__(self, conn: object) -> bool:
+        return conn in self._since
+
+    def from_source(self, source: str) -> int:
+        return self._count.get(source, 0)
+
+    def oldest_first(self) -> list[_H]:
+        return list(self._since)
+
+    def refusal(self, source: str) -> Optional[str]:
+        """Why a new connection from ``source`` gets no place now; None when it gets one."""
+        if self._count.get(source, 0) >= self.per_source:
+            self._pressed.add(source)
+            return (f"too many connections without a hello from one address "
+                    f"(limit {self.per_source}); refused the newest")
+        if len(self._since) >= self.cap:
+            self._all_pressed = True
+            return f"too many connections without a hello (limit {self.cap}); refused the newest"
+        return None
+
+    def add(self, conn: _H, source: str, now: float) -> None:
+        """Give ``conn`` its place (after `refusal` said None); ``now`` never goes back."""
+        if conn not in self._since:
+            self._since[conn] = (source, now)
+            self._count[source] = self._count.get(source, 0) + 1
+
+    def remove(self, conn: _H) -> None:
+        """It said hello, was judged or closed: its place is free. Unknown ones are ignored."""
+        entry = self._since.pop(conn, None)
+        if entry is None:
+            return
+        left = self._count[entry[0]] - 1
+        if left:
+            self._count[entry[0]] = left
+        else:
+            del self._count[entry[0]]
+
+    def expired(self, now: float) -> list[tuple[_H, str, bool]]:
+        """Connections whose hello deadline passed, oldest first, with the reason and
+        whether to ask them to dial again (those that lost their place to pressure);
+        the caller closes them (and `remove`s them). Ends the pressure of this round."""
+        out: list[tuple[_H, str, bool]] = []
+        for conn, (source, since) in self._since.items():
+            age = now - since
+            if age <= self.prompt:
+                break  # the rest are younger still
+            if age > self.timeout:
+                out.append((conn, f"no hello within {_seconds(self.timeout)}", False))
+            elif self._all_pressed or source in self._pressed:
+                out.append((conn, f"no hello within {_seconds(self.prompt)} while connections "
+                                  "were being refused", True))
+        self._pressed.clear()
+        self._all_pressed = False
+        return out
+
+
 @dataclass(eq=False)
 class _Conn:
     """One accepted connection; touched only by the I/O thread."""
@@ -190,6 +300,8 @@ class _Conn:
     sock: socket.socket
     peer: str
     opened: float
+    #: The peer's address without its port: what `PendingPeers` counts per source.
+    source: str = ""
     buf: bytearray = field(default_factory=bytearray)
     rx_seq: int = 0
     tx_seq: int = 0
@@ -246,6 +358,13 @@ class Coordinator:
         self._rejected_at: Optional[float] = None
         self._rejected: dict[str, int] = {}
         self._rejected_peer = ""
+        # Connections waiting for their hello (I/O thread only).
+        self._pending: PendingPeers[_Conn] = PendingPeers(
+            PENDING_PER_SOURCE, max(PENDING_MAX, 2 * spec.world_size), HELLO_PROMPT,
+            spec.hello_timeout)
+        #: The one frame every turned-away connection gets (sequence 0, so it is the same).
+        self._busy = encode_frame(spec.salt, spec.run_id, 0,
+                                  {"type": "reject", "reason": BUSY_REASON, "retry": True})
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -367,16 +486,26 @@ class Coordinator:
                 selector = self._selector
                 if selector is None:
                     return
-                woken = False
+                woken = accept = False
+                strangers: list[_Conn] = []
+                # The ranks' frames first, then connections without a hello, then new
+                # connections (a bounded number): however many knock, a heartbeat that is
+                # in waits for no more than one turn.
                 for key, _ in selector.select(timeout=TICK_INTERVAL):
                     if key.data is None:
-                        self._accept()
+                        accept = True
                     elif key.data is _WAKE:
                         woken = True
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
+                    elif key.data.rank is None:
+                        strangers.append(key.data)
                     else:
                         self._read(key.data)
+                for conn in strangers:
+                    self._read(conn)
+                if accept:
+                    self._accept()
                 if self._stopping.is_set():
                     return
                 now = time.monotonic()
@@ -398,8 +527,10 @@ class Coordinator:
             self.on_abort(reason)
 
     def _accept(self) -> None:
-        assert self._listener is not None and self._selector is not None
-        while True:
+        """At most `ACCEPT_PER_TURN` connections; the listener stays ready for the next
+        turn, so a stream of connects never keeps the loop from the ranks and the tick."""
+        assert self._listener is not None
+        for _ in range(ACCEPT_PER_TURN):
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -407,16 +538,34 @@ class Coordinator:
             except OSError as exc:
                 self.events(Name.ACCEPT_FAILED, error=str(exc))
                 return
-            sock.settimeout(SEND_TIMEOUT)
-            host, port = str(addr[0]), int(addr[1])
-            peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            conn = _Conn(sock=sock, peer=peer, opened=time.monotonic())
-            pending = [c for c in self._conns if c.rank is None]
-            if len(pending) >= max(PENDING_MAX, 2 * self.spec.world_size):
-                oldest = min(pending, key=lambda c: c.opened)
-                self._drop(oldest, "too many connections without a hello; dropped the oldest")
-            self._conns.add(conn)
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._admit(sock, addr)
+
+    def _admit(self, sock: socket.socket, addr: Any) -> None:
+        """Judge a connection whose first frame is in; give another a place or refuse it."""
+        host, port = str(addr[0]), int(addr[1])
+        peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        now = time.monotonic()
+        conn = _Conn(sock=sock, peer=peer, opened=now, source=host)
+        if _first_frame_in(sock):
+            # A rank sends its hello right after connecting, so under a flood (accepted
+            # late) its hello is usually here already: judged now, it needs no place.
+            self._register(conn)
+            self._read(conn)
+            if not conn.closed and conn.rank is None:  # not expected: keep the books right
+                self._pending.add(conn, host, now)
+            return
+        refusal = self._pending.refusal(host)
+        if refusal is not None:
+            self._turn_away(conn, refusal)
+            return
+        self._pending.add(conn, host, now)
+        self._register(conn)
+
+    def _register(self, conn: _Conn) -> None:
+        assert self._selector is not None
+        conn.sock.settimeout(SEND_TIMEOUT)
+        self._conns.add(conn)
+        self._selector.register(conn.sock, selectors.EVENT_READ, conn)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -508,6 +657,7 @@ class Coordinator:
             return
         assert isinstance(rank, int) and isinstance(host, str)
         now = time.monotonic()
+        self._pending.remove(conn)
         conn.rank = rank
         self._rank_conn[rank] = conn
         self._hosts[rank] = host
@@ -598,9 +748,11 @@ class Coordinator:
                 missing = [r for r in range(self.spec.world_size) if r not in self._joined]
             self._aborted(event(Name.COHORT_NOT_FORMED, missing=missing,
                                 formation_timeout=self.spec.formation_timeout))
-        for conn in list(self._conns):
-            if conn.rank is None and now - conn.opened > self.spec.hello_timeout:
-                self._drop(conn, f"no hello within {_seconds(self.spec.hello_timeout)}")
+        for conn, reason, again in self._pending.expired(now):
+            if again:
+                self._turn_away(conn, reason)
+            else:
+                self._drop(conn, reason)
         self._flush_refused(now)
 
     # -- connection helpers -------------------------------------------------------------------
@@ -621,6 +773,16 @@ class Coordinator:
         for conn in list(self._rank_conn.values()):
             self._send(conn, message)
 
+    def _turn_away(self, conn: _Conn, reason: str) -> None:
+        """Refused for now: a keyed ``reject`` with ``retry`` (a rank dials again; anyone
+        else learns nothing from it), then `_drop`. A plain close, not a reset, so a peer
+        whose first write is still on its way is not made to fail it."""
+        if conn.tx_seq == 0:
+            with contextlib.suppress(OSError):
+                conn.sock.send(self._busy, socket.MSG_DONTWAIT)
+            conn.tx_seq = 1
+        self._drop(conn, reason)
+
     def _drop(self, conn: _Conn, reason: str) -> None:
         """A protocol violation: one warning (rate-limited), then close only this connection."""
         if conn.closed:
@@ -638,9 +800,17 @@ class Coordinator:
             self._rejected_at = now
             self.events(name, peer=peer, reason=reason, refused=1)
             return
+        self._count_refused(reason, peer)
+
+    def _count_refused(self, reason: str, peer: str) -> None:
         key = reason.split(" (")[0]
         self._rejected[key] = self._rejected.get(key, 0) + 1
         self._rejected_peer = peer
+
+    def _refusing(self, now: float) -> bool:
+        """True while refusals are being counted (a flood is on)."""
+        return self._rejected_at is not None and (
+            bool(self._rejected) or now - self._rejected_at < REJECT_REPORT_INTERVAL)
 
     def _flush_refused(self, now: float, *, force: bool = False) -> None:
         if not self._rejected or self._rejected_at is None:
@@ -660,7 +830,11 @@ class Coordinator:
         rank = conn.rank
         self._close(conn)
         if rank is None:
-            self.events(Name.PEER_CLOSED, peer=conn.peer, detail=detail)
+            if self._refusing(time.monotonic()):
+                # A flooder closes what it holds: counted with the refusals, not a line each.
+                self._count_refused("closed before its hello", conn.peer)
+            else:
+                self.events(Name.PEER_CLOSED, peer=conn.peer, detail=detail)
             return
         with self._lock:
             clean = rank in self._exited
@@ -675,6 +849,7 @@ class Coordinator:
             return
         conn.closed = True
         self._conns.discard(conn)
+        self._pending.remove(conn)
         if conn.rank is not None and self._rank_conn.get(conn.rank) is conn:
             del self._rank_conn[conn.rank]
         if self._selector is not None:
@@ -682,3 +857,22 @@ class Coordinator:
                 self._selector.unregister(conn.sock)
         with contextlib.suppress(OSError):
             conn.sock.close()
+
+
+def _first_frame_in(sock: socket.socket) -> bool:
+    """True when the peer's first frame (or what makes it invalid, or its end) is already
+    in the socket, so the connection can be judged now; False while nothing whole is."""
+    if sock.gettimeout():  # a default timeout set by someone: never wait here
+        sock.setblocking(False)
+    try:
+        head = sock.recv(4 + PRE_AUTH_FRAME, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True  # reset already: `_read` names it
+    if not head:
+        return True  # closed already
+    try:
+        return take_frame(bytearray(head), PRE_AUTH_FRAME) is not None
+    except FrameError:
+        return True

@@ -308,6 +308,8 @@ class Supervisor:
         #: What ended the run, once something did (its words are the verdict).
         self.failure: Optional[Event] = None
         self.tolerated = 0
+        #: Ranks whose death the policy has been told of (`_decide`).
+        self.counted: set[int] = set()
         self._stop_started: Optional[float] = None
         self._forced = False
         self._interrupt: Optional[int] = None
@@ -596,6 +598,7 @@ class Supervisor:
         cohort = self.cohort
         formed = cohort is not None and cohort.cohort_formed
         announced = cohort is not None and rank in cohort.exited
+        self.counted.add(rank)
         return self.policy.on_death(rank, formed=formed, announced=announced)
 
     def _apply(self, decision: Decision) -> None:
@@ -909,6 +912,22 @@ class Supervisor:
                 host.handle.abandon()
 
     # -- the verdict ---------------------------------------------------------------------------
+    def _count_uncounted(self) -> None:
+        """Every death counts in the verdict: a rank lost while it was being stopped (a
+        save-and-shutdown whose host then went away) or ended by the last drain never
+        went through the policy; it does now, so no run with a lost rank ends "full
+        workload delivered". A rank that announced a clean exit first is not a death."""
+        announced = self.cohort.exited if self.cohort is not None else set()
+        for r in self.ranks:
+            if r.state not in (RankState.LOST, RankState.FAILED) or r.rank in self.counted \
+                    or r.rank in announced:
+                continue
+            if self.root_cause is None:
+                self.root_cause = r
+            if self._decide(r.rank) is Decision.STOP_ALL and self.failure is None:
+                self.failure = event(Name.RANK_FAILED, host=r.host, rank=r.rank,
+                                     exit=r.exit.data if r.exit else {}, ok=False)
+
     def _result(self) -> RunResult:
         result = self._verdict()
         faults = {name: h.fault for name, h in self.hosts.items() if h.fault}
@@ -932,6 +951,8 @@ class Supervisor:
             return RunResult(Verdict.INTERRUPTED, 128 + signum,
                              event(Name.INTERRUPTED_BY_FORWARD, host=rank.host, rank=rank.rank,
                                    signal=signal.Signals(signum).name), ranks)
+        if self.failure is None:
+            self._count_uncounted()
         if self.failure is not None:
             verdict = Verdict.HUNG if self.failure is self._hung else Verdict.FAILED
             return RunResult(verdict, 1, self.failure, ranks, self.root_cause)

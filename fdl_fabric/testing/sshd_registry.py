@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from ..agent.procs import registry_dir
+from ..agent.registry import tmp_dir
 from .processes import LabError
 
 #: The run registry that fdl-fabric's rank wrappers write on every host (see
@@ -20,7 +20,7 @@ from .processes import LabError
 #: sshd runs in its own mount namespace where this folder is a bind mount of a folder of
 #: the lab, so every host has a registry of its own, as on a real cluster, and cleanup
 #: tests never touch the records of ranks that other test runs keep in the real one.
-REGISTRY_MOUNTPOINT = registry_dir()
+REGISTRY_MOUNTPOINT = tmp_dir()
 
 
 #: Run inside the listener's new mount namespace: bind the host's private registry over

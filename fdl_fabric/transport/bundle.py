@@ -22,12 +22,14 @@ import os
 import sys
 from pathlib import Path
 
+from ..agent.registry import ENV_STATE_DIR
 from ..shell import quote
 
 #: Modules shipped to hosts, by import name; packages are marked.
 _PACKAGES = ("fdl_fabric", "fdl_fabric.agent")
 _MODULES = ("fdl_fabric.rank", "fdl_fabric.agent.wire", "fdl_fabric.agent.lines",
-            "fdl_fabric.agent.procs", "fdl_fabric.agent.children", "fdl_fabric.agent.checks",
+            "fdl_fabric.agent.registry", "fdl_fabric.agent.procs", "fdl_fabric.agent.children",
+            "fdl_fabric.agent.checks",
             "fdl_fabric.agent.stacks", "fdl_fabric.agent.watchdog", "fdl_fabric.agent.main")
 #: Digits of the payload's length header.
 _HEADER_DIGITS = 10
@@ -112,9 +114,12 @@ def payload(tag: str = sys.implementation.cache_tag) -> bytes:
 
 
 def remote_command() -> str:
-    """The command an SSH session runs: the host's python3 with the bootstrap."""
+    """The command an SSH session runs: the host's python3 with the bootstrap, and the
+    launcher's registry folder override (`agent.registry`), if it has one."""
     boot = quote(BOOTSTRAP)
-    return f'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c {boot}'
+    state = os.environ.get(ENV_STATE_DIR, "")
+    keep = f"export {ENV_STATE_DIR}={quote(state)}; " if state else ""
+    return f'p=/usr/bin/python3; [ -x "$p" ] || p=python3; {keep}exec "$p" -I -S -c {boot}'
 
 
 def local_command(python: str) -> str:

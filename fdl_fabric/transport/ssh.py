@@ -22,11 +22,13 @@ from fabric import Config, Connection
 from fabric.runners import Remote
 
 from ..clusterfile import WorkerSpec
+from ..events import EventBus
 from ..shell import quote
 from . import bundle
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
 from .runners import RUN_OPTIONS, InvokeAgentProcess, RawOutput
 from .sshconfig import DEFAULT_KNOWN_HOSTS, SshSettings
+from .tunnel import forwarding
 
 if TYPE_CHECKING:
     from .keepalive import KeepaliveMonitor
@@ -406,15 +408,22 @@ class SshTransport(Transport):
 
     @contextlib.contextmanager
     def tunnel(self, port: int, target: str) -> Iterator[None]:
-        if self.connection is None:
-            raise TransportError(self.host, "not connected")
-        forward = self.connection.forward_remote(port, local_port=port, local_host=target)
-        forward.__enter__()
-        try:
+        """The remote forward, bounded (`transport.tunnel.Forward`); what it has to say
+        goes to the log (`reporting_tunnel` says it as events)."""
+        with self.reporting_tunnel(port, target, None):
             yield
-        finally:
-            with contextlib.suppress(Exception):  # its connection may be long gone
-                forward.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def reporting_tunnel(self, port: int, target: str,
+                         events: Optional[EventBus]) -> Iterator[None]:
+        """``127.0.0.1:port`` on the host forwarded to ``target:port`` here, within the
+        bounds of `transport.tunnel`: connections turned away and a port exposed beyond
+        loopback are reported as events on ``events``."""
+        transport = self.connection.client.get_transport() if self.connection else None
+        if transport is None or not transport.is_active():
+            raise TransportError(self.host, "not connected")
+        with forwarding(transport, self.worker, port, target, events):
+            yield
 
     def watch(self, monitor: KeepaliveMonitor) -> None:
         transport = getattr(self.connection, "transport", None)
