@@ -86,7 +86,8 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
                    nproc_per_node: Optional[str] = None, agent_timeout: Optional[str] = None,
                    hang_timeout: Optional[str] = None, hosts: Optional[str] = None,
                    hostfile: Optional[str] = None,
-                   ssh_config: Optional[str] = None) -> LaunchOptions:
+                   ssh_config: Optional[str] = None,
+                   fanout: Optional[str] = None) -> LaunchOptions:
     """The launch's options from the flags as invoke gives them, every one checked: a bad
     value is a FdlError (exit 2) naming its flag, before anything is read or started."""
     per_node = flags.nproc_per_node("--nproc-per-node", nproc_per_node)
@@ -101,7 +102,8 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
             max_restarts=flags.restarts("--max-restarts", max_restarts),
             log_dir=flags.log_dir(log_dir or settings["log_dir"] or None), dry_run=dry_run,
             preflight=preflight, agent_timeout=flags.agent_timeout(agent_timeout),
-            hang_timeout=flags.seconds("--hang-timeout", hang_timeout))
+            hang_timeout=flags.seconds("--hang-timeout", hang_timeout),
+            fanout=flags.fanout(fanout))
     return LaunchOptions(
         # --slurm reads a cluster file only when one is named: the flags can say it all.
         cluster_file=None if slurm and cluster is None
@@ -120,6 +122,7 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         nproc_per_node=per_node,
         agent_timeout=flags.agent_timeout(agent_timeout),
         hang_timeout=flags.seconds("--hang-timeout", hang_timeout),
+        fanout=flags.fanout(fanout),
     )
 
 
@@ -158,6 +161,8 @@ def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
         "0 turns it off)",
         "json": "every event as one JSON line on stdout, rank output included, the verdict "
         "last (docs/cli.md); the operator's lines stay on stderr",
+        "fanout": "SSH hosts the launcher reaches itself (default: fanout, 64); beyond it, "
+        "about sqrt(hosts) of them are gateways that start the rest with ssh",
     },
     optional=["verbose"],
 )
@@ -181,6 +186,7 @@ def launch(
     hosts: Optional[str] = None,
     hostfile: Optional[str] = None,
     ssh_config: Optional[str] = None,
+    fanout: Optional[str] = None,
 ) -> None:
     """Launch the job described by the cluster file and supervise it to a verdict.
 
@@ -193,7 +199,8 @@ def launch(
                               max_restarts=max_restarts, log_dir=log_dir, dry_run=dry_run,
                               preflight=preflight, slurm=slurm, nproc_per_node=nproc_per_node,
                               agent_timeout=agent_timeout, hang_timeout=hang_timeout,
-                              hosts=hosts, hostfile=hostfile, ssh_config=ssh_config)
+                              hosts=hosts, hostfile=hostfile, ssh_config=ssh_config,
+                              fanout=fanout)
     except FdlError as exc:
         raise Exit(str(exc), code=exc.exit_code) from None
     opts.json = json

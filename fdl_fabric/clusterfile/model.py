@@ -15,6 +15,12 @@ from typing import Optional, Union
 # The model
 # --------------------------------------------------------------------------------------------
 
+#: ``fanout``: SSH hosts the launcher connects to directly; beyond it, a gateway tree
+#: (`fdl_fabric.planning.tree`). 64 as in ClusterShell; PRRTE's radix is 64, pdsh's 32.
+FANOUT_DEFAULT = 64
+#: The widest fanout a file may ask for.
+FANOUT_MAX = 1024
+
 
 @dataclass(frozen=True)
 class SshSpec:
@@ -130,6 +136,8 @@ class ClusterSpec:
     #: The cluster key, when not derived from the file (`plan.cluster_key`): each
     #: ``fdl-fabric run`` is a cluster of its own.
     key: Optional[str] = None
+    #: SSH hosts connected directly; more than this go through gateways (`planning.tree`).
+    fanout: int = FANOUT_DEFAULT
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ from ..limits import (
 from .model import (
     _MAX_FAILURE_FORMAT,
     ENV_NAME_RE,
+    FANOUT_DEFAULT,
+    FANOUT_MAX,
     ClusterSpec,
     ControllerSpec,
     ElasticSpec,
@@ -60,7 +62,7 @@ _DEFAULT_AGENT_TIMEOUT = ClusterSpec.agent_timeout
 
 _TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "master_port",
              "elastic", "workers", "scheduler", "nproc_per_node", "local_devices", "path",
-             "agent_timeout", "hang_timeout")
+             "agent_timeout", "hang_timeout", "fanout")
 #: Top-level keys that only a Slurm launch reads: every node gets the same ranks.
 _SLURM_KEYS = ("nproc_per_node", "local_devices", "path")
 _CONTROLLER_KEYS = ("host", "port")
@@ -114,6 +116,7 @@ def read_cluster(
     hang_timeout = r.number(top.field("hang_timeout"), minimum=0.0, exclusive=True,
                             maximum=SECONDS_MAX)
     master_port = r.integer(top.field("master_port"), minimum=1, maximum=PORT_MAX)
+    fanout = r.integer(top.field("fanout"), minimum=1, maximum=FANOUT_MAX)
     elastic = _read_elastic(r, top.field("elastic"))
     slurm = _read_slurm(r, top, folder)
 
@@ -171,6 +174,7 @@ def read_cluster(
         slurm=slurm,
         agent_timeout=_or(agent_timeout, _DEFAULT_AGENT_TIMEOUT),
         hang_timeout=hang_timeout,
+        fanout=_or(fanout, FANOUT_DEFAULT),
     )
 
 

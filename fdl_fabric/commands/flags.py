@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 from ..agent.wire import AGENT_TIMEOUT_MIN
 from ..clusterfile import ClusterSpec, parse_max_failure
 from ..clusterfile.hosts import HostsError, cluster_from_hosts, expand_hosts, read_hostfile
+from ..clusterfile.model import FANOUT_MAX
 from ..errors import EXIT_USAGE, FdlError, usage
 from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
 from ..supervision.policy import MaxFailure
@@ -85,6 +86,17 @@ def restarts(flag: str, text: Union[None, str, int]) -> Optional[int]:
     if not (raw.isascii() and raw.isdigit()) or int(raw) > RESTARTS_MAX:
         raise usage(flag, f"expected a whole number from 0 to {RESTARTS_MAX}, got {text!r}")
     return int(raw)
+
+
+def fanout(value: Optional[str]) -> Optional[int]:
+    """``--fanout``: hosts the launcher reaches directly; beyond it, a gateway tree
+    (`planning.tree`). The file's ``fanout:`` bound, 1 to `FANOUT_MAX`."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= FANOUT_MAX:
+        raise usage("--fanout", f"expected a whole number from 1 to {FANOUT_MAX}, got {value!r}")
+    return int(text)
 
 
 def nproc_per_node(flag: str, value: Optional[str]) -> Optional[int]:

@@ -113,6 +113,8 @@ class LaunchOptions:
     #: ``--hang-timeout``: seconds without output or progress after which the run is
     #: hung (0: never).
     hang_timeout: Optional[float] = None
+    #: ``--fanout``: hosts reached directly; beyond it, a gateway tree (wins over the file's).
+    fanout: Optional[int] = None
 
 
 def load_for(opts: LaunchOptions) -> ClusterSpec:
@@ -341,6 +343,8 @@ class Launch:
             changes["agent_timeout"] = opts.agent_timeout
         if opts.hang_timeout is not None:
             changes["hang_timeout"] = opts.hang_timeout or None
+        if opts.fanout is not None:
+            changes["fanout"] = opts.fanout
         if opts.max_restarts is not None:
             changes["elastic"] = dataclasses.replace(cluster.elastic,
                                                      max_restarts=opts.max_restarts)

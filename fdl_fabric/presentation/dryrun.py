@@ -16,7 +16,8 @@ from typing import Any
 from ..agent.checks import gpu_indices
 from ..clusterfile import ClusterSpec
 from ..planning.plan import LaunchPlan, coordinator_bind_host
-from ..transport import for_worker
+from ..planning.tree import cluster_tree
+from ..transport import for_cluster, for_worker
 from ..transport.sshconfig import SshSettings
 from .output import redact_env
 
@@ -71,11 +72,12 @@ def dry_run_data(plan: LaunchPlan, settings: Mapping[str, SshSettings]) -> dict[
     """The facts a dry run shows (`words.dry_run_text` lays them out), secrets redacted."""
     c = plan.cluster
     hosts = []
+    transports = for_cluster(c, settings)  # a leaf's says which gateway starts it
     for host in plan.hosts():
         worker = next(w for w in c.workers if w.host == host)
         spec = plan.agent_spec(host)
         hosts.append({
-            "host": host, "how": for_worker(worker, settings).describe(),
+            "host": host, "how": transports[host].describe(),
             "all_devices": worker.local_devices == "all" and not worker.is_local,
             "cwd": spec["cwd"], "argv": list(spec["argv"]), "env": redact_env(spec["env"]),
             "ranks": [{"rank": entry["rank"], "env": redact_env(entry["env"]),
@@ -83,4 +85,5 @@ def dry_run_data(plan: LaunchPlan, settings: Mapping[str, SshSettings]) -> dict[
                       for entry, r in zip(spec["ranks"], plan.host_ranks(host))]})
     return {"file": c.file, "world_size": plan.world_size, "controller": c.controller.host,
             "port": c.controller.port, "bind": coordinator_bind_host(c),
-            "kill_grace": c.kill_grace, "master_port": c.master_port, "hosts": hosts}
+            "kill_grace": c.kill_grace, "master_port": c.master_port, "hosts": hosts,
+            "tree": cluster_tree(c).as_data()}

@@ -696,6 +696,7 @@ def dry_run_text(d: Mapping[str, Any]) -> str:
              "host(s); nothing is connected or started",
              f"controller {d['controller']}:{d['port']} (coordinator binds {d['bind']}), "
              f"kill_grace {d['kill_grace']:g}s, master_port {d['master_port']}"]
+    lines += _tree_words(d.get("tree") or {})
     for host in d["hosts"]:
         ranks = host["ranks"]
         gpus = [str(r["device"]) for r in ranks if r["device"] is not None]
@@ -718,6 +719,18 @@ def dry_run_text(d: Mapping[str, Any]) -> str:
         lines += [f"min_hosts {d['min_hosts']}: an attempt starts with at least that many "
                   "hosts"]
     return "\n".join(lines) + "\n"
+
+
+def _tree_words(tree: Mapping[str, Any]) -> list[str]:
+    """The gateway tree of a dry run: which gateway starts which leaves (none: flat)."""
+    gateways = tree.get("gateways") or {}
+    if not gateways:
+        return []
+    lines = [f"gateway tree (fanout {tree['fanout']}): the launcher connects to "
+             f"{len(gateways)} gateway(s); each starts its leaves with ssh"]
+    for gateway, leaves in gateways.items():
+        lines.append(f"  {gateway} -> {len(leaves)} leaves: {', '.join(leaves)}")
+    return lines
 
 
 def _env_words(env: Mapping[str, str]) -> str:

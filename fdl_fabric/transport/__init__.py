@@ -7,7 +7,9 @@
 * `session`: the launcher's end of one agent (the protocol, over any transport);
 * `fanout`: every host at once (connect, start agents, close);
 * `sshconfig`: each SSH worker's settings, through ~/.ssh/config; `keepalive`: SSH
-  liveness; `runners`: invoke runners that pass bytes; `bundle`: what starts an agent.
+  liveness; `runners`: invoke runners that pass bytes; `bundle`: what starts an agent;
+* `gateway`: the gateway tree (beyond ``fanout`` SSH hosts): a gateway's relay, and the
+  leaves whose agents start through it (`for_cluster` picks them).
 
 Adding a kind is one module with one `Transport` subclass and its line in `KINDS`;
 nothing outside this package branches on the kind of a host.
@@ -58,9 +60,25 @@ def for_worker(worker: WorkerSpec, settings: Optional[Mapping[str, SshSettings]]
 
 
 def for_cluster(cluster: ClusterSpec, settings: Optional[Mapping[str, SshSettings]] = None,
-                *, purpose: str = "agent") -> dict[str, Transport]:
-    """Every worker's transport, in roster order."""
-    return {w.host: for_worker(w, settings, purpose=purpose) for w in cluster.workers}
+                *, purpose: str = "agent", fanout: Optional[int] = None
+                ) -> dict[str, Transport]:
+    """Every worker's transport, in roster order.
+
+    Up to ``fanout`` SSH hosts (``None``: the cluster file's ``fanout:``, 64 by default)
+    each is connected directly, as always. Beyond that, the gateway tree of
+    `fdl_fabric.planning.tree.cluster_tree` (the same call gives the dry run the tree):
+    each gateway is an SSH host whose connection also carries the relay of its leaves
+    (`gateway.GatewayHost`), and each leaf's agent starts through it
+    (`gateway.GatewayTransport`). Local workers and Slurm nodes are never in the tree.
+    """
+    from ..planning.tree import cluster_tree
+
+    tree = cluster_tree(cluster, fanout)
+    if tree.flat:
+        return {w.host: for_worker(w, settings, purpose=purpose) for w in cluster.workers}
+    from .gateway import tree_transports
+
+    return tree_transports(cluster, tree, settings or {}, purpose=purpose)
 
 
 def resolve_cluster(cluster_file: Optional[str], cluster: Optional[ClusterSpec] = None, *,

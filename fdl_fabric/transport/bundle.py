@@ -30,7 +30,8 @@ _PACKAGES = ("fdl_fabric", "fdl_fabric.agent")
 _MODULES = ("fdl_fabric.rank", "fdl_fabric.agent.wire", "fdl_fabric.agent.lines",
             "fdl_fabric.agent.registry", "fdl_fabric.agent.procs", "fdl_fabric.agent.children",
             "fdl_fabric.agent.checks",
-            "fdl_fabric.agent.stacks", "fdl_fabric.agent.watchdog", "fdl_fabric.agent.main")
+            "fdl_fabric.agent.stacks", "fdl_fabric.agent.watchdog", "fdl_fabric.agent.main",
+            "fdl_fabric.agent.relay")
 #: Digits of the payload's length header.
 _HEADER_DIGITS = 10
 
@@ -82,7 +83,10 @@ class _Finder:
             code = compile(SOURCES[name], path, "exec")
         exec(code, module.__dict__)
 sys.meta_path.insert(0, _Finder())
-from fdl_fabric.agent.main import main
+if sys.argv[1:2] == ["relay"]:
+    from fdl_fabric.agent.relay import main
+else:
+    from fdl_fabric.agent.main import main
 sys.exit(main())
 '''
 
@@ -113,13 +117,22 @@ def payload(tag: str = sys.implementation.cache_tag) -> bytes:
             + f"{len(bundle):0{_HEADER_DIGITS}d}".encode() + bundle)
 
 
-def remote_command() -> str:
+#: What the bundle runs: a host's agent, or a gateway's relay (`agent.relay`).
+MODES = ("agent", "relay")
+
+
+def remote_command(mode: str = "agent") -> str:
     """The command an SSH session runs: the host's python3 with the bootstrap, and the
-    launcher's registry folder override (`agent.registry`), if it has one."""
+    launcher's registry folder override (`agent.registry`), if it has one. ``mode``
+    ``relay`` runs a gateway's relay instead of an agent (the bootstrap's one argument,
+    which the loader reads)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown bundle mode {mode!r}")
     boot = quote(BOOTSTRAP)
     state = os.environ.get(ENV_STATE_DIR, "")
     keep = f"export {ENV_STATE_DIR}={quote(state)}; " if state else ""
-    return f'p=/usr/bin/python3; [ -x "$p" ] || p=python3; {keep}exec "$p" -I -S -c {boot}'
+    arg = " relay" if mode == "relay" else ""
+    return f'p=/usr/bin/python3; [ -x "$p" ] || p=python3; {keep}exec "$p" -I -S -c {boot}{arg}'
 
 
 def local_command(python: str) -> str:
