@@ -284,3 +284,13 @@ def kill_run(run_id: str) -> list[int]:
             p.kill()
     return [p.pid for p in left]
 
+
+def write_machine_notes(out: TextIO, load_start: str, started: float) -> None:
+    """The closing block of a benchmark's report: the machine, the load at start and
+    end, and how long it took (``started``: time.monotonic() at the start)."""
+    out.write("\nmachine and method:\n")
+    notes = machine_notes()
+    notes["load average at start / end"] = f"{load_start} / {loadavg()}"
+    notes["elapsed"] = f"{time.monotonic() - started:.0f} s"
+    for k, v in notes.items():
+        out.write(f"  {k}: {v}\n")

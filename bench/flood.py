@@ -61,6 +61,8 @@ from typing import Any, Optional, TextIO
 
 import benchlib
 
+from fdl_fabric.testing.flood import FLOODER, HOLD
+
 ROOT = benchlib.ROOT
 SALT = bytes(range(16))
 RUN_ID = "20250101-000000-f100d22"
@@ -125,37 +127,6 @@ rank.exiting()
 print(json.dumps({"rank": me.rank, "join": joined - started, "sent": sent}), flush=True)
 """
 
-#: The flooder (issue 22's): idle connections as fast as it can, the last HOLD kept.
-FLOODER = r"""
-import collections, json, signal, socket, sys, threading
-host, port, hold, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-counts = {"connected": 0, "failed": 0}
-def report(*_):
-    sys.stdout.write(json.dumps(counts) + "\n")
-    sys.stdout.flush()
-    raise SystemExit(0)
-def flood():
-    held = collections.deque()
-    while True:
-        s = socket.socket()
-        s.settimeout(2.0)
-        try:
-            s.connect((host, port))
-        except OSError:
-            s.close()
-            counts["failed"] += 1
-            continue
-        counts["connected"] += 1
-        held.append(s)
-        if len(held) > hold // threads:
-            held.popleft().close()
-signal.signal(signal.SIGTERM, report)
-for _ in range(threads):
-    threading.Thread(target=flood, daemon=True).start()
-sys.stdout.write("flooding\n")
-sys.stdout.flush()
-signal.pause()
-"""
 
 SCENARIOS = ("quiet", "flood", "cpu hog")
 #: The control: as many spinning processes as the flooder has threads, and no connection.
@@ -379,7 +350,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                     help="how long each rank beats after joining (20)")
     ap.add_argument("--interval", type=float, default=0.1,
                     help="the ranks' heartbeat interval in s (0.1; a real rank: 1)")
-    ap.add_argument("--hold", type=int, default=300, help="idle connections held (300)")
+    ap.add_argument("--hold", type=int, default=HOLD, help=f"idle connections held ({HOLD})")
     ap.add_argument("--threads", type=int, default=2, help="flooder threads (2)")
     ap.add_argument("--warm", type=float, default=1.0,
                     help="seconds of flood before the ranks start (1)")
@@ -428,12 +399,7 @@ def _bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
                           f"(load {benchlib.loadavg()})\n")
                 out.flush()
     report(args, samples, list(trees), out)
-    out.write("\nmachine and method:\n")
-    notes = benchlib.machine_notes()
-    notes["load average at start / end"] = f"{load_start} / {benchlib.loadavg()}"
-    notes["elapsed"] = f"{time.monotonic() - started:.0f} s"
-    for k, v in notes.items():
-        out.write(f"  {k}: {v}\n")
+    benchlib.write_machine_notes(out, load_start, started)
     return 0 if all(s.ok for s in samples if s.tree == "this tree") else 1
 
 

@@ -1237,12 +1237,7 @@ def _bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
         bench.report(samples, out)
         mode_file.write_text("\n")  # FLODL_PY_SPY unset again for what follows
         out.write(f"  ({name}: {time.monotonic() - t_scn:.0f} s)\n")
-    out.write("\nmachine and method:\n")
-    notes = benchlib.machine_notes()
-    notes["load average at start / end"] = f"{load_start} / {benchlib.loadavg()}"
-    notes["elapsed"] = f"{time.monotonic() - started:.0f} s"
-    for k, v in notes.items():
-        out.write(f"  {k}: {v}\n")
+    benchlib.write_machine_notes(out, load_start, started)
     with contextlib.suppress(Exception):
         from fdl_fabric.agent import stacks, wire
 

@@ -34,43 +34,10 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from fdl_fabric.testing.flood import FLOODER, HOLD
 from labutil import ROOT, LiveLaunch
 
 TOY = str(ROOT / "examples" / "toy_train.py")
-#: How many connections the flooder holds (it closes the oldest past this).
-HOLD = 300
-#: The flooder: stdlib only, nothing to read but its own source. On SIGTERM it prints
-#: how many connections it opened and exits.
-FLOODER = r"""
-import collections, json, signal, socket, sys, threading
-host, port, hold, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-counts = {"connected": 0, "failed": 0}
-def report(*_):
-    sys.stdout.write(json.dumps(counts) + "\n")
-    sys.stdout.flush()
-    raise SystemExit(0)
-def flood():
-    held = collections.deque()
-    while True:
-        s = socket.socket()
-        s.settimeout(2.0)
-        try:
-            s.connect((host, port))
-        except OSError:
-            s.close()
-            counts["failed"] += 1
-            continue
-        counts["connected"] += 1
-        held.append(s)
-        if len(held) > hold // threads:
-            held.popleft().close()
-signal.signal(signal.SIGTERM, report)
-for _ in range(threads):
-    threading.Thread(target=flood, daemon=True).start()
-sys.stdout.write("flooding\n")
-sys.stdout.flush()
-signal.pause()
-"""
 #: Threads of the flooder: connect() releases the GIL and its cost is in the kernel, so
 #: two threads connect faster than the coordinator could accept with the old loop.
 THREADS = int(os.environ.get("FDL_FLOOD_THREADS", "2"))

@@ -224,3 +224,21 @@ def test_a_port_in_use_says_whether_it_is_one_of_your_runs_or_another_users(
     finally:
         os.killpg(first.pid, 15)
         first.communicate(timeout=30)
+
+
+def test_the_state_dir_override_holds_the_records_and_cleanup_finds_them_there(
+        users: UsersLab) -> None:
+    alice = users.users["alice"]
+    mine = alice.home / "state"
+    cluster = _job(users, 'python3 -c "import time; time.sleep(60)"')
+    env = {"FDL_FABRIC_STATE_DIR": str(mine)}
+    launcher = users.popen("alice", users.inv("launch", "-c", str(cluster)),
+                           cwd=cluster.parent, env=env)
+    run_id = _recorded_run(mine, launcher)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    assert not list(Path(f"/tmp/fdl-fabric-{alice.uid}").glob("*.json"))
+    cleanup = users.run("alice", users.inv("cleanup", "-c", str(cluster), "--run-id", run_id),
+                        cwd=cluster.parent, env=env)
+    assert cleanup.returncode == 0, cleanup.stdout + cleanup.stderr
+    launcher.communicate(timeout=60)
+    assert not list(mine.glob("*.json"))

@@ -181,68 +181,17 @@ def parse_json(body: bytes) -> Dict[str, Any]:
     return obj
 
 
-class Reader:
-    """Mux frames from a byte stream, limits enforced (`wire.Reader`'s rules). With
+class Reader(wire.Reader):
+    """Mux frames from a byte stream, with `wire.Reader`'s rules and limits. With
     ``handshake`` (the launcher's side), bytes before `HANDSHAKE` are noise, up to
     `wire.MAX_NOISE`, kept in ``noise``."""
 
-    def __init__(self, allowed: FrozenSet[int], *, handshake: bool = False) -> None:
-        self._buf = bytearray()
-        self._allowed = allowed
-        self._waiting = handshake
-        self.noise = b""
-
-    @property
-    def synced(self) -> bool:
-        return not self._waiting
-
-    def feed(self, data: bytes) -> List[Tuple[int, bytes]]:
-        self._buf += data
-        if self._waiting and not self._sync():
-            return []
-        frames: List[Tuple[int, bytes]] = []
-        buf = self._buf
-        start, end = 0, len(buf)
-        while end - start >= 5:
-            (size,) = _LENGTH.unpack_from(buf, start)
-            if size > MAX_FRAME or size < 1:
-                raise MuxError(f"mux frame of {size} bytes (limit {MAX_FRAME})")
-            kind = buf[start + 4]
-            if kind not in self._allowed:
-                raise MuxError(f"unexpected mux frame type {kind}")
-            stop = start + 4 + size
-            if stop > end:
-                break
-            frames.append((kind, bytes(buf[start + 5:stop])))
-            start = stop
-        if start:
-            del buf[:start]
-        return frames
-
-    def _sync(self) -> bool:
-        at = self._buf.find(HANDSHAKE_PREFIX)
-        if at < 0:
-            keep = len(HANDSHAKE_PREFIX) - 1
-            if len(self._buf) > keep:
-                self.noise += bytes(self._buf[:-keep])
-                del self._buf[:-keep]
-            if len(self.noise) > wire.MAX_NOISE:
-                raise MuxError(f"no relay handshake within {wire.MAX_NOISE} bytes of output "
-                               f"(the login shell printed {self.noise[:120]!r}...)")
-            return False
-        newline = self._buf.find(b"\n", at)
-        if newline < 0:
-            if len(self._buf) - at > len(HANDSHAKE) + 16:
-                raise MuxError("malformed relay handshake")
-            return False
-        self.noise += bytes(self._buf[:at])
-        line = bytes(self._buf[at:newline + 1])
-        if line != HANDSHAKE:
-            got = line[len(HANDSHAKE_PREFIX):].strip().decode("ascii", "replace")
-            raise MuxError(f"relay speaks mux version {got!r}, this launcher speaks {VERSION}")
-        del self._buf[:newline + 1]
-        self._waiting = False
-        return True
+    ERROR = MuxError
+    PREFIX = HANDSHAKE_PREFIX
+    LINE = HANDSHAKE
+    LIMIT = MAX_FRAME
+    WHAT = "relay handshake"
+    SPEAKS = "relay speaks mux"
 
 
 class FrameWatch:

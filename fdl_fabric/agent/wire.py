@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Type
 
 #: Protocol version; the handshake carries it and the spec repeats it. 2: agent
 #: heartbeats, targeted and INT-first stops, suspend/resume, stacks, run listing.
@@ -167,6 +167,15 @@ class Reader:
     may receive.
     """
 
+    #: What a subclass for another framing over the same rules changes (`relay.Reader`):
+    #: its error, its handshake line, its largest frame, and its name in messages.
+    ERROR: Type[Exception] = ProtocolError
+    PREFIX = HANDSHAKE_PREFIX
+    LINE = HANDSHAKE
+    LIMIT = MAX_FRAME
+    WHAT = "agent handshake"
+    SPEAKS = "agent speaks protocol"
+
     def __init__(self, allowed: FrozenSet[int], *, handshake: bool = False) -> None:
         self._buf = bytearray()
         self._allowed = allowed
@@ -189,11 +198,11 @@ class Reader:
         end = len(buf)
         while end - start >= 5:
             (size,) = _LENGTH.unpack_from(buf, start)
-            if size > MAX_FRAME or size < 1:
-                raise ProtocolError(f"frame of {size} bytes (limit {MAX_FRAME})")
+            if size > self.LIMIT or size < 1:
+                raise self.ERROR(f"frame of {size} bytes (limit {self.LIMIT})")
             kind = buf[start + 4]
             if kind not in self._allowed:
-                raise ProtocolError(f"unexpected frame type {kind}")
+                raise self.ERROR(f"unexpected frame type {kind}")
             stop = start + 4 + size
             if stop > end:
                 break
@@ -204,28 +213,29 @@ class Reader:
         return frames
 
     def _sync(self) -> bool:
-        at = self._buf.find(HANDSHAKE_PREFIX)
+        prefix, line_wanted = self.PREFIX, self.LINE
+        at = self._buf.find(prefix)
         if at < 0:
             # Keep only what could still be the start of the prefix.
-            keep = len(HANDSHAKE_PREFIX) - 1
+            keep = len(prefix) - 1
             if len(self._buf) > keep:
                 self.noise += bytes(self._buf[:-keep])
                 del self._buf[:-keep]
             if len(self.noise) > MAX_NOISE:
-                raise ProtocolError(f"no agent handshake within {MAX_NOISE} bytes of output "
-                                    f"(the login shell printed {self.noise[:120]!r}...)")
+                raise self.ERROR(f"no {self.WHAT} within {MAX_NOISE} bytes of output "
+                                 f"(the login shell printed {self.noise[:120]!r}...)")
             return False
         newline = self._buf.find(b"\n", at)
         if newline < 0:
-            if len(self._buf) - at > len(HANDSHAKE) + 16:
-                raise ProtocolError("malformed agent handshake")
+            if len(self._buf) - at > len(line_wanted) + 16:
+                raise self.ERROR(f"malformed {self.WHAT}")
             return False
         self.noise += bytes(self._buf[:at])
         line = bytes(self._buf[at:newline + 1])
-        if line != HANDSHAKE:
-            got = line[len(HANDSHAKE_PREFIX):].strip().decode("ascii", "replace")
-            raise ProtocolError(f"agent speaks protocol version {got!r}, this launcher "
-                                f"speaks {VERSION}")
+        if line != line_wanted:
+            got = line[len(prefix):].strip().decode("ascii", "replace")
+            mine = line_wanted[len(prefix):].strip().decode("ascii", "replace")
+            raise self.ERROR(f"{self.SPEAKS} version {got!r}, this launcher speaks {mine}")
         del self._buf[:newline + 1]
         self._waiting = False
         return True
