@@ -82,6 +82,8 @@ class Name(str, Enum):
     RESTARTING = ("restarting", Kind.RESTART)
     #: The membership of an attempt: its hosts, world size, who is left out and why.
     ATTEMPT_HOSTS = ("attempt_hosts", Kind.DEBUG)
+    #: A gateway was lost: the next attempt's tree is planned without it.
+    TREE_REPLANNED = ("tree_replanned", Kind.RESTART)
     HOSTS_LEFT_OUT = ("hosts_left_out", Kind.WARNING)
     SWEEP_UNREACHABLE = ("sweep_unreachable", Kind.WARNING)
     SWEEP_INCOMPLETE = ("sweep_incomplete", Kind.WARNING)

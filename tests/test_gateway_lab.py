@@ -247,3 +247,67 @@ def test_36_hosts_as_4_gateways_of_8_leaves(
     assert set(_relays(lab)) == {"lab1", "lab2", "lab3", "lab4"}
     assert run.finish(90) == 0, run.err
     assert run.err_lines()[-1] == "cluster launcher: run completed — all 36 ranks exited 0"
+
+
+#: A rank of the re-planning test: attempt 0 sleeps (until its gateway is lost), attempt 1
+#: dumps its environment and ends after a few seconds.
+REPLAN_RANK = """\
+import json, os, sys, time
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+rank = os.environ["RANK"]
+with open(os.path.join(sys.argv[1], "a%s-r%s.json" % (attempt, rank)), "w") as fh:
+    json.dump({"env": dict(os.environ)}, fh)
+time.sleep(300 if attempt == "0" else 6)
+"""
+
+
+def test_a_lost_gateway_is_planned_out_and_the_next_attempt_runs_through_the_others(
+        sshd_lab, launches, tmp_path: Path) -> None:  # noqa: F811
+    """Issue 23 with issue 20: gateway lab1 lost with everything it served; the next
+    attempt plans the tree without it (gateways lab2 and lab3 start lab1's old leaves),
+    tries lab1 directly, leaves it out, and completes on the 8 hosts that answer."""
+    lab = sshd_lab(n_hosts=9)
+    workers = [lab.worker(h, nproc=1) for h in lab.hosts]
+    cluster = lab.write_cluster(workers, fanout=2, kill_grace=1,
+                                elastic={"min_hosts": 4, "heartbeat_timeout": 10})
+    script, dumps, logs = tmp_path / "rank.py", tmp_path / "d", tmp_path / "logs"
+    script.write_text(REPLAN_RANK)
+    dumps.mkdir()
+    run: LiveLaunch = launches(cluster, "--max-restarts", "1", "--log-dir", str(logs),
+                               "--cmd", f"python3 {script} {dumps}")
+
+    def attempt(n: int, count: int) -> dict[str, str]:
+        def ready() -> Any:
+            files = list(dumps.glob(f"a{n}-r*.json"))
+            return files if len(files) >= count else None
+
+        files = wait_for(ready, 60, f"{count} ranks of attempt {n}")
+        return {json.loads(p.read_text())["env"]["FLODL_HOST_NAME"]: p.name for p in files}
+
+    assert len(attempt(0, 9)) == 9
+    gateway = lab.hosts[0]
+    sessions = gateway.session_pids()
+    gateway.sshd.kill()
+    gateway.sshd.wait()
+    for pid in sessions:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        hosts = attempt(1, 8)
+    except AssertionError:
+        run.finish(30)
+        raise AssertionError(run.err) from None
+    assert set(hosts) == {h.name for h in lab.hosts[1:]}
+    assert _launcher_peers(run.pid, lab) == {"lab2", "lab3"}, \
+        "the launcher connects to the new gateways only"
+    assert run.finish(90) == 0, run.err
+    (line,) = [x for x in run.err_lines() if "planned again" in x]
+    assert "without the lost gateway(s) lab1" in line and "gateways now lab2, lab3" in line
+    (run_dir,) = logs.iterdir()
+    records = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    (replanned,) = [r for r in records if r["name"] == "tree_replanned"]
+    assert replanned["tree"]["gateways"] == {"lab2": ["lab4", "lab5", "lab6"],
+                                             "lab3": ["lab7", "lab8", "lab9"]}
+    assert run.err_lines()[-1].startswith("cluster launcher: run completed on 8 of 9 hosts "
+                                          "(lab1 "), run.err
+    assert wait_run_gone(run.run_id, 15) < 15

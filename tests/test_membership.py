@@ -34,6 +34,20 @@ def test_without_min_hosts_or_spares_every_attempt_is_the_whole_roster_unprobed(
     assert hosts.probed == []
 
 
+def test_a_host_cut_off_with_its_gateway_is_probed_for_the_next_attempt_and_not_counted(
+        ) -> None:
+    m = Membership(["a", "b", "c"], min_hosts=2, host_failures=2)
+    hosts = Hosts()
+    m.select(0, hosts)
+    m.after(0, {"a": LOST, "b": HostFate.CUT_OFF})
+    selection = m.select(1, hosts)
+    assert hosts.probed[-1] == ["b", "c"], "the lost gateway waits an attempt; its leaf not"
+    assert selection.hosts == ("b", "c") and selection.left_out == {"a": "lost in attempt 0"}
+    m.after(1, {"b": HostFate.CUT_OFF})
+    assert "b" in m.select(2, Hosts(down=["b"])).left_out, "probed, unreachable: left out"
+    assert m.select(3, hosts).hosts == ("a", "b", "c"), "never set aside for being cut off"
+
+
 def test_a_lost_host_is_left_out_of_the_next_attempt_without_a_probe() -> None:
     m = Membership(["a", "b", "c"], min_hosts=2)
     hosts = Hosts()

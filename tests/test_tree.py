@@ -75,6 +75,24 @@ def test_sqrt_h_gateways_capped_by_the_fanout(hosts: int, fanout: int, gateways:
         assert leaves == _hosts(hosts)[gateways:], "contiguous blocks, in order"
 
 
+def test_a_lost_gateway_is_replanned_out_and_connected_directly() -> None:
+    """Issue 23 with issue 20: the next attempt's tree without the lost gateway h01; its
+    leaves go to the gateways that are left, and h01 is a direct host (probed by the
+    launcher's own connect), never a leaf that fails only when its agent starts."""
+    hosts = _hosts(9)
+    before = plan_tree(hosts, 2)
+    assert [g.host for g in before.gateways] == ["h01", "h02"]
+    after = plan_tree(hosts, 2, avoid={"h01"})
+    assert [g.host for g in after.gateways] == ["h02", "h03"]
+    assert after.direct == ("h02", "h03", "h01")
+    assert after.gateway_of("h01") is None
+    leaves = [h for g in after.gateways for h in g.leaves]
+    assert leaves == hosts[3:], "every other host is a leaf, in roster order"
+    assert len(after.gateways) == len(before.gateways), "the tree keeps its width"
+    assert plan_tree(hosts, 2, avoid=set(hosts)).flat, "nobody left to be a gateway"
+    assert plan_tree(hosts[:2], 2, avoid={"h01"}).flat, "within the fanout: flat"
+
+
 def test_planning_refuses_nonsense() -> None:
     with pytest.raises(ValueError, match="fanout"):
         plan_tree(_hosts(3), 0)
@@ -130,6 +148,18 @@ def test_local_workers_are_never_in_the_tree_and_spares_come_last() -> None:
     assert tree.direct == ("h02", "h03"), "a spare is never a gateway while others can be"
     assert tree.gateways[-1].leaves[-1] == "h01"
     assert cluster_tree(cluster, fanout=64).flat, "a flag's fanout beats the file's"
+
+
+def test_the_replanned_tree_gives_a_lost_gateway_a_direct_transport() -> None:
+    cluster = _cluster(9)
+    transports = for_cluster(cluster, resolve_all_settings(cluster), avoid={"h01"})
+    assert type(transports["h01"]) is SshTransport
+    assert isinstance(transports["h02"], GatewayHost)
+    assert isinstance(transports["h03"], GatewayHost)
+    leaf = transports["h04"]
+    assert isinstance(leaf, GatewayTransport) and leaf.gateway.host == "h02"
+    assert cluster_tree(cluster, avoid={"h01"}).as_data()["gateways"] == {
+        "h02": ["h04", "h05", "h06"], "h03": ["h07", "h08", "h09"]}
 
 
 def test_for_cluster_gives_gateways_their_ssh_transport_and_leaves_a_gateway_one() -> None:

@@ -55,6 +55,7 @@ from ..planning.envelope import (
     prebuilt_from_environ,
 )
 from ..planning.plan import LaunchPlan, build_plan, coordinator_bind_host
+from ..planning.tree import cluster_tree, tree_hosts
 from ..preflight import Status, agent_checks, judge, launch_plan
 from ..preflight.run import port_owner
 from ..presentation.dryrun import dry_run_data, dry_run_devices, plan_as_json
@@ -288,6 +289,10 @@ class Launch:
         self.hosts_of: list[tuple[str, ...]] = []
         #: Hosts whose connection is not to be trusted until it is made afresh.
         self.stale: set[str] = set()
+        #: Gateways lost in some attempt: later attempts plan the tree without them.
+        self.lost_gateways: set[str] = set()
+        #: Gateways lost in the last attempt, until the next one's tree is planned.
+        self.replan: list[str] = []
         #: What refused the launch (bad input, exit 2), and the exit code once it ended.
         self.refused: Optional[FdlError] = None
         self.exit_code: Optional[int] = None
@@ -405,6 +410,7 @@ class Launch:
         for attempt in range(max_restarts + 1):
             if attempt:
                 failed = self.results[-1]
+                self._replan_tree(r, attempt)
                 selection = self._select(r, attempt)
                 if selection is None:
                     break
@@ -423,7 +429,7 @@ class Launch:
             self.hosts_of.append(selection.hosts)
             self.faulted.update(result.faults)
             self.stale.update(result.faults)
-            self.membership.after(attempt, host_fates(result))
+            self.membership.after(attempt, {**host_fates(result), **self._cut_off(cluster, result)})
             if not restarts.another(result.restartable, attempt,
                                     self.signals.received is not None):
                 break
@@ -437,6 +443,35 @@ class Launch:
         """One agent on each host of this attempt."""
         hosts = {h: self.transports[h] for h in self.membership.current}
         return start_agents(hosts, inbox.put, on_output=self.output)
+
+    def _cut_off(self, cluster: ClusterSpec, result: RunResult) -> dict[str, HostFate]:
+        """Gateways lost in this attempt: noted, so the next attempt's tree is planned
+        without them (`_replan_tree`); their leaves' losses are theirs, not the leaves',
+        so each leaf is probed again through the gateways left (`HostFate.CUT_OFF`)."""
+        tree = cluster_tree(cluster, avoid=self.lost_gateways)
+        lost = {g.host for g in tree.gateways} & set(result.faults)
+        if not lost:
+            return {}
+        self.lost_gateways |= lost
+        self.replan = sorted(lost)
+        return {leaf: HostFate.CUT_OFF for g in tree.gateways if g.host in lost
+                for leaf in g.leaves if leaf in result.faults}
+
+    def _replan_tree(self, r: _Settings, attempt: int) -> None:
+        """The tree planned again without the gateways lost so far, with fresh transports
+        for every host of the tree: the lost gateways' leaves start through the gateways
+        that are left, and a lost gateway itself is connected directly (the membership
+        rule keeps it or leaves it out by whether it answers, like any host)."""
+        if not self.replan:
+            return
+        cluster = r.cluster
+        hosts = tree_hosts(cluster)
+        close_all([self.transports[h] for h in hosts])
+        fresh = for_cluster(cluster, r.settings, avoid=self.lost_gateways)
+        self.transports.update({h: fresh[h] for h in hosts})
+        self.events(Name.TREE_REPLANNED, attempt=attempt, lost=self.replan,
+                    tree=cluster_tree(cluster, avoid=self.lost_gateways).as_data())
+        self.replan = []
 
     # -- membership ----------------------------------------------------------------------------
     def _select(self, r: _Settings, attempt: int) -> Optional[Selection]:

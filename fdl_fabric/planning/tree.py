@@ -13,12 +13,17 @@ fanout 4: 4 gateways of 8 leaves each; for 1,024 hosts with fanout 64: 32 gatewa
 √H keeps both levels about equally wide, which is what minimises the slower of the two
 (the launcher's connects, a gateway's ssh starts); capping it at ``fanout`` keeps the
 launcher's own connections within the bound the user asked for.
+
+After a gateway was lost, the next attempt re-plans the tree without it (``avoid``): the
+gateways are the first hosts not avoided, and an avoided host is connected directly, so
+the launcher's own connect timeout says whether it answers again (a leaf would only be
+found dead when its agent failed to start).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -79,12 +84,16 @@ def gateway_count(hosts: int, fanout: int) -> int:
     return min(fanout, root if root * root == hosts else root + 1)
 
 
-def plan_tree(hosts: Sequence[str], fanout: int) -> Tree:
+def plan_tree(hosts: Sequence[str], fanout: int,
+              avoid: Collection[str] = frozenset()) -> Tree:
     """The tree for ``hosts`` (SSH hosts, in roster order); see the module docstring.
 
-    The first ``g`` hosts are the gateways; the others are split in order into ``g``
-    contiguous blocks whose sizes differ by at most one (the first blocks take the
-    extra host), block ``i`` going to gateway ``i``.
+    The first ``g`` hosts not in ``avoid`` are the gateways; the other hosts not in
+    ``avoid`` are split in order into ``g`` contiguous blocks whose sizes differ by at
+    most one (the first blocks take the extra host), block ``i`` going to gateway ``i``.
+    Hosts in ``avoid`` (gateways lost in an earlier attempt) are connected directly.
+    ``g`` counts every host, avoided or not, so the tree's shape does not shrink with a
+    loss.
     """
     names = tuple(hosts)
     if len(set(names)) != len(names):
@@ -92,7 +101,12 @@ def plan_tree(hosts: Sequence[str], fanout: int) -> Tree:
     g = gateway_count(len(names), fanout)
     if g == 0:
         return Tree(fanout, names)
-    gateways, rest = names[:g], names[g:]
+    avoided = tuple(h for h in names if h in avoid)
+    usable = tuple(h for h in names if h not in avoid)
+    g = min(g, len(usable))
+    if g == 0:
+        return Tree(fanout, names)
+    gateways, rest = usable[:g], usable[g:]
     size, extra = divmod(len(rest), g)
     blocks: list[Gateway] = []
     start = 0
@@ -100,7 +114,7 @@ def plan_tree(hosts: Sequence[str], fanout: int) -> Tree:
         end = start + size + (1 if i < extra else 0)
         blocks.append(Gateway(gateway, rest[start:end]))
         start = end
-    return Tree(fanout, gateways, tuple(blocks))
+    return Tree(fanout, gateways + avoided, tuple(blocks))
 
 
 def tree_hosts(cluster: ClusterSpec) -> list[str]:
@@ -111,6 +125,9 @@ def tree_hosts(cluster: ClusterSpec) -> list[str]:
     return [w.host for w in ssh if not w.spare] + [w.host for w in ssh if w.spare]
 
 
-def cluster_tree(cluster: ClusterSpec, fanout: Optional[int] = None) -> Tree:
-    """The tree of a cluster: ``fanout`` (a flag's), else the file's ``fanout:``."""
-    return plan_tree(tree_hosts(cluster), cluster.fanout if fanout is None else fanout)
+def cluster_tree(cluster: ClusterSpec, fanout: Optional[int] = None,
+                 avoid: Collection[str] = frozenset()) -> Tree:
+    """The tree of a cluster: ``fanout`` (a flag's), else the file's ``fanout:``;
+    ``avoid``: gateways lost in an earlier attempt (`plan_tree`)."""
+    return plan_tree(tree_hosts(cluster), cluster.fanout if fanout is None else fanout,
+                     avoid)

@@ -199,6 +199,15 @@ def _remote(d: Mapping[str, Any]) -> str:
     return ", ".join(f"{h} ({a})" for h, a in d["remote"].items())
 
 
+def _tree_replanned(e: Event, d: Mapping[str, Any]) -> str:
+    lost = ", ".join(d["lost"])
+    gateways = d["tree"].get("gateways") or {}
+    now = (f"gateways now {', '.join(gateways)}" if gateways
+           else "every host connected directly")
+    return (f"{L}attempt {d['attempt']}: the tree is planned again without the lost "
+            f"gateway(s) {lost} (connected directly, if they answer); {now}")
+
+
 def _restarting(e: Event, d: Mapping[str, Any]) -> str:
     return (f"{L}attempt {d['attempt'] - 1} failed ({attempt_cause(d['cause'])}); restarting "
             f"every rank (restart {d['attempt']} of {d['max_restarts']})"
@@ -500,6 +509,7 @@ _WORDS: dict[Name, Words] = {
     Name.FAILURE_DETAIL: lambda e, d: str(d["text"]),
     Name.RESTARTING: _restarting,
     Name.ATTEMPT_HOSTS: lambda e, d: f"{L}attempt {d['attempt']}: {_membership(d)}",
+    Name.TREE_REPLANNED: _tree_replanned,
     Name.HOSTS_LEFT_OUT: lambda e, d: (
         f"{L}left out of the first attempt: {_left_out(d['left_out'])}"
         + (f"; spares in: {', '.join(d['spares'])}" if d["spares"] else "")),

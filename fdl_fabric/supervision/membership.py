@@ -11,6 +11,8 @@ group, but it can resume from a checkpoint on fewer hosts. Between attempts:
   own hosts (re-admitted hosts go before spares);
 * a host whose ranks failed, or that was lost, in ``host_failures`` attempts in a row is
   set aside for the rest of the launch (Horovod's blacklist);
+* a host cut off with its gateway (issue 23's tree) is not counted against it: it is
+  probed again, through the gateways that are left, before the very next attempt;
 * an attempt starts only with at least ``min_hosts`` hosts.
 
 Without ``min_hosts`` and without spares nothing is elastic: every attempt runs on the
@@ -39,6 +41,9 @@ class HostFate(str, Enum):
     LOST = "lost"
     #: It could not be connected before the attempt.
     UNREACHABLE = "unreachable"
+    #: It was reached through a gateway that was lost: nothing is known of the host
+    #: itself, so it is not counted against it and is probed for the very next attempt.
+    CUT_OFF = "cut_off"
 
 
 #: Connect these hosts (in parallel, each bounded by its connect timeout); returns the
@@ -185,6 +190,10 @@ class Membership:
             fate = fates.get(name, HostFate.OK)
             if fate is HostFate.OK:
                 host.failures = 0
+                continue
+            if fate is HostFate.CUT_OFF:
+                host.out = f"cut off with its gateway in attempt {attempt}"
+                host.probe_from = attempt + 1  # probed again before the next attempt
                 continue
             host.failures += 1
             if fate is HostFate.LOST:

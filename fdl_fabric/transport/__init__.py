@@ -17,7 +17,7 @@ nothing outside this package branches on the kind of a host.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Optional
 
 from ..clusterfile import ClusterSpec, WorkerSpec, load_cluster
@@ -60,8 +60,8 @@ def for_worker(worker: WorkerSpec, settings: Optional[Mapping[str, SshSettings]]
 
 
 def for_cluster(cluster: ClusterSpec, settings: Optional[Mapping[str, SshSettings]] = None,
-                *, purpose: str = "agent", fanout: Optional[int] = None
-                ) -> dict[str, Transport]:
+                *, purpose: str = "agent", fanout: Optional[int] = None,
+                avoid: Collection[str] = frozenset()) -> dict[str, Transport]:
     """Every worker's transport, in roster order.
 
     Up to ``fanout`` SSH hosts (``None``: the cluster file's ``fanout:``, 64 by default)
@@ -70,10 +70,11 @@ def for_cluster(cluster: ClusterSpec, settings: Optional[Mapping[str, SshSetting
     each gateway is an SSH host whose connection also carries the relay of its leaves
     (`gateway.GatewayHost`), and each leaf's agent starts through it
     (`gateway.GatewayTransport`). Local workers and Slurm nodes are never in the tree.
+    ``avoid``: gateways lost in an earlier attempt, connected directly this time.
     """
     from ..planning.tree import cluster_tree
 
-    tree = cluster_tree(cluster, fanout)
+    tree = cluster_tree(cluster, fanout, avoid)
     if tree.flat:
         return {w.host: for_worker(w, settings, purpose=purpose) for w in cluster.workers}
     from .gateway import tree_transports
