@@ -311,3 +311,25 @@ def test_a_lost_gateway_is_planned_out_and_the_next_attempt_runs_through_the_oth
     assert run.err_lines()[-1].startswith("cluster launcher: run completed on 8 of 9 hosts "
                                           "(lab1 "), run.err
     assert wait_run_gone(run.run_id, 15) < 15
+
+
+#: Threads of a flat launch besides one per host (the main thread, the supervisor's, the
+#: coordinator's, the keepalive monitor, the console's writer, the channel reader: 5 or 6).
+FIXED_THREADS = 6
+
+
+def test_a_flat_launch_holds_one_thread_per_host(
+        sshd_lab, launches, tmp_path: Path) -> None:  # noqa: F811
+    """Issue 23's quick cut: paramiko's transport thread is a host's only thread; one
+    selector thread reads every agent session (`transport.channels`), where invoke
+    spent two reading threads per session (3 a host)."""
+    lab = sshd_lab(n_hosts=8)
+    dumps = tmp_path / "d"
+    run: LiveLaunch = launches(_cluster(lab, fanout=64), "--cmd",
+                               f"python3 {PROBE} --dump {dumps} --sleep 300")
+    _dumps(dumps, 8)
+    threads = psutil.Process(run.pid).num_threads()
+    assert threads <= len(lab.hosts) + FIXED_THREADS, threads
+    run.signal(signal.SIGINT)
+    assert run.finish(30) == 130, run.err
+    assert wait_run_gone(run.run_id, 15) < 15

@@ -118,6 +118,44 @@ def test_a_frozen_agent_makes_its_host_unresponsive_within_the_agent_timeout(
     wait_for(lambda: not alive(agent), 10, "the thawed agent to exit")
 
 
+#: Rank 0 writes lines without pause; every other rank sleeps.
+FLOOD_RANK = """\
+import os, sys, time
+if os.environ["RANK"] == "0":
+    line = "x" * 100 + "\\n"
+    while True:
+        sys.stdout.write(line * 50)
+        sys.stdout.flush()
+print("hello from rank", os.environ["RANK"], flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_frozen_agent_is_found_while_another_host_floods_the_console(
+        sshd_lab, launches, tmp_path: Path) -> None:
+    """One thread reads every host's session (`transport.channels`): a host that never
+    stops talking must not make the launcher deaf to another host's silence."""
+    lab = private_lab(sshd_lab, 2)
+    cluster = cluster_file(lab, agent_timeout=AGENT_TIMEOUT)
+    script = tmp_path / "flood.py"
+    script.write_text(FLOOD_RANK)
+    run = launches(cluster, "--cmd", f"python3 {script}")
+    run.wait_line("hello from rank 1")
+    ranks = wait_for(lambda: len(rank_pids(run.run_id)) == 2 and rank_pids(run.run_id), 20,
+                     "both ranks")
+    agent = agent_of(ranks[1])
+    frozen_at = time.monotonic()
+    freeze(run, agent)
+    assert run.finish(30) == 1, run.err
+    said = run.line_time("unresponsive")
+    assert said is not None, run.err
+    assert said - frozen_at <= DETECT_BOUND, f"{said - frozen_at:.2f}s"
+    assert "host 'lab2' unresponsive" in run.err
+    assert "host 'lab1' unresponsive" not in run.err, "the talking host is not silent"
+    os.kill(agent, signal.SIGCONT)
+    wait_run_gone(run.run_id, 10)
+
+
 def test_a_frozen_sshd_makes_its_host_unresponsive_and_leaves_nothing_once_thawed(
         sshd_lab, launches, tmp_path: Path) -> None:
     lab = private_lab(sshd_lab, 2)

@@ -58,6 +58,12 @@ class AgentProcess(abc.ABC):
     def write(self, data: bytes) -> None:
         """Write to the agent's stdin (raises when it is gone)."""
 
+    def reader_held_until(self) -> float:
+        """The last moment the thread that reads this agent was held by another stream's
+        sink (a slow console): its silence until then is the launcher's, not the agent's.
+        0.0 where each agent has a reader of its own."""
+        return 0.0
+
     @abc.abstractmethod
     def close_input(self) -> None:
         """EOF on the agent's stdin: the leash."""

@@ -32,7 +32,7 @@ from ..agent import relay as mux
 from ..clusterfile import ClusterSpec, WorkerSpec
 from ..planning.tree import Tree
 from ..shell import quote
-from . import bundle
+from . import bundle, channels
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
 from .runners import RUN_OPTIONS
 from .ssh import RawRemote, RemoteAgentProcess, SshTransport
@@ -355,6 +355,9 @@ class RelayedAgent(AgentProcess):
     def join(self, timeout: Optional[float] = None) -> None:
         self._ended.wait(timeout)
 
+    def reader_held_until(self) -> float:
+        return channels.reader().held_until()  # the relay's session is read there
+
     # -- from the relay's reading thread ----------------------------------------------------------
     def deliver(self, stream: int, data: bytes) -> None:
         (self.stdout if stream == mux.STDOUT else self.stderr).feed(data)
@@ -391,8 +394,16 @@ class GatewayHost(SshTransport):
         self.relay: Optional[Relay] = None
 
     def connect(self) -> None:
+        """Connect, and start the relay at once: the leaves' connects (which wait for it)
+        then find it running, rather than filling the connect pool one gateway at a
+        time while each relay starts (issue 23's model: 4.8 s -> 2.3 s to all running at
+        1,024 hosts). A relay that cannot start is tried again by its leaves, which say
+        why; the gateway itself is still a worker."""
         with self._gate:
             super().connect()
+            if self.leaves:
+                with contextlib.suppress(TransportError):
+                    self.ensure_relay()
 
     def close(self) -> None:
         with self._gate:

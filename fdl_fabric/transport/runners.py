@@ -47,7 +47,8 @@ class RawLocal(RawOutput, Local):  # type: ignore[misc]
     """A local process whose stdout and stderr go to `ByteSink`s.
 
     Its remote twin, `fdl_fabric.transport.ssh.RawRemote`, lives with the other Fabric
-    classes, so that a launch with only local workers never imports Fabric's SSH stack.
+    classes, so that a launch with only local workers never imports Fabric's SSH stack;
+    it has no reading threads of its own (`fdl_fabric.transport.channels`).
     """
 
 

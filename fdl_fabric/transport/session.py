@@ -4,7 +4,8 @@ One `AgentSession` per host. A remote agent is one SSH session on the host's Fab
 Connection (`RawRemote`); a local agent is one process started through invoke
 (`RawLocal`), and so is a Slurm node's, through the srun step that runs it there
 (`fdl_fabric.transport.slurm`). Either way the agent's stdin and stdout carry
-`fdl_fabric.agent.wire` frames; the runner's reader thread feeds stdout into a
+`fdl_fabric.agent.wire` frames; a reading thread (for SSH sessions the launcher's one
+`channels.ChannelReader`, for local processes the runner's own) feeds stdout into a
 `wire.Reader` and every frame becomes a `reports` record, posted to the supervisor's
 inbox. Nothing here prints: transport never imports presentation.
 
@@ -233,8 +234,14 @@ class AgentSession:
     @property
     def last_heard(self) -> float:
         """When the agent last sent anything; now, while its output waits on the console
-        (the agent is talking, the launcher is the one not listening)."""
-        return time.monotonic() if self._in_sink else self._heard
+        (the agent is talking, the launcher is the one not listening), and no earlier
+        than the last time a shared reading thread was held by another host's output
+        (`channels.ChannelReader.held_until`)."""
+        if self._in_sink:
+            return time.monotonic()
+        process = self.process
+        held = process.reader_held_until() if process is not None else 0.0
+        return max(self._heard, held)
 
     def heard(self) -> None:
         self._heard = time.monotonic()

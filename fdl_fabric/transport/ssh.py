@@ -24,9 +24,9 @@ from fabric.runners import Remote
 from ..clusterfile import WorkerSpec
 from ..events import EventBus
 from ..shell import quote
-from . import bundle
+from . import bundle, channels
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
-from .runners import RUN_OPTIONS, InvokeAgentProcess, RawOutput
+from .runners import RUN_OPTIONS, InvokeAgentProcess
 from .sshconfig import DEFAULT_KNOWN_HOSTS, SshSettings
 from .tunnel import forwarding
 
@@ -272,14 +272,38 @@ def open_connection(settings: SshSettings, config: Optional[Config] = None) -> F
     return conn
 
 
-class RawRemote(RawOutput, Remote):  # type: ignore[misc]
-    """An SSH session whose stdout and stderr go to `runners.ByteSink`s (an agent's)."""
+class RawRemote(Remote):  # type: ignore[misc]
+    """An SSH session whose stdout and stderr go to `ByteSink`s (an agent's, a relay's),
+    read by the launcher's one channel-reading thread (`channels.ChannelReader`) rather
+    than by two invoke threads per session: invoke starts the session, we read it."""
+
+    watch: Optional[channels.Watch] = None
+
+    def create_io_threads(self) -> tuple[dict[Any, Any], list[str], list[str]]:
+        host = getattr(self.context, "host", "")
+        self.watch = channels.reader().watch(self.channel, self.streams["out"],
+                                             self.streams["err"], name=str(host))
+        return {}, [], []
+
+    def kill(self) -> None:
+        """Close the channel (paramiko closes its pipe too): the reader must look."""
+        super().kill()
+        if self.watch is not None:
+            channels.reader().poke(self.watch)
 
 
 class RemoteAgentProcess(InvokeAgentProcess):
     """An agent behind one SSH session: its exit status is the channel's."""
 
     lost_reason = "the SSH session or connection was lost"
+
+    def reader_held_until(self) -> float:
+        return channels.reader().held_until()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        watch = self.runner.watch
+        if watch is not None:
+            watch.wait(timeout)
 
     def exit_status(self, timeout: float) -> Optional[int]:
         with contextlib.suppress(Exception):
