@@ -338,14 +338,12 @@ class _Client:
 
     def _on_message(self, message: Dict[str, Any]) -> None:
         kind = message["type"]
-        members = message.get("members")
-        if isinstance(members, list) and all(isinstance(r, int) for r in members):
+        members = _members(self.membership.world_size, message)
+        if members is not None:
             with self.state_lock:
-                self.members = list(members)
-        if kind == "membership":
-            dead = message.get("dead")
-            if isinstance(dead, list) and self.membership.rank in dead:
-                self._stop("declared dead by the coordinator")
+                self.members = members
+        if kind == "membership" and members is not None and self.membership.rank not in members:
+            self._stop("declared dead by the coordinator")
         elif kind == "shutdown":
             self.send({"type": "ack_shutdown"})
             self._stop(str(message.get("reason", "shutdown")))
@@ -454,10 +452,20 @@ def _greet(sock: socket.socket, config: _Config, deadline: float, budget: float)
         raise RuntimeError(f"cluster rank: the coordinator welcomed rank {reply.get('rank')} of "
                            f"{reply.get('world_size')}, expected rank {me.rank} of "
                            f"{me.world_size}")
-    members = reply.get("members")
-    if not isinstance(members, list):
-        members = list(range(me.world_size))
-    return _Client(sock, buf, config, [int(r) for r in members])
+    members = _members(me.world_size, reply)
+    return _Client(sock, buf, config, list(range(me.world_size)) if members is None else members)
+
+
+def _members(world_size: int, message: Dict[str, Any]) -> Optional[List[int]]:
+    """The live ranks a coordinator message implies: every rank but its ``dead`` list (the
+    message carries the deaths, not the members, so a welcome costs O(deaths), not
+    O(world size): 8,192 welcomes of 8,192 members would be 330 MB). None without a valid
+    ``dead`` list."""
+    dead = message.get("dead")
+    if not isinstance(dead, list) or not all(isinstance(r, int) for r in dead):
+        return None
+    gone = set(dead)
+    return [r for r in range(world_size) if r not in gone]
 
 
 def join(timeout: float = 30.0) -> Membership:

@@ -233,14 +233,14 @@ def test_cohort_forms_when_every_rank_says_hello(make: Callable[..., Harness]) -
     h = make(3)
     fakes = [h.rank() for _ in range(3)]
     first = fakes[0].hello(0, host="alpha")
-    assert first == {"type": "welcome", "rank": 0, "world_size": 3, "members": [0, 1, 2],
+    assert first == {"type": "welcome", "rank": 0, "world_size": 3, "dead": [],
                      "formed": False}
     assert fakes[1].hello(1, host="alpha")["formed"] is False
     assert not h.coord.cohort_formed
     assert fakes[2].hello(2, host="beta")["formed"] is True
     assert wait_for(lambda: h.coord.cohort_formed)
     for fake in fakes:
-        assert fake.recv() == {"type": "formed", "members": [0, 1, 2]}
+        assert fake.recv() == {"type": "formed", "dead": []}
     assert [(name, host, rank) for name, host, rank, _ in h.said(Kind.JOIN)] == [
         (Name.RANK_JOINED, "alpha", 0), (Name.RANK_JOINED, "alpha", 1),
         (Name.RANK_JOINED, "beta", 2)]
@@ -422,7 +422,7 @@ def test_a_silent_rank_is_declared_dead_after_the_heartbeat_timeout(
         alive.send({"type": "heartbeat", "step": 1})
         time.sleep(0.1)
     assert h.coord.dead.ranks() == [1]
-    assert alive.recv() == {"type": "membership", "members": [0], "dead": [1]}
+    assert alive.recv() == {"type": "membership", "dead": [1]}
     assert silent.is_closed()
     [(name, _, rank, data)] = h.said(Kind.DEATH)
     assert (name, rank, data["alive"], data["world_size"]) == (Name.RANK_DECLARED_DEAD, 1, 1, 2)
@@ -465,7 +465,7 @@ def test_mark_dead_is_idempotent(make: Callable[..., Harness]) -> None:
     time.sleep(0.2)
     assert h.said(Kind.DEATH) == [(Name.RANK_DECLARED_DEAD, "h2", 2, {
         "reason": STATUS_1, "alive": 2, "world_size": 3})]
-    assert fakes[0].recv_all() == [{"type": "membership", "members": [0, 1], "dead": [2]}]
+    assert fakes[0].recv_all() == [{"type": "membership", "dead": [2]}]
     assert h.coord.shutdown_sent is None
 
 
@@ -490,7 +490,7 @@ def test_a_shutdown_is_broadcast_once_with_the_policy_reason(
     assert [m for m in received if m["type"] == "shutdown"] == [
         {"type": "shutdown", "reason": "max_failure reached (2/4 dead, threshold 2)",
          "save": True}]
-    assert received[-1] == {"type": "membership", "members": [0], "dead": [1, 2, 3]}
+    assert received[-1] == {"type": "membership", "dead": [1, 2, 3]}
 
 
 def test_the_supervisor_is_told_once_when_the_cohort_cannot_form() -> None:

@@ -245,7 +245,7 @@ class Scripted:
                 conn.close()
             else:
                 conn.sendall(encode_frame(SALT, RUN, 0, {
-                    "type": "welcome", "rank": 0, "world_size": 1, "members": [0],
+                    "type": "welcome", "rank": 0, "world_size": 1, "dead": [],
                     "formed": True}))
                 self.kept.append(conn)
 
