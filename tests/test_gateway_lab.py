@@ -333,3 +333,51 @@ def test_a_flat_launch_holds_one_thread_per_host(
     run.signal(signal.SIGINT)
     assert run.finish(30) == 130, run.err
     assert wait_run_gone(run.run_id, 15) < 15
+
+
+@pytest.fixture
+def ssh_agent(tmp_path: Path) -> Any:
+    """A real ssh-agent of the test's own (stopped by pid), and its socket."""
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(sock.exists, 10, "ssh-agent's socket")
+        yield sock
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def _agent_cluster(lab: SshdLab, forward: str) -> Path:
+    """Gateways lab1 and lab2 (fanout 2 of 5 hosts) with their key and ``ForwardAgent``;
+    leaves with no key at all: only an agent can get their ssh in."""
+    workers = []
+    for i, host in enumerate(lab.hosts):
+        worker = lab.worker(host, nproc=1)
+        if i < 2:
+            worker["ssh"]["options"] = [*worker["ssh"]["options"], f"ForwardAgent={forward}"]
+        else:
+            del worker["ssh"]["identity_file"]
+        workers.append(worker)
+    return lab.write_cluster(workers, fanout=2, kill_grace=1)
+
+
+def test_forward_agent_on_a_gateway_lets_its_leaves_in_with_the_controllers_keys(
+        sshd_lab, launches, ssh_agent: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Issue 23's trust note: a gateway needs SSH to its leaves, from keys of its own or,
+    with ``ForwardAgent=yes`` on the gateway, from the controller's ssh-agent."""
+    lab = sshd_lab(n_hosts=5)
+    env = {"SSH_AUTH_SOCK": str(ssh_agent)}
+    subprocess.run(["ssh-add", "-q", lab.identity_file], env={**os.environ, **env},
+                   check=True, capture_output=True, timeout=20)
+    dumps = tmp_path / "d"
+    run: LiveLaunch = launches(_agent_cluster(lab, "yes"), "--cmd",
+                               f"python3 {PROBE} --dump {dumps} --sleep 1", env=env)
+    assert run.finish(60) == 0, run.err
+    ranks = _dumps(dumps, 5)
+    assert {ranks[r]["env"]["FLODL_HOST_NAME"] for r in (2, 3, 4)} == {"lab3", "lab4", "lab5"}
+
+    refused: LiveLaunch = launches(_agent_cluster(lab, "no"), "--cmd", "true", env=env)
+    assert refused.finish(60) != 0
+    assert "Permission denied" in refused.err and "lab3" in refused.err, refused.err

@@ -78,6 +78,14 @@ def test_a_bad_strict_host_key_checking_value_is_refused() -> None:
         resolve_settings(_coded(options=("StrictHostKeyChecking=maybe",)))
 
 
+def test_forward_agent_is_yes_no_or_left_to_ssh_config() -> None:
+    assert resolve_settings(_worker()).forward_agent is None
+    assert resolve_settings(_worker('{options: ["ForwardAgent=yes"]}')).forward_agent is True
+    assert resolve_settings(_worker('{options: ["forwardagent=No"]}')).forward_agent is False
+    with pytest.raises(ConfigError, match="ForwardAgent='always': must be yes or no"):
+        _worker('{options: ["ForwardAgent=always"]}')
+
+
 @pytest.mark.parametrize("port", ["0", "65536", "-1", "22x", "２２"])
 def test_port_0_is_refused_instead_of_falling_back_to_22(port: str) -> None:
     with pytest.raises(ConfigError, match=f"Port='{port}': must be a port number between 1 and"):

@@ -195,6 +195,10 @@ def _strict_problem(text: str) -> Optional[str]:
     return "must be one of yes, no, accept-new"
 
 
+def _yes_no_problem(text: str) -> Optional[str]:
+    return None if text.lower() in ("yes", "no") else "must be yes or no"
+
+
 def _file_option_problem(text: str) -> Optional[str]:
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > PATH_MAX_BYTES:
@@ -239,6 +243,7 @@ _SSH_VALUE_RULES: dict[str, Callable[[str], Optional[str]]] = {
     "serveraliveinterval": _seconds_problem,
     "serveralivecountmax": _count_problem,
     "stricthostkeychecking": _strict_problem,
+    "forwardagent": _yes_no_problem,
     "identityfile": _file_option_problem,
     "userknownhostsfile": _file_option_problem,
 }

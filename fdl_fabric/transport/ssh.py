@@ -138,8 +138,27 @@ class FdlConnection(Connection):  # type: ignore[misc]
     """
 
     def create_session(self) -> paramiko.Channel:
+        """A session (agent forwarding asked on it when ``forward_agent``, as Fabric's own
+        `create_session` does: a gateway's relay then hands the controller's ssh-agent to
+        the ``ssh`` that starts its leaves)."""
         channel: paramiko.Channel = self.transport.open_session(timeout=SESSION_OPEN_TIMEOUT)
+        if self.forward_agent:
+            self._agent_handler = paramiko.agent.AgentRequestHandler(channel)
+            self.agent_handlers.append(self._agent_handler)
         return channel
+
+    @property
+    def agent_handlers(self) -> list[Any]:
+        """Every session's forwarding handler (Fabric keeps and closes only the last)."""
+        handlers: list[Any] = self.__dict__.setdefault("_fdl_agent_handlers", [])
+        return handlers
+
+    def close(self) -> None:
+        super().close()
+        for handler in self.agent_handlers:
+            with contextlib.suppress(Exception):
+                handler.close()
+        self.agent_handlers.clear()
 
 
 def apply_host_key_policy(client: paramiko.SSHClient, strict: str = "accept-new",
@@ -205,6 +224,8 @@ def make_connection(
         kwargs["user"] = settings.user
     if settings.port:
         kwargs["port"] = settings.port
+    if settings.forward_agent is not None:
+        kwargs["forward_agent"] = settings.forward_agent
     # Every Connection gets a Config of its own: Fabric writes connection attributes
     # (gateway, inline_ssh_env, ...) into its config, and a Config shared between the
     # threads that connect hosts in parallel made one connect in 26 fail with "No

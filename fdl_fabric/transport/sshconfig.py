@@ -40,6 +40,7 @@ SUPPORTED_OPTIONS = {
     "port": "Port",
     "batchmode": "BatchMode",
     "hostname": "HostName",
+    "forwardagent": "ForwardAgent",
 }
 
 #: Our defaults; user options override them.
@@ -78,6 +79,9 @@ class SshSettings:
     batch_mode: bool
     #: ``ssh -F``: the ssh_config Fabric reads instead of ``~/.ssh/config``.
     config_file: Optional[str] = None
+    #: ``ForwardAgent=yes|no`` among the options; None: ssh_config decides (Fabric).
+    #: A gateway needs it when its leaves' keys are in the controller's agent.
+    forward_agent: Optional[bool] = None
 
     @property
     def alive_timeout(self) -> float:
@@ -202,6 +206,8 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
         proxy_jump=opts.get("proxyjump") if opts.get("proxyjump", "none") != "none" else None,
         batch_mode=opts["batchmode"].lower() == "yes",
         config_file=spec.config_file,
+        forward_agent=(opts["forwardagent"].lower() == "yes") if "forwardagent" in opts
+        else None,
     )
 
 
