@@ -381,3 +381,22 @@ def test_forward_agent_on_a_gateway_lets_its_leaves_in_with_the_controllers_keys
     refused: LiveLaunch = launches(_agent_cluster(lab, "no"), "--cmd", "true", env=env)
     assert refused.finish(60) != 0
     assert "Permission denied" in refused.err and "lab3" in refused.err, refused.err
+
+
+def test_a_leaf_that_does_not_answer_is_left_out_of_an_elastic_launch(
+        sshd_lab, launches, tmp_path: Path) -> None:  # noqa: F811
+    """A leaf's connect only makes sure its gateway's relay runs; an elastic launch asks
+    the leaf itself (one ``ssh <leaf> exit 0`` through the relay), so a dead leaf is left
+    out, as a dead flat host is, instead of failing every start."""
+    lab = sshd_lab(n_hosts=9)
+    down = lab.hosts[4]
+    down.sshd.kill()
+    down.sshd.wait()
+    workers = [lab.worker(h, nproc=1) for h in lab.hosts]
+    cluster = lab.write_cluster(workers, fanout=2, kill_grace=1, elastic={"min_hosts": 4})
+    dumps = tmp_path / "d"
+    run: LiveLaunch = launches(cluster, "--cmd", f"python3 {PROBE} --dump {dumps} --sleep 1")
+    assert run.finish(60) == 0, run.err
+    assert run.err_lines()[-1].startswith(
+        "cluster launcher: run completed on 8 of 9 hosts (lab5 unreachable"), run.err
+    assert "through gateway 'lab1'" in run.err, run.err

@@ -504,7 +504,7 @@ class Launch:
         if not todo:
             return {}
         close_all(todo)
-        errors = connect_each(todo, self._connected)
+        errors = connect_each(todo, self._connected, check=True)
         for transport in todo:
             if transport.host in errors:
                 continue

@@ -152,6 +152,13 @@ class Transport(abc.ABC):
         """Have ``monitor`` check this host's connection (SSH keepalives)."""
         return None
 
+    def answers(self) -> Optional[str]:
+        """After `connect`: None when the host itself answers, else why not. Connecting
+        reaches the host for most kinds; a kind whose connect does not (a gateway's leaf:
+        it only makes sure the relay runs) checks here, so an elastic launch leaves a dead
+        host out rather than failing when its agent will not start."""
+        return None
+
     @abc.abstractmethod
     def probe(self, script: str, *, timed: bool, tunnel: Optional[tuple[int, int]] = None,
               timeout: float = 60.0, clock_marker: str = "") -> ProbeResult:

@@ -24,8 +24,10 @@ CONNECT_WORKERS = 32
 
 
 def connect_each(transports: Iterable[Transport],
-                 on_connect: Optional[Callable[[Transport], None]] = None) -> dict[str, str]:
-    """Connect every host at once; why each host that failed failed, by host."""
+                 on_connect: Optional[Callable[[Transport], None]] = None, *,
+                 check: bool = False) -> dict[str, str]:
+    """Connect every host at once; why each host that failed failed, by host.
+    ``check``: also ask each one whether the host itself answers (`Transport.answers`)."""
     pending = [t for t in transports if not t.connected]
     errors: dict[str, str] = {}
     if not pending:
@@ -36,6 +38,10 @@ def connect_each(transports: Iterable[Transport],
             transport.connect()
         except TransportError as exc:
             errors[transport.host] = exc.reason
+            return
+        why = transport.answers() if check else None
+        if why is not None:
+            errors[transport.host] = why
             return
         if on_connect is not None:
             on_connect(transport)

@@ -480,6 +480,19 @@ class GatewayTransport(Transport):
         argv = [*leaf_ssh_argv(self.worker, self.settings), bundle.remote_command()]
         return relay.open(self.host, argv, stdout, stderr)
 
+    def answers(self) -> Optional[str]:
+        """One ``ssh <leaf> exit 0`` through the relay, bounded by the connect timeout
+        (doubled: the leaf's ssh has its own); its error when the leaf did not answer."""
+        timeout = 2 * (self.settings.connect_timeout if self.settings else 10.0)
+        result = self.probe("exit 0", timed=False, timeout=timeout)
+        if result.reach_status == "FAIL":
+            return result.reach
+        if result.exit_status != 0:
+            said = result.err.strip().splitlines()
+            return (f"through gateway {self.gateway.host!r}: "
+                    f"{said[-1] if said else f'exit status {result.exit_status}'}")
+        return None
+
     def probe(self, script: str, *, timed: bool, tunnel: Optional[tuple[int, int]] = None,
               timeout: float = 60.0, clock_marker: str = "") -> ProbeResult:
         """The script run once through the gateway (its ssh to this host). Not measured
