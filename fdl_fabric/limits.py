@@ -31,6 +31,7 @@ __all__ = [
     "NOFILE_PENDING_MIN",
     "NOFILE_PER_HOST",
     "NOFILE_PER_RANK",
+    "NOFILE_PER_RELAY",
     "NUMBER_MAX_CHARS",
     "PATH_MAX_BYTES",
     "PORT_MAX",
@@ -143,16 +144,21 @@ PROBLEMS_MAX = 100
 # -- the launcher's own resources at run time ---------------------------------------------------
 # What one launch holds open, so it can be checked against RLIMIT_NOFILE before anything starts
 # (`fdl_fabric.transport.tunnel.check_open_files`) and so a tunnel never takes what the agents'
-# sessions need. With paramiko an SSH connection is one socket; its sessions and forwarded
-# channels are none (as long as nobody asks a channel for its fileno, which makes a pipe).
+# sessions need. With paramiko an SSH connection is one socket; a session read by the
+# launcher's channel reader is a pipe besides (its ``fileno()``), forwarded channels none.
 
 #: Open files a launch needs whatever the cluster: the standard streams, the run log's files,
 #: the screen writer, selectors and wake-up pairs, imports, DNS, a reconnect or two in flight.
 NOFILE_BASE = 64
 
-#: Per host: its SSH connection (one socket), or a local or Slurm agent's three pipes, and
-#: room for a reconnect's socket while the old one closes.
-NOFILE_PER_HOST = 4
+#: Per host connected directly: its SSH connection (one socket) and its agent session's
+#: pipe (two), or a local or Slurm agent's three pipes, and room for a reconnect's socket
+#: while the old one closes. A gateway's relay session adds a pipe (`NOFILE_PER_RELAY`);
+#: a gateway's leaves cost the launcher nothing.
+NOFILE_PER_HOST = 6
+
+#: Per gateway: its relay session's pipe.
+NOFILE_PER_RELAY = 2
 
 #: Per rank of the world: its connection in the coordinator.
 NOFILE_PER_RANK = 1

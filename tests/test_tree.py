@@ -162,6 +162,14 @@ def test_the_replanned_tree_gives_a_lost_gateway_a_direct_transport() -> None:
         "h02": ["h04", "h05", "h06"], "h03": ["h07", "h08", "h09"]}
 
 
+def test_a_gateways_leaves_cost_the_launcher_no_open_files() -> None:
+    from fdl_fabric import limits
+    from fdl_fabric.transport.tunnel import open_files_needed
+
+    flat, tree = open_files_needed(_cluster(9, fanout=64)), open_files_needed(_cluster(9))
+    assert flat - tree == 7 * limits.NOFILE_PER_HOST - 2 * limits.NOFILE_PER_RELAY
+
+
 def test_for_cluster_gives_gateways_their_ssh_transport_and_leaves_a_gateway_one() -> None:
     cluster = _cluster(9, fanout=2, local=True)
     transports = for_cluster(cluster, resolve_all_settings(cluster))

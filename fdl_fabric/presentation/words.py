@@ -195,8 +195,16 @@ def _loopback_controller(e: Event, d: Mapping[str, Any]) -> str:
             "reach, or tunnel: true")
 
 
+#: Hosts a warning names one by one; beyond, it says how many more (1,024 hosts would
+#: make one warning of 30 KB).
+HOSTS_NAMED = 8
+
+
 def _remote(d: Mapping[str, Any]) -> str:
-    return ", ".join(f"{h} ({a})" for h, a in d["remote"].items())
+    items = list(d["remote"].items())
+    named = ", ".join(f"{h} ({a})" for h, a in items[:HOSTS_NAMED])
+    more = len(items) - HOSTS_NAMED
+    return named + (f" and {more} more host{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 def _tree_replanned(e: Event, d: Mapping[str, Any]) -> str:

@@ -105,14 +105,20 @@ def forward_bound(worker: WorkerSpec) -> int:
 
 
 def open_files_needed(cluster: ClusterSpec) -> int:
-    """Open files a launch of ``cluster`` may hold at once: the fixed part, each host's
-    connection, each rank's connection to the coordinator and the connections the
-    coordinator may hold before their hello, and each tunnel at its bound."""
+    """Open files a launch of ``cluster`` may hold at once: the fixed part, each directly
+    connected host's connection (a gateway's leaves need none here, its relay a pipe),
+    each rank's connection to the coordinator and the connections the coordinator may
+    hold before their hello, and each tunnel at its bound."""
+    from ..planning.tree import cluster_tree
+
     workers = cluster.workers
     ranks = sum(ranks_on(w) for w in workers)
     tunnels = sum(limits.TUNNEL_FDS_FIXED + limits.TUNNEL_FDS_PER_CONNECTION * forward_bound(w)
                   for w in workers if w.tunnel)
-    return (limits.NOFILE_BASE + limits.NOFILE_PER_HOST * len(workers)
+    tree = cluster_tree(cluster)
+    leaves = sum(len(g.leaves) for g in tree.gateways)
+    return (limits.NOFILE_BASE + limits.NOFILE_PER_HOST * (len(workers) - leaves)
+            + limits.NOFILE_PER_RELAY * len(tree.gateways)
             + limits.NOFILE_PER_RANK * ranks + max(limits.NOFILE_PENDING_MIN, 2 * ranks)
             + tunnels)
 
