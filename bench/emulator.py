@@ -39,7 +39,7 @@ the emulated relays' and the gateways' agents' CPU, and the synthetic ranks' joi
 (first dial to ``welcome``) against `rank.join`'s 30 s default deadline.
 Targets (issue 23): <= 3 s of controller CPU, <= 100 threads, idle <= 2 % of a core.
 
-The launcher asks for about 28,700 open files at 1,024 x 8 and refuses to start below
+The launcher asks for about 25,000 open files at 1,024 x 8 and refuses to start below
 that hard limit; where the limit cannot be raised (a container), its check is made to
 warn instead (``--lenient-nofile``, said in the output).
 
@@ -561,7 +561,6 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     import benchlib
 
     started = time.monotonic()
-    _raise_nofile(args, out)
     load_start = benchlib.wait_for_quiet(args.wait_load, out)
     global _LAB
     lab = _LAB = benchlib.start_lab(tmp / "lab", args.gateways, out)
@@ -576,6 +575,7 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
                                 "options": lab.ssh_options()}})
     cluster = lab.write_cluster(workers, filename="emulator.yml", fanout=args.gateways,
                                 kill_grace=2)
+    _raise_nofile(args, out, cluster)
     samples = []
     for rep in range(args.repeat):
         for mode in args.mode_list:
@@ -593,22 +593,21 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     return 0 if all(s.ok for s in samples) else 1
 
 
-def _raise_nofile(args: argparse.Namespace, out: TextIO) -> None:
-    """The launcher asks for about 4 open files per host, 1 per rank and 2 per rank of
-    pending connections (`fdl_fabric.transport.tunnel.open_files_needed`: 28,736 for
-    1,024 x 8) and refuses to start when the hard limit is lower. Raise it for the
-    launcher we start (it inherits ours) when allowed; else `--lenient-nofile`."""
+def _raise_nofile(args: argparse.Namespace, out: TextIO, cluster: Path) -> None:
+    """The launcher checks its open-file limit against what the run needs
+    (`fdl_fabric.transport.tunnel.open_files_needed`: about 25,000 for 1,024 x 8, mostly
+    the coordinator's 8,192 ranks and its bound on pending connections) and refuses to
+    start when the hard limit is lower. Raise it for the launcher we start (it inherits
+    ours) when allowed; else `--lenient-nofile`."""
     import resource
 
-    from fdl_fabric import limits
+    from fdl_fabric.clusterfile import load_cluster
+    from fdl_fabric.transport.tunnel import open_files_needed
 
-    hosts = args.gateways * (1 + args.leaves_per_gateway)
-    world = hosts * args.ranks
     args.lenient_nofile = False
     args.nofile_note = ""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = (limits.NOFILE_BASE + limits.NOFILE_PER_HOST * hosts + limits.NOFILE_PER_RANK * world
-            + max(limits.NOFILE_PENDING_MIN, 2 * world))  # tunnel.open_files_needed, no tunnel
+    want = open_files_needed(load_cluster(str(cluster)))
     if hard != resource.RLIM_INFINITY and hard < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, want))
