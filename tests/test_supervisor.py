@@ -767,3 +767,13 @@ def test_a_pause_of_the_launcher_restarts_every_silence_clock_and_blames_no_host
     assert not h0.abandoned and not h0.stack_requests
     assert not log.of(Kind.DEATH) and not log.of(Kind.HANG)
     assert result.verdict is Verdict.INTERRUPTED and result.exit_code == 143
+
+
+def test_agents_are_pinged_a_third_of_the_shorter_timeout_apart_and_never_under_2_s() -> None:
+    from fdl_fabric.agent import wire
+    from fdl_fabric.supervision.supervisor import ping_interval
+
+    assert ping_interval(10.0, 30.0) == pytest.approx(10.0 / 3), "the defaults: 3.3 s"
+    assert ping_interval(30.0, 9.0) == pytest.approx(3.0), "a short lease is renewed in time"
+    assert ping_interval(6.0, 6.0) == wire.PING_INTERVAL
+    assert ping_interval(None, None) == wire.PING_INTERVAL

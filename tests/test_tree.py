@@ -21,7 +21,7 @@ from fdl_fabric.agent import relay as mux
 from fdl_fabric.agent import wire
 from fdl_fabric.clusterfile import ConfigError, parse_cluster
 from fdl_fabric.planning.tree import cluster_tree, gateway_count, plan_tree
-from fdl_fabric.transport import TransportError, bundle, for_cluster
+from fdl_fabric.transport import TransportError, bundle, for_cluster, gateway
 from fdl_fabric.transport.gateway import (
     LEAF_KEX,
     GatewayHost,
@@ -311,6 +311,24 @@ def test_an_exit_frame_is_flushed_at_once_and_plain_output_waits() -> None:
     up = bytearray()
     b.take(up)
     assert not b.due(100.0)
+
+
+def test_heartbeats_alone_wait_half_a_second_and_output_pulls_them_forward() -> None:
+    """At 1,024 hosts the agents' heartbeats alone made every relay send 20 batches a
+    second; a batch of nothing but heartbeats may wait `LAZY_INTERVAL`."""
+    b = mux.Batcher()
+    b.open(1)
+    b.open(2)
+    b.add(1, mux.STDOUT, wire.HANDSHAKE, now=1.0)  # the handshakes: not lazy frames
+    b.add(2, mux.STDOUT, wire.HANDSHAKE, now=1.0)
+    up = bytearray()
+    b.take(up)
+    b.add(1, mux.STDOUT, wire.message(wire.HEARTBEAT), now=2.0)
+    assert b.wake_at() == pytest.approx(2.0 + mux.LAZY_INTERVAL)
+    b.add(2, mux.STDOUT, wire.message(wire.HEARTBEAT)[:3], now=2.1)
+    assert b.wake_at() == pytest.approx(2.0 + mux.LAZY_INTERVAL), "half a heartbeat is lazy"
+    b.add(1, mux.STDOUT, wire.output(0, 1, b"a line\n", False), now=2.2)
+    assert b.wake_at() == pytest.approx(2.2 + mux.BATCH_INTERVAL), "output does not wait"
 
 
 def test_batches_keep_each_leafs_bytes_exact_and_in_order() -> None:
@@ -649,3 +667,30 @@ def test_a_dry_run_shows_the_tree_that_fanout_gives(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "--fanout: expected a whole number from 1 to 1024, got '0'"
+
+
+def test_lease_renewals_to_a_gateways_leaves_go_in_one_write_and_keep_each_leafs_order(
+        ) -> None:
+    relay, runner = _relay()
+
+    class Counting(FakeRunner):
+        writes = 0
+
+        def _write_proc_stdin(self, data: bytes) -> None:
+            Counting.writes += 1
+            super()._write_proc_stdin(data)
+
+    runner = relay.runner = Counting()
+    ping = wire.message(wire.PING)
+    for lid in (1, 2, 3):
+        relay.send_lazy(lid, ping)
+    assert Counting.writes == 0, "they wait a moment for the others"
+    time.sleep(gateway.LAZY_WRITE_DELAY * 5)
+    assert Counting.writes == 1
+    assert bytes(runner.written) == b"".join(mux.leaf_frame(mux.DATA, lid, ping)
+                                             for lid in (1, 2, 3))
+    runner.written.clear()
+    relay.send_lazy(1, ping)
+    relay.send_data(1, b"stop")  # a write that must not pass the ping before it
+    assert bytes(runner.written) == (mux.leaf_frame(mux.DATA, 1, ping)
+                                     + mux.leaf_frame(mux.DATA, 1, b"stop"))

@@ -588,7 +588,7 @@ class Launch:
             cohort=coordinator, policy=Elastic(plan.world_size, r.max_failure),
             preflight=judge_host if self.opts.preflight else None,
             inbox=inbox, agent_timeout=cluster.agent_timeout * r.scale,
-            hang_timeout=cluster.hang_timeout, on_resume=self._resumed)
+            hang_timeout=cluster.hang_timeout, on_resume=self._resumed, lease=self.lease)
         self.signals.supervisor = supervisor
         if self.signals.received is not None:  # arrived while this attempt was set up
             supervisor.request_interrupt(self.signals.received)

@@ -49,8 +49,9 @@ from .verdict import Verdict
 
 #: Longest the loop sleeps with nothing in its inbox; bounds the elastic checks' delay.
 TICK = 0.05
-#: Seconds between two walks over every host for a silent agent, at most.
-HOST_CHECK_EVERY = 0.25
+#: Seconds between two walks over every host for a silent agent, at most (a twentieth of
+#: ``agent_timeout`` when that is less: 0.3 s at its 6 s minimum).
+HOST_CHECK_EVERY = 0.5
 #: Extra seconds past the kill grace before hosts that did not report are sent KILL.
 FORCE_MARGIN = 3.0
 #: Extra seconds past that before a host that still reports nothing is abandoned.
@@ -275,6 +276,16 @@ class _StackRequest:
 _request_ids = itertools.count(1)
 
 
+def ping_interval(agent_timeout: Optional[float], lease: Optional[float]) -> float:
+    """Seconds between two pings of every agent: a third of the shorter of ``agent_timeout``
+    (an agent answers a ping with a heartbeat when it had nothing else to say) and the
+    agents' ``lease`` (they stop their ranks without a ping for that long), and never
+    less than `wire.PING_INTERVAL`. At the defaults (10 s, 30 s) that is 3.3 s rather
+    than 2 s: at 1,024 hosts each ping round is 1,024 frames down and as many up."""
+    bounds = [t for t in (agent_timeout, lease) if t is not None]
+    return max(wire.PING_INTERVAL, min(bounds) / 3) if bounds else wire.PING_INTERVAL
+
+
 class Supervisor:
     """Runs the policy over a run's ranks until every host's agent is gone."""
 
@@ -293,8 +304,14 @@ class Supervisor:
         agent_timeout: Optional[float] = None,
         hang_timeout: Optional[float] = None,
         on_resume: Optional[Callable[[], None]] = None,
+        lease: Optional[float] = None,
     ) -> None:
         self.ranks = [Rank(p) for p in plans]
+        self.ping_every = ping_interval(agent_timeout, lease)
+        #: Hosts given up on or gone (the loop runs until all are), and those that said
+        #: DONE (each may need abandoning): kept as they change, not walked every turn.
+        self._gone_hosts = 0
+        self._done_hosts: list[_Host] = []
         self.by_rank = {r.rank: r for r in self.ranks}
         self.hosts = {name: _Host(handle) for name, handle in hosts.items()}
         for r in self.ranks:
@@ -382,7 +399,7 @@ class Supervisor:
     def run(self) -> RunResult:
         if self.phase is RunPhase.RUNNING:
             self._start_all()
-        while not all(h.gone for h in self.hosts.values()):
+        while self._gone_hosts < len(self.hosts):
             try:
                 report: Optional[reports.Report] = self.inbox.get(timeout=self.tick)
             except queue.Empty:
@@ -448,6 +465,7 @@ class Supervisor:
             host = self.hosts.get(report.host)
             if host is not None and host.done_at is None:
                 host.done_at = time.monotonic()
+                self._done_hosts.append(host)
         elif isinstance(report, reports.AgentGone):
             self._gone(report)
         elif isinstance(report, reports.Signaled):
@@ -652,6 +670,8 @@ class Supervisor:
     def _host_ended(self, name: str, reason: str, *, fault: Optional[str], warn: bool) -> None:
         """A host's agent is gone or given up on: its ranks without an exit are lost."""
         host = self.hosts[name]
+        if not host.gone:
+            self._gone_hosts += 1
         host.gone = True
         host.fault = fault
         lost = [r for r in host.ranks if not r.state.terminal]
@@ -889,10 +909,10 @@ class Supervisor:
             self._stop_all()
 
     def _ping(self) -> None:
-        """Renew every agent's lease (`wire.PING_INTERVAL`): an agent that stops hearing
+        """Renew every agent's lease (`ping_interval`): an agent that stops hearing
         from the launcher stops its ranks."""
         now = time.monotonic()
-        if now - self._pinged < wire.PING_INTERVAL:
+        if now - self._pinged < self.ping_every:
             return
         self._pinged = now
         for host in self.hosts.values():
@@ -902,7 +922,7 @@ class Supervisor:
     def _escalate(self) -> None:
         """Make sure a stop finishes, and a finished agent goes, even if one stops answering."""
         now = time.monotonic()
-        for host in self.hosts.values():
+        for host in self._done_hosts:  # the hosts that said DONE, not every host each turn
             if host.gone or host.done_at is None or now - host.done_at <= GONE_MARGIN:
                 continue
             if not host.forced:

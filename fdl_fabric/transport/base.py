@@ -58,6 +58,11 @@ class AgentProcess(abc.ABC):
     def write(self, data: bytes) -> None:
         """Write to the agent's stdin (raises when it is gone)."""
 
+    def write_lazy(self, data: bytes) -> None:
+        """A write that may wait a few milliseconds to travel with others (a lease
+        renewal, sent to every agent at once): as `write` where nothing is gained."""
+        self.write(data)
+
     def reader_held_until(self) -> float:
         """The last moment the thread that reads this agent was held by another stream's
         sink (a slow console): its silence until then is the launcher's, not the agent's.

@@ -216,8 +216,12 @@ _reader_lock = threading.Lock()
 
 
 def reader() -> ChannelReader:
-    """The process's one `ChannelReader`."""
+    """The process's one `ChannelReader` (no lock once it exists: every host's liveness
+    check asks for it)."""
     global _reader
+    found = _reader
+    if found is not None:
+        return found
     with _reader_lock:
         if _reader is None:
             _reader = ChannelReader()

@@ -38,6 +38,8 @@ from .runners import RUN_OPTIONS
 from .ssh import RawRemote, RemoteAgentProcess, SshTransport
 from .sshconfig import DEFAULT_OPTIONS, SUPPORTED_OPTIONS, SshSettings
 
+#: Seconds a lease renewal to a leaf may wait for the others' (`Relay.send_lazy`).
+LAZY_WRITE_DELAY = 0.02
 #: Seconds a relay may take to start (its session, python3, the bundle) and say hello.
 RELAY_START_TIMEOUT = 30.0
 #: Bytes of the relay's stderr kept to explain how it ended.
@@ -140,6 +142,8 @@ class Relay:
         self.pid: Optional[int] = None
         self._reader = mux.Reader(mux.UP_TYPES, handshake=True)
         self._write_lock = threading.Lock()
+        self._lazy = bytearray()
+        self._lazy_timer: Optional[threading.Timer] = None
         self._leaves_lock = threading.Lock()
         self._leaves: dict[int, RelayedAgent] = {}
         self._next_id = 1
@@ -221,16 +225,43 @@ class Relay:
 
     def _write(self, data: bytes) -> None:
         with self._write_lock:
+            self._flush_lazy()
             self.runner._write_proc_stdin(data)
 
     def send_data(self, lid: int, data: bytes) -> None:
         with self._write_lock:
+            self._flush_lazy()
             for piece in mux.data_frames(lid, data):
                 self.runner._write_proc_stdin(piece)
+
+    def send_lazy(self, lid: int, data: bytes) -> None:
+        """``data`` for a leaf that may wait `LAZY_WRITE_DELAY` to travel with others: the
+        supervisor renews every agent's lease at once, and 31 leaves' pings in one write
+        are one SSH packet instead of 31. Anything else written first takes them along,
+        so a leaf's bytes keep their order."""
+        with self._write_lock:
+            self._lazy += b"".join(mux.data_frames(lid, data))
+            if self._lazy_timer is None:
+                timer = threading.Timer(LAZY_WRITE_DELAY, self._lazy_due)
+                timer.daemon = True
+                self._lazy_timer = timer
+                timer.start()
+
+    def _lazy_due(self) -> None:
+        with self._write_lock, contextlib.suppress(Exception):
+            self._flush_lazy()
+
+    def _flush_lazy(self) -> None:
+        """Under the write lock: what `send_lazy` holds, now."""
+        self._lazy_timer = None
+        if self._lazy:
+            data, self._lazy = bytes(self._lazy), bytearray()
+            self.runner._write_proc_stdin(data)
 
     def send_payload(self, lid: int) -> None:
         """The agent payload to a leaf: sent to the relay once, then named per leaf."""
         with self._write_lock:
+            self._flush_lazy()
             if not self._blob_sent:
                 self.runner._write_proc_stdin(mux.frame(mux.BLOB, bundle.payload()))
                 self._blob_sent = True
@@ -238,6 +269,7 @@ class Relay:
 
     def send(self, kind: int, lid: int) -> None:
         with self._write_lock, contextlib.suppress(Exception):
+            self._flush_lazy()
             self.runner._write_proc_stdin(mux.leaf_frame(kind, lid))
 
     # -- reading (the session's stdout thread) -------------------------------------------------
@@ -338,6 +370,14 @@ class RelayedAgent(AgentProcess):
             self.relay.send_payload(self.id)
         else:
             self.relay.send_data(self.id, data)
+
+    def write_lazy(self, data: bytes) -> None:
+        if self._ended.is_set():
+            raise TransportError(self.host, "its agent is gone")
+        if not self._wrote:  # the payload goes first, by `write`
+            self.write(data)
+            return
+        self.relay.send_lazy(self.id, data)
 
     def close_input(self) -> None:
         if not self._ended.is_set():

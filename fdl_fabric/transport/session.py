@@ -264,13 +264,15 @@ class AgentSession:
         self.write(bundle.payload())
 
     # -- writing --------------------------------------------------------------------------
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, *, lazy: bool = False) -> None:
+        """To the agent's stdin; ``lazy``: it may wait a moment to travel with other
+        agents' writes (`AgentProcess.write_lazy`)."""
         process = self.process
         if process is None or self._gone:
             return
         # The agent may be gone; its end is reported by the reader, not here.
         with self._lock, contextlib.suppress(Exception):
-            process.write(data)
+            (process.write_lazy if lazy else process.write)(data)
 
     def send(self, kind: int, obj: Optional[dict[str, Any]] = None) -> None:
         self.write(wire.message(kind, obj))
@@ -312,7 +314,9 @@ class AgentSession:
         self.send(wire.SIGNAL, {"signal": name, "rank": rank})
 
     def ping(self) -> None:
-        self.send(wire.PING)
+        """Renew the agent's lease: sent to every agent at once, so it may travel with
+        the others (through a relay, one write for all of a gateway's leaves)."""
+        self.write(wire.message(wire.PING), lazy=True)
 
     def sweep(self, request: dict[str, Any]) -> None:
         self.send(wire.SWEEP, request)
