@@ -294,3 +294,27 @@ def write_machine_notes(out: TextIO, load_start: str, started: float) -> None:
     notes["elapsed"] = f"{time.monotonic() - started:.0f} s"
     for k, v in notes.items():
         out.write(f"  {k}: {v}\n")
+
+
+def lab_processes(lab: Any) -> list[tuple[Any, str]]:
+    """Every process under the lab's sshd listeners (sessions, agents, relays, ranks),
+    each with its command line; those that vanish while listed are left out."""
+    import psutil
+
+    found: list[tuple[Any, str]] = []
+    for host in lab.hosts:
+        try:
+            kids = psutil.Process(host.sshd.pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in kids:
+            try:
+                found.append((p, " ".join(p.cmdline())))
+            except psutil.Error:
+                continue
+    return found
+
+
+def cpu_sum(procs: Sequence[Any]) -> float:
+    """User+system CPU seconds of ``procs`` together (those already gone count 0)."""
+    return sum(cpu_seconds(p.pid) or 0.0 for p in procs)

@@ -228,30 +228,11 @@ def _sockets(pid: int) -> int:
 
 def _lab_processes(lab: Any) -> tuple[list[Any], list[Any]]:
     """(emulated relays, real agents) under the lab's sshd listeners."""
-    import psutil
-
-    relays, agents = [], []
-    for host in lab.hosts:
-        try:
-            kids = psutil.Process(host.sshd.pid).children(recursive=True)
-        except psutil.Error:
-            continue
-        for p in kids:
-            try:
-                cmd = " ".join(p.cmdline())
-            except psutil.Error:
-                continue
-            if "emulated_relay.py" in cmd:
-                relays.append(p)
-            elif "-I -S -c" in cmd:
-                agents.append(p)
-    return relays, agents
-
-
-def _cpu_sum(procs: Sequence[Any]) -> float:
     import benchlib
 
-    return sum(benchlib.cpu_seconds(p.pid) or 0.0 for p in procs)
+    found = benchlib.lab_processes(lab)
+    return ([p for p, cmd in found if "emulated_relay.py" in cmd],
+            [p for p, cmd in found if "emulated_relay.py" not in cmd and "-I -S -c" in cmd])
 
 
 def _py_spy() -> Optional[str]:
@@ -437,7 +418,7 @@ def measure(args: argparse.Namespace, lab: Any, cluster: Path, tmp: Path, mode: 
         s.rss_mb = _vm(pid, "VmHWM")
         s.sockets = _sockets(pid)
         relays, agents = _lab_processes(lab)
-        s.relays_cpu, s.agents_cpu = _cpu_sum(relays), _cpu_sum(agents)
+        s.relays_cpu, s.agents_cpu = benchlib.cpu_sum(relays), benchlib.cpu_sum(agents)
         if time.monotonic() - lines.done_at > args.work - 1.0:
             out.write(f"  note: the window may overlap the ranks' end (--work {args.work:g})\n")
         if not reap(args.work + 180.0):

@@ -351,15 +351,11 @@ def _ssh_peers(pid: int, lab: Any) -> Optional[int]:
 def _lab_processes(lab: Any) -> list[psutil.Process]:
     """Everything the lab hosts run for us: sessions' sshd, shells, agents, relays and
     their ssh clients (a gateway's), ranks."""
-    found: list[psutil.Process] = []
-    for host in lab.hosts:
-        with contextlib.suppress(psutil.Error):
-            found.extend(psutil.Process(host.sshd.pid).children(recursive=True))
-    return found
+    return [p for p, _ in benchlib.lab_processes(lab)]
 
 
 def _cpu_sum(procs: Sequence[psutil.Process]) -> float:
-    return sum(cpu_of(p.pid) or 0.0 for p in procs)
+    return benchlib.cpu_sum(procs)
 
 
 def _wait_hosts_quiet(lab: Any, timeout: float = 60.0) -> bool:

@@ -100,37 +100,14 @@ class UpCounter:
             self.tail = (self.tail + data)[-2000:]
 
 
-def _cpu_of(procs: Sequence[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        value = benchlib.cpu_seconds(p.pid)
-        total += value or 0.0
-    return total
-
-
 def _host_side(lab: Any) -> tuple[list[psutil.Process], list[psutil.Process],
                                   list[psutil.Process]]:
     """(agents and watchdogs, per-session sshd processes, ranks) under the lab's listeners."""
-    agents: list[psutil.Process] = []
-    sshd: list[psutil.Process] = []
-    ranks: list[psutil.Process] = []
-    for host in lab.hosts:
-        try:
-            kids = psutil.Process(host.sshd.pid).children(recursive=True)
-        except psutil.Error:
-            continue
-        for p in kids:
-            try:
-                cmd = " ".join(p.cmdline())
-            except psutil.Error:
-                continue
-            if cmd.startswith("sshd"):
-                sshd.append(p)
-            elif "-I -S -c" in cmd:
-                agents.append(p)
-            elif "rank_idle.py" in cmd:
-                ranks.append(p)
-    return agents, sshd, ranks
+    found = benchlib.lab_processes(lab)
+    return ([p for p, cmd in found if not cmd.startswith("sshd") and "-I -S -c" in cmd],
+            [p for p, cmd in found if cmd.startswith("sshd")],
+            [p for p, cmd in found if not cmd.startswith("sshd") and "-I -S -c" not in cmd
+             and "rank_idle.py" in cmd])
 
 
 def measure(lab: Any, shape: str, tool: str, rep: int, argv: list[str], world: int,
@@ -155,8 +132,9 @@ def measure(lab: Any, shape: str, tool: str, rep: int, argv: list[str], world: i
         kids = me.children(recursive=True)
         agents, sshd, ranks = _host_side(lab)
         start_own = benchlib.cpu_seconds(proc.pid) or 0.0
-        start_kids = _cpu_of(kids)
-        start_agents, start_sshd, start_ranks = _cpu_of(agents), _cpu_of(sshd), _cpu_of(ranks)
+        start_kids = benchlib.cpu_sum(kids)
+        start_agents, start_sshd, start_ranks = (benchlib.cpu_sum(agents),
+                                                 benchlib.cpu_sum(sshd), benchlib.cpu_sum(ranks))
         began = time.monotonic()
         sample.threads = benchlib.threads(proc.pid)
         last, last_t = start_own, began
@@ -168,10 +146,10 @@ def measure(lab: Any, shape: str, tool: str, rep: int, argv: list[str], world: i
         elapsed = time.monotonic() - began
         own = (benchlib.cpu_seconds(proc.pid) or 0.0) - start_own
         sample.cpu_pct = 100.0 * own / elapsed
-        sample.cpu_with_children_pct = 100.0 * (own + _cpu_of(kids) - start_kids) / elapsed
-        sample.agents_pct = 100.0 * (_cpu_of(agents) - start_agents) / elapsed
-        sample.sshd_pct = 100.0 * (_cpu_of(sshd) - start_sshd) / elapsed
-        sample.ranks_pct = 100.0 * (_cpu_of(ranks) - start_ranks) / elapsed
+        sample.cpu_with_children_pct = 100.0 * (own + benchlib.cpu_sum(kids) - start_kids) / elapsed
+        sample.agents_pct = 100.0 * (benchlib.cpu_sum(agents) - start_agents) / elapsed
+        sample.sshd_pct = 100.0 * (benchlib.cpu_sum(sshd) - start_sshd) / elapsed
+        sample.ranks_pct = 100.0 * (benchlib.cpu_sum(ranks) - start_ranks) / elapsed
         sample.threads = max(sample.threads or 0, benchlib.threads(proc.pid) or 0)
         if proc.poll() is not None:
             raise RuntimeError(f"exited during the window with {proc.returncode}")

@@ -7,10 +7,7 @@ every session it served.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -19,7 +16,7 @@ import pytest
 from test_liveness_lab import launches  # noqa: F401  (the fixture)
 from test_reliability import private_lab
 
-from fdl_fabric.testing import LabHost, SshdLab
+from fdl_fabric.testing import SshdLab
 from labutil import ROOT, LiveLaunch, processes_of_run, wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
@@ -52,17 +49,6 @@ def _results(tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("result-r*.json"))]
 
 
-def _lose(host: LabHost) -> None:
-    """The host is gone at once: its sshd and every session it served SIGKILLed, so its
-    agent can report nothing more (its watchdog then stops the ranks it leaves)."""
-    sessions = host.session_pids()
-    host.sshd.kill()
-    host.sshd.wait()
-    for pid in sessions:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def _restart_line(run: LiveLaunch) -> str:
     (line,) = [x for x in run.err_lines() if "restarting every rank" in x]
     return line
@@ -76,7 +62,7 @@ def test_a_lost_host_is_left_out_and_the_next_attempt_resumes_on_the_other_two(
     run: LiveLaunch = launches(cluster, "--max-restarts", "1", "--log-dir", str(logs),
                                *_train(tmp_path))
     run.wait_line(r"lab3:cpu:r5\] step 3/", stderr=False)
-    _lose(lab.hosts[2])
+    lab.hosts[2].lose()
     assert run.finish(150) == 0, run.err
     (run_dir,) = logs.iterdir()
     records = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -109,7 +95,7 @@ def test_a_spare_takes_the_lost_hosts_place_and_the_world_is_whole_again(
     run.wait_line(r"lab3:cpu:r5\] step 3/", stderr=False)
     assert not [line for line in run.stdout_lines if line.startswith("[lab4")], \
         "a spare is not started unless needed"
-    _lose(lab.hosts[2])
+    lab.hosts[2].lose()
     assert run.finish(150) == 0, run.err
     assert "on 3 of 3 hosts (lab1, lab2, lab4), world size 6; spares in: lab4; left out: " \
         "lab3 lost in attempt 0" in _restart_line(run)
@@ -123,11 +109,11 @@ def test_a_lost_host_that_answers_again_is_readmitted_before_the_attempt_after(
     cluster = _cluster(lab, tmp_path, min_hosts=2)
     run: LiveLaunch = launches(cluster, "--max-restarts", "2", *_train(tmp_path))
     run.wait_line(r"lab3:cpu:r5\] step 3/", stderr=False)
-    _lose(lab.hosts[2])
+    lab.hosts[2].lose()
     run.wait_line(r"lab2:cpu:r3\] attempt 1 rank 3/4", stderr=False)
     lab.hosts[2].restart()  # the host is back before attempt 2 ...
     run.wait_line(r"lab2:cpu:r3\] step \d+/\d+ world 4", stderr=False)
-    _lose(lab.hosts[1])  # ... which a second loss brings about
+    lab.hosts[1].lose()  # ... which a second loss brings about
     lab.hosts[1].restart()
     assert run.finish(150) == 0, run.err
     restarts = [x for x in run.err_lines() if "restarting every rank" in x]
@@ -143,7 +129,7 @@ def test_too_few_hosts_end_the_launch_naming_each_host_left_out(
     cluster = _cluster(lab, tmp_path, min_hosts=3)
     run: LiveLaunch = launches(cluster, "--max-restarts", "1", *_train(tmp_path))
     run.wait_line(r"lab3:cpu:r5\] step 3/", stderr=False)
-    _lose(lab.hosts[2])
+    lab.hosts[2].lose()
     assert run.finish(120) == 1, run.err
     assert run.err_lines()[-1] == ("cluster launcher: not enough hosts: 2 of min 3 (lab3 lost "
                                    "in attempt 0)")

@@ -13,7 +13,6 @@ gateway with keys of its own.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -175,13 +174,7 @@ def test_a_gateway_host_lost_its_leaves_stop_by_the_leash(
     run: LiveLaunch = launches(_cluster(lab, fanout=2), "--cmd",
                                f"python3 {PROBE} --dump {dumps} --sleep 300")
     ranks = _dumps(dumps, 9)
-    gateway = lab.hosts[0]
-    sessions = gateway.session_pids()
-    gateway.sshd.kill()
-    gateway.sshd.wait()
-    for pid in sessions:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    lab.hosts[0].lose()
     leaves = [ranks[r]["pid"] for r in (2, 3, 4, 5)]
     wait_for(lambda: not any(alive(p) for p in leaves), 20, "lab1's leaves' ranks stopped")
     assert run.finish(60) == 1, run.err
@@ -285,13 +278,7 @@ def test_a_lost_gateway_is_planned_out_and_the_next_attempt_runs_through_the_oth
         return {json.loads(p.read_text())["env"]["FLODL_HOST_NAME"]: p.name for p in files}
 
     assert len(attempt(0, 9)) == 9
-    gateway = lab.hosts[0]
-    sessions = gateway.session_pids()
-    gateway.sshd.kill()
-    gateway.sshd.wait()
-    for pid in sessions:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    lab.hosts[0].lose()
     try:
         hosts = attempt(1, 8)
     except AssertionError:

@@ -89,23 +89,35 @@ def last_line(launch: LiveLaunch) -> str:
     return launch.err_lines()[-1]
 
 
-def test_a_frozen_agent_makes_its_host_unresponsive_within_the_agent_timeout(
-        sshd_lab, launches, tmp_path: Path) -> None:
-    lab = private_lab(sshd_lab, 2)
-    cluster = cluster_file(lab, agent_timeout=AGENT_TIMEOUT)
-    run = launches(cluster, "--cmd", f"python3 {PROBE} --sleep 300")
+def freeze_rank1_agent(run: LiveLaunch) -> tuple[int, float]:
+    """Once both ranks run, SIGSTOP the agent of rank 1 (lab2's): its pid, and when."""
     run.wait_line("hello from rank 1")
     ranks = wait_for(lambda: len(rank_pids(run.run_id)) == 2 and rank_pids(run.run_id), 20,
                      "both ranks")
     agent = agent_of(ranks[1])
     frozen_at = time.monotonic()
     freeze(run, agent)
+    return agent, frozen_at
+
+
+def declared_unresponsive_after(run: LiveLaunch, since: float) -> float:
+    """The launch ends with exit 1; seconds from ``since`` to its "unresponsive" line."""
     assert run.finish(30) == 1, run.err
     said = run.line_time("unresponsive")
     assert said is not None, run.err
-    print(f"\nfrozen agent declared unresponsive {said - frozen_at:.2f}s after SIGSTOP "
+    return said - since
+
+
+def test_a_frozen_agent_makes_its_host_unresponsive_within_the_agent_timeout(
+        sshd_lab, launches, tmp_path: Path) -> None:
+    lab = private_lab(sshd_lab, 2)
+    cluster = cluster_file(lab, agent_timeout=AGENT_TIMEOUT)
+    run = launches(cluster, "--cmd", f"python3 {PROBE} --sleep 300")
+    agent, frozen_at = freeze_rank1_agent(run)
+    took = declared_unresponsive_after(run, frozen_at)
+    print(f"\nfrozen agent declared unresponsive {took:.2f}s after SIGSTOP "
           f"(agent_timeout {AGENT_TIMEOUT:g})")
-    assert said - frozen_at <= DETECT_BOUND
+    assert took <= DETECT_BOUND
     assert "host 'lab2' unresponsive" in run.err
     assert "lab2" in last_line(run) and "no exit status" in last_line(run)
     assert "root cause: rank 1 of lab2 (lab2:cpu:r1) has no exit status: host unresponsive: " \
@@ -140,16 +152,9 @@ def test_a_frozen_agent_is_found_while_another_host_floods_the_console(
     script = tmp_path / "flood.py"
     script.write_text(FLOOD_RANK)
     run = launches(cluster, "--cmd", f"python3 {script}")
-    run.wait_line("hello from rank 1")
-    ranks = wait_for(lambda: len(rank_pids(run.run_id)) == 2 and rank_pids(run.run_id), 20,
-                     "both ranks")
-    agent = agent_of(ranks[1])
-    frozen_at = time.monotonic()
-    freeze(run, agent)
-    assert run.finish(30) == 1, run.err
-    said = run.line_time("unresponsive")
-    assert said is not None, run.err
-    assert said - frozen_at <= DETECT_BOUND, f"{said - frozen_at:.2f}s"
+    agent, frozen_at = freeze_rank1_agent(run)
+    took = declared_unresponsive_after(run, frozen_at)
+    assert took <= DETECT_BOUND, f"{took:.2f}s"
     assert "host 'lab2' unresponsive" in run.err
     assert "host 'lab1' unresponsive" not in run.err, "the talking host is not silent"
     os.kill(agent, signal.SIGCONT)

@@ -8,6 +8,7 @@ lab settings so it can rewrite its config and restart alone, without its ``SshdL
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -82,6 +83,17 @@ class LabHost:
             if not any(mark in title for mark in _UNAUTHENTICATED_TITLES):
                 pids.append(kid.pid)
         return sorted(pids)
+
+    def lose(self) -> None:
+        """The host gone at once: its sshd and every session it served SIGKILLed, so its
+        agent (and a gateway's relay) can report nothing more and its ranks are left to
+        their watchdogs and leashes. Only this host's own processes, by pid."""
+        sessions = self.session_pids()
+        self.sshd.kill()
+        self.sshd.wait()
+        for pid in sessions:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     @property
     def registry(self) -> str:
