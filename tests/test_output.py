@@ -130,3 +130,47 @@ def test_what_a_command_was_asked_for_goes_to_stdout() -> None:
     console, out, err = _console(verbosity=-1)
     console.emit(event(Name.PLOT_DRAWN, path="/tmp/x.svg"))
     assert out.getvalue() == "/tmp/x.svg\n" and err.getvalue() == ""
+
+
+# -- issue 29, item 8: only the truth on the console ------------------------------------------
+def test_rank_output_in_a_pipe_is_inert_too_and_shows_a_progress_bar_at_its_latest_state() -> None:
+    console, out, _ = _console()
+    console.emit(output("h", 0, "\x1b[2J\x1b]52;c;eA==\x07cleared\n\r 10%\r100%|####|"))
+    assert out.getvalue() == ("[h:cpu:r0] ^[[2J^[]52;c;eA==^Gcleared\n"
+                              "[h:cpu:r0] 100%|####|\n")
+
+
+def test_a_launcher_line_quoting_a_host_shows_its_escapes_inert() -> None:
+    console, _, err = _console()
+    console.emit(event(Name.AGENT_WARNING, host="h", text="\x1b[2J\x1b]0;t\x07bad"))
+    assert "\x1b" not in err.getvalue() and "\x07" not in err.getvalue()
+    assert "^[[2J^[]0;t^Gbad" in err.getvalue()
+
+
+def test_a_result_keeps_its_colours_but_nothing_that_moves_the_cursor() -> None:
+    console, out, _ = _console()
+    console.result("\x1b[32mok\x1b[0m \x1b[1A")
+    assert out.getvalue() == "\x1b[32mok\x1b[0m ^[[1A\x1b[0m\n"
+
+
+def test_the_live_tables_last_output_is_inert() -> None:
+    from types import SimpleNamespace
+
+    from fdl_fabric.presentation.output import render_status
+    from fdl_fabric.supervision.supervisor import RankState
+
+    rank = SimpleNamespace(host="h", rank=0, plan=SimpleNamespace(device=None), pid=7,
+                           state=RankState.RUNNING, duration=1.0,
+                           last_line="\r 10%\r\x1b[2J 50%")
+    text = render_status([rank], 100, 10, False)  # type: ignore[list-item]
+    assert "^[[2J 50%" in text and "\x1b" not in text
+
+
+def test_json_lines_escape_c1_controls_too(tmp_path: Path) -> None:
+    from fdl_fabric.presentation.output import JsonConsole
+
+    out, err = io.StringIO(), io.StringIO()
+    JsonConsole(out=out, err=err).emit(output("h", 0, "a\x9b2J\x1b[2J"))
+    line = out.getvalue()
+    assert "\x9b" not in line and "\x1b" not in line
+    assert json.loads(line)["data"]["text"] == "a\x9b2J\x1b[2J"

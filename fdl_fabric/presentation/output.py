@@ -27,6 +27,8 @@ from typing import IO, Any, Callable, Optional, TextIO
 
 from ..events import Event, Kind, Name
 from ..supervision.supervisor import Rank, RankState
+from .ranklines import rank_block
+from .sanitize import clean, json_inert, neutralize, shown_lines
 from .screen import ERR, OUT, Screen
 from .stacks import dump_text
 from .words import fit, render
@@ -127,17 +129,14 @@ class Console:
         if not self.show_rank_output:
             return
         data = event.data
-        tag = f"[{data['label']}]"
-        if self.color:
-            tag = f"\x1b[{_PALETTE[self.host_color(event.host or '')]}m{tag}\x1b[0m"
-        head = tag + " "
-        text: str = data["text"]
-        block = head + text.replace("\n", "\n" + head) + "\n"
+        stream = self.err if data["stderr"] else self.out
+        colour = _PALETTE[self.host_color(event.host or "")] if self.color else None
+        block, rows = rank_block(data["label"], data["text"], colour=colour,
+                                 width=terminal_width(stream))
         if self.screen is not None:
             self.screen.put_output(ERR if data["stderr"] else OUT,
-                                   block.encode("utf-8", "replace"), text.count("\n") + 1)
+                                   block.encode("utf-8", "replace"), rows)
             return
-        stream = self.err if data["stderr"] else self.out
         with self._lock:
             stream.write(block)
             stream.flush()
@@ -169,6 +168,7 @@ class Console:
         self._say(event)
 
     def _result_text(self, event: Event) -> str:
+        event = clean(event)  # its strings came from hosts
         if event.name is Name.CHECK_REPORT and self.color:
             return check_table(event.data["checks"])
         return render(event)
@@ -177,6 +177,7 @@ class Console:
         """A line for the operator (status, warnings, verdicts): on stderr, laid out for
         the terminal's width when it is one (`words.fit`), whole in a pipe or a file."""
         width = self.err_width()
+        text = neutralize(text)
         self._write_message(text if width is None else fit(text, width))
 
     def err_width(self) -> Optional[int]:
@@ -185,14 +186,17 @@ class Console:
         return terminal_width(self.err) if self.err_terminal else None
 
     def _say(self, event: Event) -> None:
-        self._write_message(render(event, self.err_width()))
+        self._write_message(render(clean(event), self.err_width()))
 
     def _notice(self, event: Event) -> bytes:
         """A notice of the writer thread itself (`screen`), laid out as `message` does."""
-        return self._message_bytes(render(event, self.err_width()))
+        return self._message_bytes(render(clean(event), self.err_width()))
 
     def _message_bytes(self, text: str) -> bytes:
-        data = (text + "\n").encode("utf-8", "replace")
+        """A launcher line: whatever its words quote from a host (an agent's error, a
+        spawn failure's reason) was cleaned with the event's data; this last pass makes
+        sure no control but the newline and the tab reaches the terminal."""
+        data = (neutralize(text) + "\n").encode("utf-8", "replace")
         return LINE_START + data if self.err_terminal else data
 
     def _write_message(self, text: str) -> None:
@@ -206,6 +210,7 @@ class Console:
 
     def result(self, text: str) -> None:
         """What a command was asked for (a report, a path): on stdout, so it can be piped."""
+        text = neutralize(text, keep_sgr=True)  # a check table's colours stay
         text = text if text.endswith("\n") else text + "\n"
         if self.screen is not None:
             self.screen.put_message(OUT, text.encode("utf-8", "replace"))
@@ -331,7 +336,7 @@ def status_table(ranks: Sequence[Rank], width: int) -> Any:
         row += [str(r.pid or "-"), Text(r.state.value, style=_STATE_STYLES.get(r.state, ""))]
         if not narrow:
             row.append(_uptime(r))
-        row.append(Text(r.last_line))
+        row.append(Text(shown_lines(r.last_line, keep_sgr=False)[-1]))
         cells.append(row)
     names = ["host", "rank", *([] if narrow else ["device"]), "pid", "state",
              *([] if narrow else ["uptime"]), "last output"]
@@ -505,7 +510,7 @@ class JsonConsole(Console):
         if event.name is Name.REFUSED:  # bad input is refused before any event, on stderr
             super().emit(event)
             return
-        line = (json.dumps(json_record(event), default=str, ensure_ascii=False) + "\n")
+        line = json_inert(json.dumps(json_record(event), default=str, ensure_ascii=False)) + "\n"
         data = line.encode("utf-8", "replace")
         if self.screen is None:
             with self._lock:

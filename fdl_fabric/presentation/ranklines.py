@@ -1,0 +1,40 @@
+"""Rank output as the console shows it: every row behind the rank's prefix, inert.
+
+A launcher line begins at column 0 with ``cluster launcher:`` (or ``root cause:``, a
+table of the summary); a rank's row always begins with its ``[host:device:rN]``
+prefix. For that to hold on the screen, three things must hold for what a rank sends:
+
+* it cannot move the cursor or rewrite the screen (`sanitize.shown_lines`: controls
+  and escapes shown inert, a ``\\r`` redraw shown as its latest state);
+* it cannot start a row of its own: on a terminal a line longer than the width is cut
+  here into rows that each carry the prefix (`sanitize.fold`), so the terminal never
+  wraps it to a row that begins with the rank's own text;
+* it cannot colour what follows it: a line that kept a colour ends with a reset.
+
+Pure functions, no I/O: `output.Console` writes the block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.cells import cell_len
+
+from .sanitize import fold, shown_lines
+
+
+def rank_block(label: str, text: str, *, width: Optional[int] = None,
+               colour: Optional[str] = None) -> tuple[str, int]:
+    """The rows of one chunk of a rank's output (``text``: lines joined by ``\\n``, no
+    final newline), each behind ``[label]``, and how many rows: the whole lines when
+    ``width`` is None (a pipe, a file), else rows that fit ``width`` terminal cells.
+    ``colour`` is the prefix's ANSI colour code on a terminal."""
+    tag = f"[{label}]"
+    head = (f"\x1b[{colour}m{tag}\x1b[0m " if colour else tag + " ")
+    lines = shown_lines(text)
+    if width is not None:
+        room = width - cell_len(tag) - 1
+        if room < 8:  # a terminal too narrow for the prefix: the rows wrap, prefix first
+            room = max(width, 8)
+        lines = [row for line in lines for row in fold(line, room)]
+    return "".join(head + line + "\n" for line in lines), len(lines)
