@@ -114,8 +114,8 @@ def test_a_host_its_transport_cannot_reach_ends_the_launch_naming_it(
     fake.unreachable = {"fake2": "unreachable: no route to host"}
     status, err, _ = run(cluster(tmp_path), "print('never')")
     assert status == 1
-    assert err[-1] == ("cluster launcher: cannot connect to host 'fake2': unreachable: no "
-                       "route to host — nothing was started")
+    assert err[-1] == ("cluster launcher: failed: cannot connect to host 'fake2': "
+                       "unreachable: no route to host — nothing was started")
     assert fake.agents == {}
 
 
@@ -131,8 +131,8 @@ def test_a_host_whose_agent_goes_away_is_lost_and_every_other_rank_is_stopped(
     threading.Thread(target=cut_when_running, daemon=True).start()
     status, err, _ = run(cluster(tmp_path), "import time; time.sleep(30)")
     assert status == 1, err
-    assert err[-1].startswith("cluster launcher: rank 2 of fake2 exited with no exit status "
-                              "(agent lost: "), err[-3:]
+    assert err[-1].startswith("cluster launcher: failed: rank 2 of fake2 exited with no exit "
+                              "status (agent lost: "), err[-3:]
     assert any("the agent was killed by signal 9" in line for line in err), err
 
 

@@ -78,7 +78,8 @@ def test_a_failing_rank_stops_every_peer_on_every_host_within_the_grace(
     gone_after = time.monotonic() - failed_at
     assert proc.finish(timeout=30) == 1, proc.err
     err = proc.err
-    assert err.strip().splitlines()[-1] == "cluster launcher: rank 3 of lab1 exited with status 3"
+    assert err.strip().splitlines()[-1] == ("cluster launcher: failed: rank 3 of lab1 exited with "
+                                             "status 3")
     assert "peer failure — terminating all still-running ranks" in err
     assert gone_after <= 3.0
 
@@ -91,7 +92,8 @@ def test_a_remote_rank_killed_by_sigkill_is_reported_as_signal_9(sshd_lab, tmp_p
     os.kill(d[1]["pid"], signal.SIGKILL)
     assert proc.finish(timeout=30) == 1, proc.err
     err = proc.err
-    assert err.strip().splitlines()[-1] == "cluster launcher: rank 1 of lab1 exited with signal 9"
+    assert err.strip().splitlines()[-1] == ("cluster launcher: failed: rank 1 of lab1 exited with "
+                                             "signal 9")
 
 
 def test_no_process_on_any_host_has_the_salt_or_a_secret_in_its_command_line(

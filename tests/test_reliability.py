@@ -799,7 +799,7 @@ def test_killing_the_sshd_serving_a_host_reports_its_ranks_lost_stops_every_rank
     assert "peer failure — terminating all still-running ranks" in err
     for r in (0, 2):  # kill-all: the local rank and lab2's got TERM from the launcher
         assert ("rank", "SIGTERM") in {(role, n) for role, _, n, _ in signals(d, r)}, r
-    assert run_launch.err_lines()[-1] == f"cluster launcher: {lost}"
+    assert run_launch.err_lines()[-1] == f"cluster launcher: failed: {lost}"
     wait_run_gone(run_launch.run_id, GONE_BOUND)
 
 

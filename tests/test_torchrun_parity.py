@@ -203,11 +203,26 @@ def test_a_failing_ranks_error_file_names_the_root_cause_and_log_dir_keeps_it(
     assert not (run_dir / "attempt_0" / "r0" / "error.json").exists()
 
 
-def test_a_failure_without_an_error_file_says_how_to_get_one() -> None:
+def test_a_failure_without_an_error_file_quotes_the_ranks_stderr_and_says_how_to_get_one(
+        tmp_path: Path) -> None:
+    # An uncaught exception (status 1) of an undecorated script: @record would have helped.
+    (tmp_path / "boom.py").write_text("raise ValueError('boom, undecorated')\n")
+    out = fdl_run("--nproc-per-node", "1", "boom.py", cwd=tmp_path)
+    assert out.returncode == 1
+    lines = out.stderr.splitlines()
+    head = lines.index("root cause: rank 0 of localhost (localhost:cpu:r0) exited with status 1 "
+                       "(no error file: decorate the entry point with torch's @record to see "
+                       "the exception here)")
+    assert lines[head + 1].startswith("  its last ") and "add --log-dir" in lines[head + 1]
+    assert "  | ValueError: boom, undecorated" in lines[head + 2:]
+    assert lines[-1] == ("cluster launcher: failed: rank 0 of localhost exited with status 1")
+    # argparse's usage error (status 2) is no exception for @record: no hint, the lines.
     out = fdl_run("--nproc-per-node", "1", "-m", "json.tool", "/nonexistent-input")
     assert out.returncode == 1
-    assert "root cause: rank 0 of localhost (localhost:cpu:r0) exited with status 2 (no error " \
-        "file: decorate the entry point with torch's @record" in out.stderr
+    assert "@record" not in out.stderr
+    head = out.stderr.index("root cause: rank 0 of localhost (localhost:cpu:r0) exited with "
+                            "status 2\n  its last ")
+    assert "/nonexistent-input" in out.stderr[head:]
 
 
 # -- env_forward ---------------------------------------------------------------------------
@@ -297,6 +312,6 @@ def test_a_missing_script_module_or_folder_is_refused_before_any_rank_starts(
     out = fdl_run("--nproc-per-node", "2", "--max-restarts", "2", *args, cwd=tmp_path)
     assert out.returncode == 1, what
     assert why in out.stderr, out.stderr
-    assert out.stderr.splitlines()[-1].startswith("cluster launcher: pre-flight failed on 1 "
-                                                  "check(s), nothing was started")
+    assert out.stderr.splitlines()[-1].startswith(
+        "cluster launcher: failed: pre-flight failed on 1 check(s), nothing was started")
     assert out.stdout == "" and "restarting" not in out.stderr, "no rank ever started"

@@ -134,13 +134,82 @@ def test_the_root_cause_quotes_the_error_file_or_says_how_to_get_one() -> None:
                         tail=["File t.py, line 3", "ValueError: boom"], **base)) == (
         "root cause: rank 1 of h (h:cpu:r1) exited with status 3: ValueError: boom\n"
         "  File t.py, line 3\n  ValueError: boom")
-    assert render(event(Name.ROOT_CAUSE, error=None, tail=[], **base)).endswith(
+    assert render(event(Name.ROOT_CAUSE, error=None, tail=[], record_hint=True,
+                        **base)).endswith(
         "(no error file: decorate the entry point with torch's @record to see the exception "
         "here)")
     lost = {**base, "exit": {"code": None, "signal": None, "lost": "host unresponsive: x"},
             "host_fault": "unresponsive"}
     assert render(event(Name.ROOT_CAUSE, error=None, tail=[], **lost)) == (
         "root cause: rank 1 of h (h:cpu:r1) has no exit status: host unresponsive: x")
+
+
+def test_without_an_error_file_the_root_cause_quotes_the_ranks_last_stderr_lines() -> None:
+    base = {"host": "h", "rank": 1, "label": "h:cpu:r1", "host_fault": None, "error": None,
+            "tail": []}
+    exit_1 = {"code": 1, "signal": None, "lost": None}
+    quoted = ["Traceback (most recent call last):", '  File "t.py", line 3, in <module>',
+              "ValueError: boom"]
+    assert render(event(Name.ROOT_CAUSE, exit=exit_1, stderr_tail=quoted, record_hint=True,
+                        log="/logs/run/attempt_0/r1/stderr.log", **base)).splitlines() == [
+        "root cause: rank 1 of h (h:cpu:r1) exited with status 1 (no error file: decorate the "
+        "entry point with torch's @record to see the exception here)",
+        "  its last 3 stderr line(s) (all of it in /logs/run/attempt_0/r1/stderr.log):",
+        "  | Traceback (most recent call last):",
+        '  |   File "t.py", line 3, in <module>',
+        "  | ValueError: boom"]
+    # No --log-dir: the root cause says how to keep the rest; no hint where @record would
+    # not have helped (`rootcause.record_would_help`).
+    text = render(event(Name.ROOT_CAUSE, exit=EXIT_3, stderr_tail=["usage: x"],
+                        record_hint=False, log=None, **base))
+    assert text.splitlines() == [
+        "root cause: rank 1 of h (h:cpu:r1) exited with status 3",
+        "  its last 1 stderr line(s) (add --log-dir to keep every rank's output):",
+        "  | usage: x"]
+    silent = render(event(Name.ROOT_CAUSE, exit=EXIT_3, stderr_tail=[], record_hint=False,
+                          log=None, **base))
+    assert silent.splitlines()[-1] == ("  it wrote nothing on stderr (add --log-dir to keep "
+                                       "every rank's output)")
+
+
+def test_an_error_files_root_cause_names_the_ranks_log_too() -> None:
+    text = render(event(Name.ROOT_CAUSE, host="h", rank=0, label="h:cpu:r0", exit=EXIT_3,
+                        host_fault=None, error="ValueError: boom", tail=["x"], stderr_tail=[],
+                        record_hint=False, log="/l/r/attempt_0/r0/stderr.log"))
+    assert text.splitlines() == [
+        "root cause: rank 0 of h (h:cpu:r0) exited with status 3: ValueError: boom", "  x",
+        "  its stderr: /l/r/attempt_0/r0/stderr.log"]
+
+
+def test_the_quoted_lines_wrap_at_80_columns_under_the_root_cause() -> None:
+    long = "RuntimeError: " + " ".join(["word"] * 30)
+    text = render(event(Name.ROOT_CAUSE, host="h", rank=1, label="h:cpu:r1", exit=EXIT_3,
+                        host_fault=None, error=None, tail=[], stderr_tail=[long],
+                        record_hint=False, log=None), 80)
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    assert lines[2].startswith("  | RuntimeError: word") and lines[3].startswith("    ")
+
+
+@pytest.mark.parametrize(("verdict", "cause", "line"), [
+    ("failed", event(Name.RANK_FAILED, host="node1", rank=3, exit={**EXIT_3, "code": 1}),
+     "cluster launcher: failed: rank 3 of node1 exited with status 1"),
+    ("hung", event(Name.HUNG, silent=61.2, hang_timeout=60.0),
+     "cluster launcher: failed: run hung — no rank wrote a line or reported progress for 61s "
+     "(hang_timeout 60s)"),
+    ("failed", event(Name.LAUNCH_FAILED, error="coordinator could not bind x — nothing was "
+                                              "started"),
+     "cluster launcher: failed: coordinator could not bind x — nothing was started"),
+    ("failed", event(Name.LAUNCH_FAILED, error="cluster launcher: cannot connect to host 'n'"),
+     "cluster launcher: failed: cannot connect to host 'n'"),
+    ("ok", event(Name.COMPLETED, world_size=4),
+     "cluster launcher: run completed — all 4 ranks exited 0"),
+    ("interrupted", event(Name.INTERRUPTED, signal="SIGINT"),
+     "cluster launcher: interrupted by SIGINT — every rank was stopped"),
+], ids=lambda v: v.name.value if isinstance(v, Event) else None)
+def test_a_failed_runs_verdict_line_says_failed(verdict: str, cause: Event, line: str) -> None:
+    assert render(event(Name.VERDICT, cause=cause_data(cause), verdict=verdict,
+                        exit_code=1)) == line
 
 
 def test_a_cleanup_says_per_host_what_it_stopped_and_what_it_left() -> None:

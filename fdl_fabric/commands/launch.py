@@ -66,6 +66,7 @@ from ..supervision import reports
 from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
 from ..supervision.membership import HostFate, Membership, Selection
 from ..supervision.policy import Elastic, Restarts
+from ..supervision.rootcause import root_cause, root_error
 from ..supervision.supervisor import RankState, RunResult, Supervisor
 from ..supervision.verdict import Verdict
 from ..transport import Transport, for_cluster, resolve_cluster
@@ -754,6 +755,9 @@ class Launch:
                 pids = sorted({p for s in rep.stopped for p in s.get("pids", [])})
                 self.events(Name.SWEEP_STOPPED, host=host, run_id=self.run_id, pids=pids)
 
+    def _stderr_log(self, rank: int) -> Optional[str]:
+        return str(self.log.rank_folder(rank) / "stderr.log") if self.log is not None else None
+
     def _conclude(self) -> int:
         """The summary, the attempts, the root cause, and the verdict as the last line."""
         if not self.results:
@@ -767,7 +771,7 @@ class Launch:
             self.events(Name.ATTEMPTS, attempts=[
                 {"verdict": r.verdict.value, "cause": cause_data(r.cause, error=root_error(r)),
                  "hosts": list(h)} for r, h in zip(self.results, hosts)])
-        cause = root_cause(final)
+        cause = root_cause(final, stderr_tail=self.output.tail, log_of=self._stderr_log)
         if cause is not None:
             self.events.emit(cause)
         dropped = self.console.dropped
@@ -835,27 +839,6 @@ def plan_warnings(plan: LaunchPlan) -> list[tuple[Name, dict[str, Any]]]:
 
 def is_loopback(address: str) -> bool:
     return address == "localhost" or address == "::1" or address.startswith("127.")
-
-
-def root_error(result: RunResult) -> Optional[str]:
-    """The exception the root-cause rank's error file names, if it wrote one."""
-    rank = result.root_cause
-    if rank is None or rank.exit is None or rank.exit.error is None:
-        return None
-    return rank.exit.error.message
-
-
-def root_cause(result: RunResult) -> Optional[Event]:
-    """The first failed rank, with what its error file says (as torchrun's summary); for a
-    rank whose host was lost or stopped answering, that (no error file could come)."""
-    rank = result.root_cause
-    if rank is None or result.verdict is Verdict.OK or rank.exit is None:
-        return None
-    error = rank.exit.error
-    return event(Name.ROOT_CAUSE, host=rank.host, rank=rank.rank, label=rank.plan.label,
-                 exit=rank.exit.data, host_fault=rank.exit.host_fault,
-                 error=error.message if error is not None else None,
-                 tail=error.traceback_tail() if error is not None else [])
 
 
 def make_console(opts: LaunchOptions) -> Console:

@@ -25,8 +25,8 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
-from .. import shell
 from ..events import Event, Name
+from .dryrunwords import dry_run_text
 from .stacks import stacks_text
 
 L = "cluster launcher: "
@@ -377,8 +377,18 @@ def _interrupted(e: Event, d: Mapping[str, Any]) -> str:
     return f"{L}interrupted by {d['signal']}{where} — every rank was stopped"
 
 
+#: The verdicts of a failed run: their line says ``failed:`` after the speaker.
+FAILED_VERDICTS = ("failed", "hung")
+
+
 def _verdict(e: Event, d: Mapping[str, Any]) -> str:
-    return render(cause_event(d["cause"]))
+    """The last line: what ended the run, said by the launcher, with ``failed:`` in front
+    of a failure's cause (as ``run completed`` says a success), so a grep for
+    ``cluster launcher: failed:`` finds every failed run."""
+    text = render(cause_event(d["cause"]))
+    if d.get("verdict") not in FAILED_VERDICTS:
+        return text
+    return f"{L}failed: {text.removeprefix(L)}"
 
 
 # -- the end of a launch ----------------------------------------------------------------------
@@ -432,17 +442,32 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
 
 
 def _root_cause(e: Event, d: Mapping[str, Any]) -> str:
-    """The first failed rank, with what its error file says (as torchrun's summary); for a
-    rank whose host was lost or stopped answering, that (no error file could come)."""
+    """The first failed rank, with what its error file says (as torchrun's summary), or
+    else its last stderr lines and where its whole log is (`supervision.rootcause`); the
+    ``@record`` hint only where it would have helped (``record_hint``)."""
     who = f"root cause: {label(e)} ({d['label']})"
     exit_ = d["exit"]
     if d.get("host_fault") is not None:
-        return f"{who} has no exit status: {exit_.get('lost')}"
-    head = f"{who} exited with {exit_words(exit_)}"
-    if d.get("error") is None:
-        return head + " (no error file: decorate the entry point with torch's @record to " \
-            "see the exception here)"
-    return "\n".join([f"{head}: {d['error']}", *("  " + line for line in d.get("tail", []))])
+        head = f"{who} has no exit status: {exit_.get('lost')}"
+    elif d.get("error") is not None:
+        return "\n".join([f"{who} exited with {exit_words(exit_)}: {d['error']}",
+                          *("  " + line for line in d.get("tail", [])), *_log_line(d)])
+    else:
+        head = f"{who} exited with {exit_words(exit_)}"
+        if d.get("record_hint"):
+            head += (" (no error file: decorate the entry point with torch's @record to see "
+                     "the exception here)")
+    quoted = d.get("stderr_tail") or []
+    where = f"all of it in {d['log']}" if d.get("log") else \
+        "add --log-dir to keep every rank's output"
+    if not quoted:
+        return head + (f"\n  it wrote nothing on stderr ({where})" if "log" in d else "")
+    return "\n".join([head, f"  its last {len(quoted)} stderr line(s) ({where}):",
+                      *(f"  | {line}" for line in quoted)])
+
+
+def _log_line(d: Mapping[str, Any]) -> list[str]:
+    return [f"  its stderr: {d['log']}"] if d.get("log") else []
 
 
 # -- the other commands -----------------------------------------------------------------------
@@ -704,52 +729,3 @@ def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
-
-def dry_run_text(d: Mapping[str, Any]) -> str:
-    """``--dry-run``: one block per host (how its agent is reached, the spec it would get:
-    cwd, argv, the environment its ranks share, then what differs per rank), secrets and
-    the envelope already redacted in the facts (`dryrun.dry_run_data`)."""
-    lines = [f"# dry run of {d['file']}: {d['world_size']} rank(s) on {len(d['hosts'])} "
-             "host(s); nothing is connected or started",
-             f"controller {d['controller']}:{d['port']} (coordinator binds {d['bind']}), "
-             f"kill_grace {d['kill_grace']:g}s, master_port {d['master_port']}"]
-    lines += _tree_words(d.get("tree") or {})
-    for host in d["hosts"]:
-        ranks = host["ranks"]
-        gpus = [str(r["device"]) for r in ranks if r["device"] is not None]
-        devices = f"gpu {', '.join(gpus)}" if gpus else "cpu"
-        note = "  (local_devices: all, resolved by the agent at launch)" \
-            if host["all_devices"] else ""
-        numbers = [r["rank"] for r in ranks]
-        span = f"{numbers[0]}-{numbers[-1]}" if len(numbers) > 1 else str(numbers[0])
-        lines += ["", f"host {host['host']}: {host['how']}",
-                  f"  ranks {span} ({devices}){note}",
-                  f"  cwd {host['cwd']}",
-                  "  argv " + " ".join(shell.quote(a) for a in host["argv"]),
-                  f"  env of every rank: {_env_words(host['env'])}",
-                  "    FLODL_INTERNAL_CLUSTER_JSON=<envelope with the salt: sent on the "
-                  "agent's stdin, never shown>"]
-        lines += [f"  rank {r['rank']}: {_env_words(r['env'])}" for r in ranks]
-    if d.get("spares"):
-        lines += ["", f"spares (started only in place of a lost host): {', '.join(d['spares'])}"]
-    if d.get("min_hosts") is not None:
-        lines += [f"min_hosts {d['min_hosts']}: an attempt starts with at least that many "
-                  "hosts"]
-    return "\n".join(lines) + "\n"
-
-
-def _tree_words(tree: Mapping[str, Any]) -> list[str]:
-    """The gateway tree of a dry run: which gateway starts which leaves (none: flat)."""
-    gateways = tree.get("gateways") or {}
-    if not gateways:
-        return []
-    lines = [f"gateway tree (fanout {tree['fanout']}): the launcher connects to "
-             f"{len(gateways)} gateway(s); each starts its leaves with ssh"]
-    for gateway, leaves in gateways.items():
-        lines.append(f"  {gateway} -> {len(leaves)} leaves: {', '.join(leaves)}")
-    return lines
-
-
-def _env_words(env: Mapping[str, str]) -> str:
-    return " ".join(f"{k}={shell.quote(v)}" for k, v in env.items())
