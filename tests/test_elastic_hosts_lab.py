@@ -131,7 +131,7 @@ def test_too_few_hosts_end_the_launch_naming_each_host_left_out(
     run.wait_line(r"lab3:cpu:r5\] step 3/", stderr=False)
     lab.hosts[2].lose()
     assert run.finish(120) == 1, run.err
-    assert run.err_lines()[-1] == ("cluster launcher: not enough hosts: 2 of min 3 (lab3 lost "
-                                   "in attempt 0)")
+    assert run.err_lines()[-1] == ("cluster launcher: failed: not enough hosts: 2 of min 3 (lab3 "
+                                   "lost in attempt 0)")
     assert not [x for x in run.err_lines() if "restarting every rank" in x]
     wait_for(lambda: not processes_of_run(run.run_id), 20, "nothing of the run left")

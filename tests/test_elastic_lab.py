@@ -98,7 +98,7 @@ def test_max_failure_breach_makes_survivors_save_and_the_launch_fail(
         run.kill()
     assert code == 1
     assert run.stderr_lines[-1].startswith(
-        "cluster launcher: max_failure exceeded (1/4 ranks dead, threshold 1)")
+        "cluster launcher: failed: max_failure exceeded (1/4 ranks dead, threshold 1)")
     for r in (0, 2, 3):
         saved = json.loads((ck / f"checkpoint-r{r}.json").read_text())
         assert saved["reason"] == "shutdown" and saved["step"] < 200
@@ -136,7 +136,7 @@ def test_a_rank_killed_before_formation_still_kills_all(sshd_lab, tmp_path: Path
     assert code == 1
     err = run.stderr_lines
     assert "cluster launcher: peer failure — terminating all still-running ranks" in err
-    assert err[-1] == "cluster launcher: rank 0 of localhost exited with signal 9"
+    assert err[-1] == "cluster launcher: failed: rank 0 of localhost exited with signal 9"
 
 
 def test_a_cohort_that_does_not_form_in_time_aborts_naming_the_missing_ranks(

@@ -137,7 +137,7 @@ def test_a_leaf_ranks_death_stops_every_rank_and_the_verdict_names_the_leaf(
                                "--exit-after 3")
     assert run.finish(90) == 1, run.err
     verdict = run.err_lines()[-1]
-    assert verdict == "cluster launcher: rank 8 of lab9 exited with status 3", run.err
+    assert verdict == "cluster launcher: failed: rank 8 of lab9 exited with status 3", run.err
     rows = [x.split() for x in run.err_lines() if x[:1].isdigit()]
     assert {r[1] for r in rows} == {h.name for h in lab.hosts}
     assert wait_run_gone(run.run_id, 15) < 15

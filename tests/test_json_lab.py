@@ -45,4 +45,5 @@ def test_fdl_fabric_run_json_reports_a_failure_in_its_last_record(tmp_path: Path
     assert out.returncode == 1
     last = _records(out.stdout)[-1]
     assert last["kind"] == "verdict" and last["data"]["exit_code"] == 1  # type: ignore[index]
-    assert last["message"] == "cluster launcher: rank 1 of localhost exited with status 3"
+    assert last["message"] == ("cluster launcher: failed: rank 1 of localhost exited with "
+                               "status 3")

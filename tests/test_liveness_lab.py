@@ -238,7 +238,7 @@ def test_a_host_unreachable_on_a_restart_ends_the_launch_with_its_verdict_last(
         os.kill(pid, signal.SIGKILL)
     assert run.finish(60) == 1, run.err
     err = run.err_lines()
-    assert err[-1].startswith("cluster launcher: host 'lab2' unreachable: "), run.err
+    assert err[-1].startswith("cluster launcher: failed: host 'lab2' unreachable: "), run.err
     assert any(line.startswith("rank  host") for line in err), "the summary is printed"
     assert any(line.startswith("attempt  hosts") for line in err), "and the attempts"
     assert "Traceback" not in run.err
@@ -260,8 +260,8 @@ def test_every_failed_start_writes_its_verdict_to_events_jsonl(
          str(cluster), "--log-dir", str(logs), "--cmd", "true"],
         capture_output=True, text=True, timeout=60, cwd=str(ROOT))
     assert out.returncode == 1
-    assert out.stderr.splitlines()[-1].startswith("cluster launcher: cannot connect to host "
-                                                  "'lab1'")
+    assert out.stderr.splitlines()[-1].startswith("cluster launcher: failed: cannot connect to "
+                                                  "host 'lab1'")
     (verdict,) = [e for e in _events(logs) if e["event"] == "verdict"]
     assert verdict["exit_code"] == 1 and verdict["verdict"] == "failed"
 
@@ -375,7 +375,7 @@ def test_a_hung_gloo_all_reduce_ends_hung_with_every_ranks_stack_grouped(
         run.kill()
     err = run.err_lines()
     assert code == 1, run.err
-    assert err[-1].startswith("cluster launcher: run hung — no rank wrote a line"), run.err
+    assert err[-1].startswith("cluster launcher: failed: run hung — no rank wrote a line"), run.err
     head = err.index(next(line for line in err if "where each rank is (hang)" in line))
     assert err[head + 1].startswith("  rank 1 (lab1): stuck_here (hang.py:"), run.err
     assert err[head + 2].startswith("  ranks 0, 2, 3 (lab1, lab2): all_reduce "
@@ -403,7 +403,7 @@ def test_without_py_spy_a_hang_is_explained_by_what_proc_says(
     finally:
         run.kill()
     err = run.err_lines()
-    assert code == 1 and err[-1].startswith("cluster launcher: run hung"), run.err
+    assert code == 1 and err[-1].startswith("cluster launcher: failed: run hung"), run.err
     head = err.index(next(line for line in err if "where each rank is (hang)" in line))
     view = err[head + 1:]
     assert view[0].startswith("  rank 1 (lab1): no Python stack: state S"), run.err
@@ -649,5 +649,6 @@ def test_a_server_that_resets_the_connection_gets_one_line_and_no_third_party_tr
     assert out.returncode == 1
     assert "Traceback" not in out.stderr and "paramiko" not in out.stderr, out.stderr
     lines = out.stderr.splitlines()
-    assert lines[-1].startswith("cluster launcher: cannot connect to host 'resetter': "), lines
+    assert lines[-1].startswith("cluster launcher: failed: cannot connect to host "
+                               "'resetter': "), lines
     assert len(lines) <= 2, lines

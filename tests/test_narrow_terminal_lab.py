@@ -154,8 +154,8 @@ def test_a_failed_and_restarted_launch_at_80_columns_ends_with_its_verdict_on_on
     done = pane.start("--cluster", str(job), "--max-restarts", "1")
     assert pane.finish(done) == 1, pane.lines()
     shown = assert_wrapped_cleanly(pane)
-    assert_verdict_on_one_line(shown, "cluster launcher: rank [01] of localhost exited with "
-                                      "status 3")
+    assert_verdict_on_one_line(shown, "cluster launcher: failed: rank [01] of localhost exited "
+                                      "with status 3")
     assert_no_stray_header(shown)
     # The restart's line, the attempts table and the root cause were all there.
     assert any(line.startswith("cluster launcher: attempt 0 failed") for line in shown), shown

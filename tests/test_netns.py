@@ -143,7 +143,7 @@ def test_a_partitioned_host_is_detected_within_the_keepalive_time_and_leaves_no_
         assert detected - t0 <= DETECT_BOUND, err.text()
         assert rc == 1, err.text()
         verdict = err.text().splitlines()[-1]
-        assert verdict == ("cluster launcher: rank 1 of ns1 exited with no exit status "
+        assert verdict == ("cluster launcher: failed: rank 1 of ns1 exited with no exit status "
                            "(agent lost: the SSH session or connection was lost)"), err.text()
         assert re.search(r"host 'ns1' stopped answering keepalives for \d+s", err.text())
         assert not alive(local["pid"]), "kill-all: the local rank was stopped too"

@@ -83,7 +83,7 @@ def test_the_run_summary_names_each_rank_exit_and_cause(sshd_lab, tmp_path: Path
                      f"python3 {PROBE} --sleep 60 --exit-rank 2 --exit-code 7")
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
-    assert lines[-1] == "cluster launcher: rank 2 of lab1 exited with status 7"
+    assert lines[-1] == "cluster launcher: failed: rank 2 of lab1 exited with status 7"
     head = lines.index(next(x for x in lines if x.split() == ["rank", "host", "exit", "cause",
                                                                "duration"]))
     table = lines[head:head + 4]

@@ -174,7 +174,7 @@ def test_a_rank_that_exits_3_stops_every_rank_and_the_launch_exits_1_naming_it(
     run = launched(job, cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d --sleep 60 "
                    "--exit-rank 3 --exit-code 3 --exit-after 1")
     assert run.finish(90) == 1, run.err
-    assert run.err_lines()[-1] == "cluster launcher: rank 3 of n2 exited with status 3"
+    assert run.err_lines()[-1] == "cluster launcher: failed: rank 3 of n2 exited with status 3"
     assert "peer failure — terminating all still-running ranks" in run.err
     assert_nothing_left(job, run.run_id)
     assert job.state() == "RUNNING", "Slurm itself never ended the job"
@@ -325,7 +325,8 @@ def test_a_node_whose_slurmd_dies_has_its_ranks_reported_lost_and_none_outlives_
             run.kill()
         assert code == 1, run.err
         assert "host 'n2': agent lost" in run.err and "Node failure on n2" in run.err
-        assert re.search(r"cluster launcher: (rank [23] of n2|host 'n2').*", run.err_lines()[-1])
+        assert re.search(r"cluster launcher: failed: (rank [23] of n2|host 'n2').*",
+                         run.err_lines()[-1])
         # Slurm leaves the dead node's step running until its slurmd returns; the agent
         # there stops hearing the launcher and stops its ranks once its lease runs out.
         wait_for(lambda: not processes_of_run(run_id), 30, "the dead node's ranks to stop")
