@@ -23,13 +23,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..clusterfile import SshSpec, WorkerSpec
+from ..clusterfile import ClusterSpec, SshSpec, WorkerSpec
 from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from ..supervision import reports
-from ..transport import Transport, for_cluster, kind, resolve_cluster
+from ..transport import Transport, connerrors, for_cluster, kind, resolve_cluster
 from ..transport.fanout import close_all, connect_each, start_each
 from ..transport.sshconfig import resolve_all_settings
 
@@ -106,27 +106,35 @@ def sweep_with_agents(transports: Sequence[Transport], request: Mapping[str, Any
     return [found[t.host] for t in transports if t.host in found]
 
 
-def run_cleanup(cluster_file: Optional[str], *, run_id: Optional[str] = None,
+def run_cleanup(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = None,
+                run_id: Optional[str] = None,
                 all_runs: bool = False, pattern: Optional[str] = None, slurm: bool = False,
                 force: bool = False, console: Any = None) -> int:
     """``inv cleanup``: sweep every host of a cluster (with ``slurm``: every node of this
     allocation, for this job's runs only); 0 clean, 1 leftovers, 2 config or usage. Live
-    runs are left alone unless named by ``run_id`` or ``force``d."""
+    runs are left alone unless named by ``run_id`` or ``force``d. ``cluster``: hosts
+    named on the command line (``--hosts``; ``cluster_file`` None)."""
     console = console or Console()
     events = EventBus(console)
+    from_file = cluster is None and not slurm
     try:
         if slurm:
             for flag, given in (("--all", all_runs), ("--pattern", pattern)):
                 if given:
                     raise FdlError(f"{flag}: not with --slurm, which sweeps this job's runs "
                                    "only (another job may share the nodes)", EXIT_USAGE)
-        cluster = resolve_cluster(cluster_file, slurm=slurm, nproc_per_node=1 if slurm else None)
+        cluster = resolve_cluster(cluster_file, cluster, slurm=slurm,
+                                  nproc_per_node=1 if slurm else None)
         settings = resolve_all_settings(cluster, events)
     except FdlError as exc:
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code
     key = cluster_key(cluster)
     transports = for_cluster(cluster, settings, purpose="cleanup")
+    named_by = None if from_file else (cluster.file if cluster.file.startswith("-") else
+                                       "--hostfile")
+    connerrors.mark(transports, connerrors.origins(cluster.workers, cluster.file,
+                                                   flag=named_by))
     errors = connect_each(transports.values())
     command = "inv cleanup" + (f" --run-id {run_id}" if run_id else "") + \
         (" --force" if force else "")
@@ -174,6 +182,8 @@ def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
     console = console or Console()
     transports = [SshTransport.from_connection(adhoc_worker(i, c.original_host), c)
                   for i, c in enumerate(conns)]
+    for transport in transports:  # a failure on port 22 points to fab -H's user@host:port
+        transport.origin = connerrors.Origin(flag="-H")
     errors = connect_each(transports)
     command = "fab cleanup" + (f" --run-id {run_id}" if run_id else "") + \
         (" --force" if force else "")

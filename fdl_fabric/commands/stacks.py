@@ -20,33 +20,39 @@ from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from ..supervision import reports
+from ..transport import resolve_cluster
 from ..transport.session import AgentSession
-from ..transport.sshconfig import load_with_settings
+from ..transport.sshconfig import resolve_all_settings
 from .asking import ANSWER_TIMEOUT, asking_agents, collect, newest_live_run
 
 
-def run_stacks(cluster_file: str, *, run_id: Optional[str] = None,
+def run_stacks(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = None,
+               run_id: Optional[str] = None, every_run: bool = False,
                console: Optional[Console] = None) -> int:
     """``fdl-fabric stacks``: 0 when stacks were shown, 1 when no live run was found or a
-    host failed, 2 on a bad cluster file."""
+    host failed, 2 on a bad cluster file. ``cluster``: hosts named on the command line
+    (``--hosts``; ``cluster_file`` None). ``every_run``: the newest live run on the hosts
+    of any cluster, not only this one's (a ``--hosts`` run has a cluster of its own)."""
     console = console or Console()
     events = EventBus(console)
+    from_file = cluster is None
     try:
-        cluster, settings = load_with_settings(cluster_file, events)
+        cluster = resolve_cluster(cluster_file, cluster)
+        settings = resolve_all_settings(cluster, events)
     except FdlError as exc:
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code
-    with asking_agents(cluster, settings) as (sessions, inbox, errors):
-        return _show(cluster, sessions, inbox, errors, run_id, events)
+    with asking_agents(cluster, settings, from_file=from_file) as (sessions, inbox, errors):
+        return _show(cluster, sessions, inbox, errors, run_id, events, every_run)
 
 
 def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
           inbox: queue.SimpleQueue[reports.Report], errors: dict[str, str],
-          run_id: Optional[str], events: EventBus) -> int:
+          run_id: Optional[str], events: EventBus, every_run: bool) -> int:
     """List the runs, pick one, ask its hosts for stacks, print the grouped view."""
-    key = cluster_key(cluster)
+    key = None if (run_id or every_run) else cluster_key(cluster)
     for session in sessions.values():
-        session.list_runs(None if run_id else key)
+        session.list_runs(key)
     listed, problems = collect(inbox, set(sessions), reports.Runs, ANSWER_TIMEOUT)
     problems.update(errors)
     runs = [r for rep in listed.values() for r in rep.runs]
@@ -54,7 +60,9 @@ def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
     if chosen is None:
         for host, why in sorted(problems.items()):
             events(Name.STACKS_PROBLEM, host=host, problem=why)
-        events(Name.STACKS_NO_LIVE_RUN, file=cluster.file, hosts=len(cluster.workers))
+        # ``hosts``: those that answered (and have no live run), ``of``: all of them.
+        events(Name.STACKS_NO_LIVE_RUN, file=cluster.file, hosts=len(listed),
+               of=len(cluster.workers))
         return EXIT_FAILURE
     holders = {rep.host for rep in listed.values()
                if any(r.get("run") == chosen for r in rep.runs)}

@@ -27,9 +27,11 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
                every_run: bool = False, as_json: bool = False,
                console: Optional[Console] = None) -> int:
     """The live runs of the cluster (or, with ``every_run``, of any cluster) on its
-    hosts: 0 when every host answered, 1 when one could not, 2 on bad input."""
+    hosts: 0 when every host answered, 1 when one could not, 2 on bad input.
+    ``cluster``: hosts named on the command line (``--hosts``; ``cluster_file`` None)."""
     console = console or Console()
     events = EventBus(console)
+    from_file = cluster is None
     try:
         cluster = resolve_cluster(cluster_file, cluster)
         settings = resolve_all_settings(cluster, events)
@@ -37,13 +39,15 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code
     key = None if every_run else cluster_key(cluster)
-    with asking_agents(cluster, settings) as (sessions, inbox, errors):
+    with asking_agents(cluster, settings, from_file=from_file) as (sessions, inbox, errors):
         for session in sessions.values():
             session.list_runs(key)
         listed, problems = collect(inbox, set(sessions), reports.Runs, ANSWER_TIMEOUT)
     problems.update(errors)
     runs = live_runs([r for rep in listed.values() for r in rep.runs], now=time.time())
-    data: dict[str, Any] = {"file": cluster.file, "hosts": len(cluster.workers), "runs": runs,
+    # ``hosts``: the hosts that answered (the runs listed are theirs), ``of``: all of them.
+    data: dict[str, Any] = {"file": cluster.file, "hosts": len(listed),
+                            "of": len(cluster.workers), "runs": runs,
                             "problems": dict(sorted(problems.items()))}
     if as_json:
         console.json(data)

@@ -9,6 +9,7 @@ with a timeout, and a remote command killed by a signal is recorded as such.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -24,7 +25,7 @@ from fabric.runners import Remote
 from ..clusterfile import WorkerSpec
 from ..events import EventBus
 from ..shell import quote
-from . import bundle, channels
+from . import bundle, channels, connerrors
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
 from .runners import RUN_OPTIONS, InvokeAgentProcess
 from .sshconfig import DEFAULT_KNOWN_HOSTS, SshSettings
@@ -35,6 +36,14 @@ if TYPE_CHECKING:
 
 #: Seconds paramiko may spend opening one session channel.
 SESSION_OPEN_TIMEOUT = 15.0
+
+# paramiko logs a failed handshake from its own thread with a traceback ("Exception
+# (client): Error reading SSH protocol banner" and 25 lines); with no handler anywhere,
+# Python's last-resort handler prints it on stderr, in the middle of a command's output.
+# The failure itself reaches the user as one line (`connerrors`); a launch still gets
+# the records as events (`commands.launch.third_party_logs`), and so does any handler an
+# application adds.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class SshConnectError(RuntimeError):
@@ -240,56 +249,44 @@ def make_connection(
     return conn
 
 
-def describe_connect_error(exc: BaseException,
-                           settings: Optional[SshSettings] = None) -> str:
-    """A one-line, actionable reason for a failed connect: what failed, for which
-    ``user@target:port`` as written (not the logical host name), with which key."""
+def describe_connect_error(exc: BaseException, settings: Optional[SshSettings] = None, *,
+                           origin: Optional[connerrors.Origin] = None,
+                           handshake: Optional[connerrors.Handshake] = None,
+                           conn: Any = None) -> str:
+    """A one-line, actionable reason for a failed connect (`connerrors.describe`): what
+    failed, for which ``user@target:port`` as written (not the logical host name), with
+    which key, and where the worker was named."""
     if settings is not None:
-        return f"{_describe(exc, settings)} ({_destination(settings)})"
-    return _describe(exc, None)
+        dest = connerrors.from_settings(settings, origin)
+    elif conn is not None:
+        dest = connerrors.from_connection(conn, origin)
+    else:
+        dest = None
+    return connerrors.describe(exc, dest, handshake)
 
 
-def _destination(settings: SshSettings) -> str:
-    user = f"{settings.user}@" if settings.user else ""
-    port = f":{settings.port}" if settings.port else ""
-    keys = ", ".join(settings.identity_files)
-    with_key = f" with key {keys}" if keys else ""
-    via = f" via ssh config {settings.config_file}" if settings.config_file else ""
-    return f"{user}{settings.target}{port}{with_key}{via}"
+def handshake_of(conn: Any) -> Optional[connerrors.Handshake]:
+    """How far a failed connection's SSH handshake got (before it is closed): paramiko
+    gives up on a silent server with "No existing session" when its connect timeout ends
+    before its banner timeout does, so the exception alone cannot say."""
+    transport = getattr(getattr(conn, "client", None), "_transport", None)
+    if transport is None:
+        return None
+    return connerrors.Handshake(banner=bool(getattr(transport, "remote_version", "")),
+                                kex=bool(getattr(transport, "initial_kex_done", False)))
 
 
-def _describe(exc: BaseException, settings: Optional[SshSettings]) -> str:
-    if isinstance(exc, FileNotFoundError) and settings is not None \
-            and exc.filename in settings.identity_files:
-        return f"identity file {exc.filename} does not exist"
-    if isinstance(exc, paramiko.BadHostKeyException):
-        return (
-            f"host key has CHANGED (got {exc.key.get_name()} {exc.key.get_fingerprint().hex()}, "
-            f"expected {exc.expected_key.get_fingerprint().hex()}); refusing to connect. "
-            "If the host was reinstalled, remove its old line from "
-            "known_hosts."
-        )
-    if isinstance(exc, paramiko.SSHException) and "not found in known_hosts" in str(exc):
-        return f"host key is unknown and StrictHostKeyChecking=yes: {exc}"
-    if isinstance(exc, paramiko.AuthenticationException):
-        return f"authentication refused: {exc}"
-    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
-        return f"unreachable: {exc}"
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return "connect timed out"
-    if isinstance(exc, OSError):
-        return f"unreachable: {exc.strerror or exc}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def open_connection(settings: SshSettings, config: Optional[Config] = None) -> FdlConnection:
+def open_connection(settings: SshSettings, config: Optional[Config] = None, *,
+                    origin: Optional[connerrors.Origin] = None) -> FdlConnection:
     """Connect now, or raise SshConnectError naming the host."""
     conn = make_connection(settings, config)
     try:
         conn.open()
     except Exception as exc:  # every transport failure becomes one clear error
+        handshake = handshake_of(conn)
         conn.close()
-        raise SshConnectError(settings.host, describe_connect_error(exc, settings)) from exc
+        raise SshConnectError(settings.host, describe_connect_error(
+            exc, settings, origin=origin, handshake=handshake)) from exc
     return conn
 
 
@@ -396,6 +393,9 @@ class SshTransport(Transport):
     """A host behind an SSH server: one Fabric Connection, one session per agent."""
 
     kind = "ssh"
+    #: Where the host was named (a cluster file's line, ``--hosts``): said when a connect
+    #: fails (`connerrors.mark`).
+    origin: Optional[connerrors.Origin] = None
 
     def __init__(self, *args: Any, config: Optional[Config] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -423,13 +423,18 @@ class SshTransport(Transport):
         if self.connection is not None and self.connection.is_connected:
             return
         if self.connection is not None and self.settings is None:  # someone else's
+            conn = self.connection
             try:
-                self.connection.open()
+                conn.open()
             except Exception as exc:
-                raise TransportError(self.host, describe_connect_error(exc)) from None
+                handshake = handshake_of(conn)
+                with contextlib.suppress(Exception):
+                    conn.close()
+                raise TransportError(self.host, describe_connect_error(
+                    exc, origin=self.origin, handshake=handshake, conn=conn)) from None
             return
         try:
-            self.connection = open_connection(self._settings, self.config)
+            self.connection = open_connection(self._settings, self.config, origin=self.origin)
         except SshConnectError as exc:
             raise TransportError(self.host, exc.reason) from None
 
@@ -484,12 +489,9 @@ class SshTransport(Transport):
         result = ProbeResult()
         start = time.monotonic()
         try:
-            conn = open_connection(settings, self.config)
-        except SshConnectError as exc:
-            reason = exc.reason
-            if "CHANGED" in reason:
-                reason += f" (known_hosts: {settings.known_hosts_file}, entry {key_name})"
-            result.reach, result.reach_status = reason, "FAIL"
+            conn = open_connection(settings, self.config, origin=self.origin)
+        except SshConnectError as exc:  # a changed key's words name known_hosts already
+            result.reach, result.reach_status = exc.reason, "FAIL"
             return result
         connect_ms = _ms(start)
         try:
