@@ -78,6 +78,8 @@ class Name(str, Enum):
     BATCHMODE_OFF = ("batchmode_off", Kind.WARNING)
     KEEPALIVE_LOST = ("keepalive_lost", Kind.WARNING)
     LOG_FAILED = ("log_failed", Kind.WARNING)
+    #: ``--log-dir``: where this run's logs go, said as it starts (and its ``latest`` link).
+    LOG_FOLDER = ("log_folder", Kind.LAUNCH)
     FAILURE_DETAIL = ("failure_detail", Kind.WARNING)
     RESTARTING = ("restarting", Kind.RESTART)
     #: The membership of an attempt: its hosts, world size, who is left out and why.
@@ -168,6 +170,8 @@ class Name(str, Enum):
     SUMMARY = ("summary", Kind.SUMMARY)
     ATTEMPTS = ("attempts", Kind.SUMMARY)
     ROOT_CAUSE = ("root_cause", Kind.SUMMARY)
+    #: ``--log-dir``: where this run's logs are, said again just before the verdict.
+    LOGS_KEPT = ("logs_kept", Kind.SUMMARY)
     VERDICT = ("verdict", Kind.VERDICT)
     DRY_RUN = ("dry_run", Kind.RESULT)
     # -- the other commands ------------------------------------------------------------------

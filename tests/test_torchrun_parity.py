@@ -130,7 +130,7 @@ def test_a_rank_failing_on_attempt_0_and_passing_on_attempt_1_exits_0_with_two_a
     assert out.stderr.splitlines()[-1] == "cluster launcher: run completed — all 4 ranks exited 0"
     for rank in range(4):
         assert f"[{'localhost' if rank < 2 else 'lab1'}:cpu:r{rank}] attempt 1 of 2" in out.stdout
-    (run_dir,) = logs.iterdir()
+    (run_dir,) = [p for p in logs.iterdir() if p.name != "latest"]
     assert (run_dir / "attempt_0" / "r1" / "stdout.log").read_text() == "attempt 0 of 2\n"
     assert (run_dir / "attempt_1" / "r1" / "stdout.log").read_text() == "attempt 1 of 2\n"
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -197,7 +197,7 @@ def test_a_failing_ranks_error_file_names_the_root_cause_and_log_dir_keeps_it(
     assert cause == ["root cause: rank 1 of lab1 (lab1:cpu:r1) exited with status 1: "
                      "ValueError: boom from rank 1"], out.stderr
     assert 'raise ValueError("boom from rank 1")' in out.stderr  # the traceback's tail
-    (run_dir,) = logs.iterdir()
+    (run_dir,) = [p for p in logs.iterdir() if p.name != "latest"]
     error = json.loads((run_dir / "attempt_0" / "r1" / "error.json").read_text())
     assert error["message"]["message"] == "ValueError: boom from rank 1"
     assert not (run_dir / "attempt_0" / "r0" / "error.json").exists()

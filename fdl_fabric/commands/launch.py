@@ -59,6 +59,7 @@ from ..planning.tree import cluster_tree, tree_hosts
 from ..preflight import Status, agent_checks, judge, launch_plan
 from ..preflight.run import port_owner
 from ..presentation.dryrun import dry_run_data, dry_run_devices, plan_as_json
+from ..presentation.latest import RunFolder, point_latest
 from ..presentation.output import Console, JsonConsole, RunLog
 from ..presentation.rankoutput import RankOutput
 from ..presentation.words import cause_data, unreachable
@@ -271,6 +272,7 @@ class Launch:
         self.stack = contextlib.ExitStack()
         self.monitor: Optional[Any] = None
         self.log: Optional[RunLog] = None
+        self.folder: Optional[RunFolder] = None
         #: Seconds of silence from the launcher after which agents stop their ranks.
         self.lease: Optional[float] = None
         self.signals = Signals()
@@ -389,6 +391,8 @@ class Launch:
         if opts.log_dir:
             self.log = RunLog(opts.log_dir, self.run_id, on_error=self._log_failed)
             self.events.add(self.log)
+            self.folder = point_latest(opts.log_dir, self.run_id)
+            self.events(Name.LOG_FOLDER, **self.folder.data())
         self.transports = for_cluster(cluster, r.settings)
         selection = self._select(r, 0)
         if selection is None:
@@ -781,6 +785,8 @@ class Launch:
         if self.resolved is not None and self.resolved.max_failure is not None \
                 and not self.joined_any and final.started_any:
             self.events(Name.MAX_FAILURE_UNUSED)
+        if self.folder is not None and self.log is not None:
+            self.events(Name.LOGS_KEPT, **self.folder.data(), failed=self.log.failed)
         self.events(Name.VERDICT, cause=cause_data(final.cause), exit_code=final.exit_code,
                     verdict=final.verdict.value, attempts=len(self.results),
                     run_id=self.run_id, faults=dict(self.faulted))

@@ -466,6 +466,18 @@ def _root_cause(e: Event, d: Mapping[str, Any]) -> str:
                       *(f"  | {line}" for line in quoted)])
 
 
+def _log_folder(e: Event, d: Mapping[str, Any]) -> str:
+    latest = f"; {d['latest']} points at it" if d.get("latest") else \
+        f"; no latest link: {d['latest_error']}" if d.get("latest_error") else ""
+    return f"{L}run {d['run_id']}: every rank's output is kept in {d['folder']}{latest}"
+
+
+def _logs_kept(e: Event, d: Mapping[str, Any]) -> str:
+    also = f" (also {d['latest']})" if d.get("latest") else ""
+    cut = f"; incomplete: {d['failed']}" if d.get("failed") else ""
+    return f"{L}logs of run {d['run_id']}: {d['folder']}{also}{cut}"
+
+
 def _log_line(d: Mapping[str, Any]) -> list[str]:
     return [f"  its stderr: {d['log']}"] if d.get("log") else []
 
@@ -537,6 +549,7 @@ _WORDS: dict[Name, Words] = {
         "requested."),
     Name.KEEPALIVE_LOST: lambda e, d: (f"{L}host {e.host!r} stopped answering keepalives for "
                                        f"{d['silent']:.0f}s; treating its connection as lost"),
+    Name.LOG_FOLDER: _log_folder,
     Name.LOG_FAILED: lambda e, d: (f"{L}--log-dir: {d['error']}; rank logs stop here "
                                    f"({d['folder']})"),
     Name.FAILURE_DETAIL: lambda e, d: str(d["text"]),
@@ -679,6 +692,7 @@ _WORDS: dict[Name, Words] = {
     Name.SUMMARY: _summary,
     Name.ATTEMPTS: _attempts,
     Name.ROOT_CAUSE: _root_cause,
+    Name.LOGS_KEPT: _logs_kept,
     Name.VERDICT: _verdict,
     Name.DRY_RUN: lambda e, d: dry_run_text(d),
     # the other commands
