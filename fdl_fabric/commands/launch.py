@@ -76,6 +76,7 @@ from ..transport.session import AgentSession
 from ..transport.sshconfig import SshSettings, resolve_all_settings
 from ..transport.tunnel import check_open_files, open_tunnel
 from .cleanup import sweep_request, sweep_with_agents
+from .planwarnings import plan_warnings
 
 #: Seconds to wait for every agent's answer to a device probe.
 PROBE_TIMEOUT = 60.0
@@ -406,7 +407,9 @@ class Launch:
             self.log.write_cluster(plan_as_json(plan))
         self.events(Name.LAUNCH, run_id=plan.run_id, world_size=plan.world_size,
                     ranks={h: [r.rank for r in plan.host_ranks(h)] for h in plan.hosts()})
-        for name, data in plan_warnings(plan):
+        for name, data in plan_warnings(
+                plan, targets={h: s.target.rpartition("@")[2] for h, s in r.settings.items()},
+                from_flags=opts.cluster is not None and opts.cluster_file is None):
             self.events(name, **data)
         if any(plan.defaults(h) for h in plan.hosts()):
             self.events(Name.OMP_DEFAULTED)
@@ -825,26 +828,6 @@ def membership_data(selection: Selection, plan: LaunchPlan) -> dict[str, Any]:
     return {"hosts": list(selection.hosts), "world_size": plan.world_size,
             "roster": selection.target, "left_out": dict(selection.left_out),
             "readmitted": list(selection.readmitted), "spares": list(selection.spares)}
-
-
-def plan_warnings(plan: LaunchPlan) -> list[tuple[Name, dict[str, Any]]]:
-    """Addresses that cannot work: loopback where a remote worker must dial in."""
-    remote = {w.host: w.addr for w in plan.cluster.workers
-              if not w.is_local and not w.tunnel and not is_loopback(w.addr)}
-    if not remote:
-        return []
-    warnings: list[tuple[Name, dict[str, Any]]] = []
-    master = plan.ranks[0].env.get("MASTER_ADDR", "")
-    if is_loopback(master):
-        warnings.append((Name.PLAN_LOOPBACK_MASTER, {"address": master, "remote": remote}))
-    host = plan.cluster.controller.host
-    if is_loopback(host):
-        warnings.append((Name.PLAN_LOOPBACK_CONTROLLER, {"address": host, "remote": remote}))
-    return warnings
-
-
-def is_loopback(address: str) -> bool:
-    return address == "localhost" or address == "::1" or address.startswith("127.")
 
 
 def make_console(opts: LaunchOptions) -> Console:

@@ -185,11 +185,18 @@ def _open_files_raised(e: Event, d: Mapping[str, Any]) -> str:
 
 
 def _loopback_master(e: Event, d: Mapping[str, Any]) -> str:
+    fix = ("pass --master-addr ADDR, an address of the first host that the others reach"
+           if d.get("flags") else "give the first worker an `addr:` the others reach")
     return (f"{L}MASTER_ADDR is {d['address']}, a loopback address, but {_remote(d)} dial it "
-            "from another machine: give the first worker an `addr:` the others reach")
+            f"from another machine: {fix}")
 
 
 def _loopback_controller(e: Event, d: Mapping[str, Any]) -> str:
+    """For a cluster file, its keys; for ``--hosts``/``--hostfile`` (no file), the flag."""
+    if d.get("flags"):
+        return (f"{L}the coordinator listens on {d['address']}, a loopback address, but "
+                f"{_remote(d)} dial it from another machine: pass --controller-addr ADDR, an "
+                "address of this machine that they reach")
     return (f"{L}controller.host is {d['address']}, a loopback address, but {_remote(d)} dial "
             "the coordinator from another machine: set controller.host to an address they "
             "reach, or tunnel: true")

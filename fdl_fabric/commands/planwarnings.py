@@ -1,0 +1,113 @@
+"""Warnings about a plan's addresses: loopback where a host on another machine must dial.
+
+A coordinator bound to 127.0.0.1, or a ``MASTER_ADDR`` of 127.0.0.1, works only for ranks
+on this machine. A worker is on this machine when the cluster says so (``localhost``,
+this host's name, a tunnel that forwards to it), or when its address or its ssh
+destination (the ``HostName`` of an ssh_config alias, as `sshconfig` resolved it) is a
+loopback address or one of this machine's own interface addresses, given as such or
+by a name that resolves only to them. So ``--hosts 127.0.0.2,127.0.0.3`` or aliases of
+this machine warn nothing; a host elsewhere, or a name that does not resolve, is
+warned about. Names are looked up only when a warning is possible (a loopback master
+or controller), each once.
+
+The advice is in the words of how the cluster was given: keys of the cluster file, or
+flags (``--controller-addr ADDR``, ``--master-addr ADDR``) for ``--hosts`` and
+``--hostfile``, whose cluster has no file to edit.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import psutil
+
+from ..events import Name
+from ..planning.plan import LaunchPlan
+
+Resolve = Callable[[str], list[str]]
+
+
+def is_loopback(address: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ``::1``, as written (no lookup)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]").split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve(name: str) -> list[str]:
+    """Every address ``name`` resolves to ([] when it does not)."""
+    try:
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(name, None)})
+    except (OSError, UnicodeError):
+        return []
+
+
+def own_addresses() -> set[str]:
+    """The addresses of this machine's interfaces (IPv6 without its ``%scope``)."""
+    try:
+        interfaces = psutil.net_if_addrs()
+    except OSError:
+        return set()
+    return {a.address.split("%")[0] for addrs in interfaces.values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}
+
+
+class ThisMachine:
+    """Whether an address or a name is this machine, each name looked up once."""
+
+    def __init__(self, lookup: Resolve = resolve) -> None:
+        self._lookup = lookup
+        self._own: Optional[set[str]] = None
+        self._known: dict[str, bool] = {}
+
+    def __call__(self, name: str) -> bool:
+        if not name:
+            return False
+        if name not in self._known:
+            self._known[name] = self._is_ours(name)
+        return self._known[name]
+
+    def _ours(self, address: str) -> bool:
+        if self._own is None:
+            self._own = own_addresses()
+        return is_loopback(address) or address.split("%")[0] in self._own
+
+    def _is_ours(self, name: str) -> bool:
+        if is_loopback(name):
+            return True
+        try:
+            return self._ours(str(ipaddress.ip_address(name.strip("[]").split("%")[0])))
+        except ValueError:
+            found = self._lookup(name)
+            return bool(found) and all(self._ours(a) for a in found)
+
+
+def plan_warnings(plan: LaunchPlan, *, targets: Optional[Mapping[str, str]] = None,
+                  from_flags: bool = False, lookup: Resolve = resolve
+                  ) -> list[tuple[Name, dict[str, Any]]]:
+    """Addresses that cannot work: loopback where a worker on another machine must dial
+    in. ``targets``: each SSH host's destination (its ssh_config ``HostName``);
+    ``from_flags``: the cluster came from ``--hosts``/``--hostfile`` (advice in flags)."""
+    master = plan.ranks[0].env.get("MASTER_ADDR", "")
+    host = plan.cluster.controller.host
+    if not (is_loopback(master) or is_loopback(host)):
+        return []
+    here = ThisMachine(lookup)
+    remote = {w.host: w.addr for w in plan.cluster.workers
+              if not w.is_local and not w.tunnel and not here(w.addr)
+              and not here((targets or {}).get(w.host, ""))}
+    if not remote:
+        return []
+    said = {"remote": remote, "flags": from_flags, "file": plan.cluster.file}
+    warnings: list[tuple[Name, dict[str, Any]]] = []
+    if is_loopback(master):
+        warnings.append((Name.PLAN_LOOPBACK_MASTER, {"address": master, **said}))
+    if is_loopback(host):
+        warnings.append((Name.PLAN_LOOPBACK_CONTROLLER, {"address": host, **said}))
+    return warnings

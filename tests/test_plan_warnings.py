@@ -1,0 +1,114 @@
+"""The loopback warnings (`commands.planwarnings`): raised only for a host on another
+machine, and worded in flags for a cluster given by ``--hosts`` or ``--hostfile``."""
+
+from __future__ import annotations
+
+import socket
+import textwrap
+
+import psutil
+
+from fdl_fabric.clusterfile import parse_cluster
+from fdl_fabric.clusterfile.model import ClusterSpec
+from fdl_fabric.commands.planwarnings import ThisMachine, is_loopback, plan_warnings
+from fdl_fabric.events import event
+from fdl_fabric.planning.plan import LaunchPlan, build_plan
+from fdl_fabric.presentation.words import render
+
+
+def plan_of(cluster: ClusterSpec) -> LaunchPlan:
+    return build_plan(cluster, argv=["true"], run_id="r", salt=b"\0" * 16)
+
+
+def hosts(*names: str, controller: str = "127.0.0.1") -> ClusterSpec:
+    """What ``--hosts a,b`` stands for (`hosts.cluster_from_hosts` writes the same cluster
+    and reads it with ``file="--hosts"``), with the coordinator at ``controller``."""
+    workers = "".join(f"  - host: {n}\n    nproc: 1\n    path: /srv\n" for n in names)
+    return parse_cluster(f"controller:\n  host: {controller}\nworkers:\n{workers}",
+                         file="--hosts", folder="/srv", local_hostname="x")
+
+
+def words(cluster: ClusterSpec, **kwargs: object) -> list[str]:
+    return [render(event(name, **data))
+            for name, data in plan_warnings(plan_of(cluster), **kwargs)]  # type: ignore[arg-type]
+
+
+def nowhere(name: str) -> list[str]:
+    return []
+
+
+def own_address() -> str:
+    """An address of one of this machine's interfaces that is not loopback."""
+    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family == socket.AF_INET and not is_loopback(a.address)]
+    assert found, "this machine has an IPv4 address besides loopback"
+    return found[0]
+
+
+def test_hosts_that_are_this_machine_raise_no_loopback_warning() -> None:
+    # Loopback addresses, this machine's own address, and aliases whose ssh HostName is
+    # loopback (the names themselves resolve nowhere).
+    assert words(hosts("127.4.0.21", "127.4.0.22"), lookup=nowhere) == []
+    assert words(hosts(own_address(), "127.0.0.3"), lookup=nowhere) == []
+    assert words(hosts("node0", "node1"), lookup=nowhere,
+                 targets={"node0": "127.4.0.21", "node1": "127.4.0.22"}) == []
+    # A name that resolves only to this machine's addresses is this machine.
+    assert words(hosts("me.example.invalid", "node1"), targets={"node1": "127.0.0.9"},
+                 lookup=lambda name: ["127.0.1.1", own_address()]) == []
+
+
+def test_a_host_elsewhere_is_warned_about_in_flags_for_a_file_less_run() -> None:
+    said = words(hosts("127.0.0.2", "gpu-b.example.invalid"), lookup=nowhere,
+                 from_flags=True)
+    assert said[1:] == [
+        "cluster launcher: the coordinator listens on 127.0.0.1, a loopback address, but "
+        "gpu-b.example.invalid (gpu-b.example.invalid) dial it from another machine: pass "
+        "--controller-addr ADDR, an address of this machine that they reach"]
+    assert said[0].startswith("cluster launcher: MASTER_ADDR is 127.0.0.2")
+    assert not [w for w in said if "controller.host" in w or "addr:" in w]
+    # A name resolving to this machine and to another is not only this machine.
+    assert words(hosts("127.0.0.2", "mixed.example.invalid"), from_flags=True,
+                 lookup=lambda name: ["127.0.0.1", "192.0.2.7"])
+
+
+def test_a_loopback_master_addr_of_a_file_less_run_names_the_flag() -> None:
+    cluster = hosts("127.0.0.5", "192.0.2.10", controller="192.0.2.1")
+    (said,) = words(cluster, lookup=nowhere, from_flags=True)
+    assert said.startswith("cluster launcher: MASTER_ADDR is 127.0.0.5, a loopback address, "
+                           "but 192.0.2.10 (192.0.2.10) dial it from another machine")
+    assert said.endswith("pass --master-addr ADDR, an address of the first host that the "
+                         "others reach")
+
+
+def test_a_cluster_files_warning_keeps_the_files_words() -> None:
+    cluster = parse_cluster(textwrap.dedent("""\
+        workers:
+          - host: localhost
+            nproc: 1
+            path: /srv
+          - host: gpu-b.example.invalid
+            addr: 192.0.2.10
+            nproc: 1
+            path: /srv
+        """), local_hostname="x")
+    said = words(cluster, lookup=nowhere)
+    assert any("set controller.host to an address they reach, or tunnel: true" in w
+               for w in said)
+    assert any("give the first worker an `addr:` the others reach" in w for w in said)
+
+
+def test_each_name_is_looked_up_once_and_only_when_a_warning_is_possible() -> None:
+    asked: list[str] = []
+
+    def lookup(name: str) -> list[str]:
+        asked.append(name)
+        return []
+
+    here = ThisMachine(lookup)
+    assert not here("a.example.invalid") and not here("a.example.invalid")
+    assert here("127.0.0.1") and here("::1") and here("[::1]") and here("localhost")
+    assert asked == ["a.example.invalid"]
+    # Nothing on loopback: nothing to warn about, no name looked up.
+    asked.clear()
+    cluster = hosts("a.example.invalid", "b.example.invalid", controller="192.0.2.1")
+    assert words(cluster, lookup=lookup) == [] and asked == []
