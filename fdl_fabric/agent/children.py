@@ -43,13 +43,20 @@ def spawn(argv: Sequence[str], env: Dict[str, str], cwd: str) -> Child:
     """Fork and exec ``argv`` in ``cwd`` with exactly ``env``, in a new session."""
     if not argv:
         raise SpawnError("the command is empty")
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    status_r, status_w = os.pipe2(os.O_CLOEXEC)
     args: List[bytes] = [os.fsencode(a) for a in argv]
     envb = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
     cwd_b = os.fsencode(os.path.expanduser(cwd))
-    pid = os.fork()
+    opened: List[int] = []
+    try:
+        for pair in (os.pipe(), os.pipe(), os.pipe2(os.O_CLOEXEC)):
+            opened += pair
+        out_r, out_w, err_r, err_w, status_r, status_w = opened
+        pid = os.fork()
+    except OSError as exc:  # nothing started: say which limit stopped it
+        for fd in opened:
+            os.close(fd)
+        raise SpawnError(describe(exc.errno or 0, "fork" if len(opened) == 6 else "pipe",
+                                  argv[0], cwd)) from None
     if pid == 0:  # pragma: no cover - the child; observed through its effects
         step = "setsid"
         try:
@@ -92,23 +99,50 @@ def spawn(argv: Sequence[str], env: Dict[str, str], cwd: str) -> Child:
         os.close(err_r)
         _reap(pid)
         code, _, step = report.decode("ascii", "replace").partition(":")
-        raise SpawnError(_describe(int(code or 0), step, argv[0], cwd))
+        raise SpawnError(describe(int(code or 0), step, argv[0], cwd))
     started = _start_of(pid)
     return Child(pid=pid, start=started, stdout=out_r, stderr=err_r)
 
 
-def _describe(code: int, step: str, program: str, cwd: str) -> str:
+def describe(code: int, step: str, program: str, cwd: str) -> str:
+    """What failed while starting a rank, by the step that failed (``pipe``, ``fork``,
+    ``setsid``, ``cd``, ``redirect``, ``exec``) and its errno: a limit is named as the
+    limit it is (``ulimit -u``, ``ulimit -n``), a program as not found or not executable."""
     reason = os.strerror(code) if code else "unknown error"
+    if step == "fork" and code == errno.EAGAIN:
+        return (f"{program}: cannot fork: the process limit (ulimit -u) was reached "
+                f"({reason})")
+    if step in ("fork", "exec") and code == errno.ENOMEM:
+        return f"{program}: cannot {step}: out of memory ({reason})"
+    if step == "pipe" and code in (errno.EMFILE, errno.ENFILE):
+        which = "this agent's open-file limit (ulimit -n)" if code == errno.EMFILE else \
+            "the system's open-file limit (fs.file-max)"
+        return f"{program}: cannot open its output pipes: {which} was reached ({reason})"
     if step == "cd":
         return f"cannot enter the working directory {cwd}: {reason}"
     if step == "exec" and code == errno.ENOENT:
         where = "" if "/" in program else " on PATH"
         return f"{program}: not found{where}"
     if step == "exec" and code == errno.EACCES:
-        return f"{program}: permission denied (not executable?)"
+        return f"{program}: not executable (permission denied)"
+    if step == "exec" and code == errno.ENOEXEC:
+        return f"{program}: not an executable format (a script without a #! line?)"
+    if step == "exec" and code == errno.EAGAIN:
+        return f"{program}: cannot exec: the process limit (ulimit -u) was reached ({reason})"
     if step == "exec" and code == errno.E2BIG:
         return f"{program}: argument list too long for this host's kernel ({reason})"
     return f"{program}: {step} failed: {reason}"
+
+
+def problem(exc: BaseException) -> str:
+    """Why a rank did not start, labelled by what failed: a `SpawnError` says it (`spawn`
+    raises nothing else); any other error came from making its error file ready
+    (TORCHELASTIC_ERROR_FILE, under the run registry), without which it is not started."""
+    if isinstance(exc, SpawnError):
+        return str(exc)
+    reason = getattr(exc, "strerror", None) or str(exc)
+    where = getattr(exc, "filename", None)
+    return f"cannot prepare its error file{' ' + str(where) if where else ''}: {reason}"
 
 
 def _reap(pid: int) -> None:

@@ -551,12 +551,8 @@ class Agent:
                                                   rank)
                     env[ENV_ERROR_FILE] = error_file
                 child = children.spawn(argv, env, str(spec["cwd"]))
-            except (OSError, procs.RegistryError) as exc:
-                self.send(wire.SPAWN_FAILED, {"rank": rank, "reason": f"error file: {exc}"})
-                self._leash()
-                break
-            except children.SpawnError as exc:
-                self.send(wire.SPAWN_FAILED, {"rank": rank, "reason": str(exc)})
+            except (OSError, procs.RegistryError, children.SpawnError) as exc:
+                self.send(wire.SPAWN_FAILED, {"rank": rank, "reason": children.problem(exc)})
                 self._leash()  # all or none: stop what this host already started
                 break
             proc = RankProc(rank=rank, pid=child.pid, start=child.start, error_file=error_file)
