@@ -1,5 +1,6 @@
 """``--json``: every event of a real launch as one JSON line on stdout, the verdict last
-(issue 21, item 3; the schema is in docs/cli.md)."""
+(issue 21, item 3), in the one record shape events.jsonl has too (issue 29, item 7;
+docs/events.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_json_lines_of_a_launch_on_two_hosts_end_with_the_verdict(sshd_lab) -> N
     out = run_launch(cluster, "--json", "--cmd", f"python3 {PROBE}", timeout=90)
     assert out.returncode == 0, out.stderr
     records = _records(out.stdout)  # every line parses: nothing else is on stdout
-    assert all(set(r) >= {"time", "kind", "name", "host", "rank", "data"} for r in records)
+    assert all(set(r) >= {"v", "time", "kind", "name", "host", "rank", "data"}
+               and r["v"] == 1 for r in records)
     output = [r for r in records if r["kind"] == "output"]
     assert {(r["host"], r["rank"]) for r in output} == {
         ("lab1", 0), ("lab1", 1), ("lab2", 2), ("lab2", 3)}
@@ -47,3 +49,18 @@ def test_fdl_fabric_run_json_reports_a_failure_in_its_last_record(tmp_path: Path
     assert last["kind"] == "verdict" and last["data"]["exit_code"] == 1  # type: ignore[index]
     assert last["message"] == ("cluster launcher: failed: rank 1 of localhost exited with "
                                "status 3")
+
+
+def test_json_lines_and_events_jsonl_of_one_run_are_the_same_records(tmp_path: Path) -> None:
+    (tmp_path / "boom.py").write_text("import os, sys\nprint('hi')\n"
+                                      "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    out = subprocess.run([sys.executable, "-m", "fdl_fabric", "run", "--json", "--log-dir",
+                          "logs", "--nproc-per-node", "2", "boom.py"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    printed = _records(out.stdout)
+    (run_dir,) = [p for p in (tmp_path / "logs").iterdir() if not p.is_symlink()]
+    logged = _records((run_dir / "events.jsonl").read_text())
+    assert {r["kind"] for r in printed} - {r["kind"] for r in logged} == {"output"}
+    assert [r for r in printed if r["kind"] != "output"] == logged
+    assert logged[-1]["kind"] == "verdict" and logged[-1]["attempt"] == 0

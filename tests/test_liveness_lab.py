@@ -245,7 +245,7 @@ def test_a_host_unreachable_on_a_restart_ends_the_launch_with_its_verdict_last(
 
 
 def _events(log_dir: Path) -> list[dict[str, Any]]:
-    (run_dir,) = log_dir.iterdir()
+    (run_dir,) = [p for p in log_dir.iterdir() if not p.is_symlink()]
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
@@ -262,7 +262,7 @@ def test_every_failed_start_writes_its_verdict_to_events_jsonl(
     assert out.returncode == 1
     assert out.stderr.splitlines()[-1].startswith("cluster launcher: failed: cannot connect to "
                                                   "host 'lab1'")
-    (verdict,) = [e for e in _events(logs) if e["event"] == "verdict"]
+    (verdict,) = [e["data"] for e in _events(logs) if e["kind"] == "verdict"]
     assert verdict["exit_code"] == 1 and verdict["verdict"] == "failed"
 
 
@@ -380,13 +380,13 @@ def test_a_hung_gloo_all_reduce_ends_hung_with_every_ranks_stack_grouped(
     assert err[head + 1].startswith("  rank 1 (lab1): stuck_here (hang.py:"), run.err
     assert err[head + 2].startswith("  ranks 0, 2, 3 (lab1, lab2): all_reduce "
                                     "(distributed_c10d.py:"), run.err
-    (run_dir,) = logs.iterdir()
+    (run_dir,) = [p for p in logs.iterdir() if not p.is_symlink()]
     dump = (run_dir / "attempt_0" / "stacks" / "r1.txt").read_text()
     assert "stuck_here (hang.py:" in dump and 'Thread' in dump and "MainThread" in dump
     events = _events(logs)
-    (stacks,) = [e for e in events if e["event"] == "stacks"]
+    (stacks,) = [e["data"] for e in events if e["kind"] == "stacks"]
     assert stacks["files"] == [f"attempt_0/stacks/r{r}.txt" for r in range(4)]
-    (verdict,) = [e for e in events if e["event"] == "verdict"]
+    (verdict,) = [e["data"] for e in events if e["kind"] == "verdict"]
     assert verdict["verdict"] == "hung" and verdict["exit_code"] == 1
 
 

@@ -66,9 +66,65 @@ def test_events_are_written_as_timestamped_json_lines_with_their_data_and_words(
     log.emit(failed("h", 2, 3))
     log.close()
     line = json.loads((tmp_path / "run1" / "events.jsonl").read_text())
-    assert line["event"] == "death" and line["name"] == "rank_failed" and line["time"] > 0
-    assert line["rank"] == 2 and line["exit"] == {"code": 3, "signal": None, "lost": None}
+    assert line["v"] == 1 and line["time"] > 0
+    assert line["kind"] == "death" and line["name"] == "rank_failed"
+    assert line["rank"] == 2 and line["data"]["exit"] == {"code": 3, "signal": None,
+                                                          "lost": None}
     assert line["message"] == render(failed("h", 2, 3))
+
+
+# -- issue 29, item 7: one record shape for --json and events.jsonl ----------------------------
+def _both(tmp_path: Path, *events: Event) -> tuple[list[dict[str, object]],
+                                                   list[dict[str, object]]]:
+    """What events.jsonl and ``--json`` wrote for ``events``."""
+    from fdl_fabric.presentation.output import JsonConsole
+
+    log = RunLog(str(tmp_path), "run1")
+    out = io.StringIO()
+    console = JsonConsole(out=out, err=io.StringIO())
+    for e in events:
+        log.emit(e)
+        console.emit(e)
+    log.close()
+    logged = [json.loads(x) for x in (tmp_path / "run1" / "events.jsonl").read_text().splitlines()]
+    return logged, [json.loads(x) for x in out.getvalue().splitlines()]
+
+
+def test_json_and_events_jsonl_write_the_same_record_for_the_same_event(tmp_path: Path) -> None:
+    from fdl_fabric.presentation.records import FIELDS
+    from fdl_fabric.presentation.words import cause_data
+
+    cause = cause_data(failed("h", 1, 3))
+    run = [event(Name.LAUNCH, run_id="r1", world_size=2, ranks={"h": [0, 1]}),
+           failed("h", 1, 3),
+           event(Name.RESTARTING, attempt=1, max_restarts=1, cause=cause, error=None,
+                 hosts=["h"], roster=1, world_size=2, left_out={}),
+           event(Name.RANK_STARTED, host="h", rank=0, pid=7, label="h:cpu:r0"),
+           event(Name.VERDICT, cause=cause_data(event(Name.COMPLETED, world_size=2)),
+                 exit_code=0, verdict="ok", attempts=2, run_id="r1", faults={})]
+    logged, printed = _both(tmp_path, *run)
+    assert logged == printed
+    assert all(list(r) == list(FIELDS) for r in logged)
+    assert [r["attempt"] for r in logged] == [0, 0, 1, 1, 1]
+    assert logged[-1]["data"]["exit_code"] == 0  # type: ignore[index]
+
+
+def test_only_rank_output_and_bulky_values_differ_and_each_is_said(tmp_path: Path) -> None:
+    crashed = event(Name.RANK_FAILED, host="h", rank=1, ok=False, error_file='{"message": 1}',
+                    exit={"code": 1, "signal": None, "lost": None})
+    logged, printed = _both(tmp_path, event(Name.LAUNCH, run_id="r1", world_size=2,
+                                            ranks={"h": [0, 1]}),
+                            output("h", 0, "hi"), crashed)
+    assert [r["kind"] for r in printed] == ["launch", "output", "death"]
+    assert [r["kind"] for r in logged] == ["launch", "death"]  # output: in r0/stdout.log
+    out = printed[1]
+    assert out["message"] is None and "raw" not in out["data"]  # type: ignore[operator]
+    assert out["data"]["text"] == "hi"  # type: ignore[index]
+    assert printed[2]["data"]["error_file"] == '{"message": 1}'  # type: ignore[index]
+    assert "error_file" not in logged[1]["data"]  # type: ignore[operator]
+    assert logged[1]["data"]["error_json"] == "attempt_0/r1/error.json"  # type: ignore[index]
+    assert (tmp_path / "run1" / "attempt_0" / "r1" / "error.json").read_text() == \
+        '{"message": 1}'
 
 
 def test_quiet_console_hides_rank_output_but_not_events() -> None:

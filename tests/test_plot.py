@@ -22,10 +22,20 @@ from labutil import ROOT, run_launch
 
 def _record(t: float, name: Name, *, host: str | None = None, rank: int | None = None,
             **data: Any) -> dict[str, Any]:
-    """A record as the run log writes it (`log_record`), its words left out."""
-    record: dict[str, Any] = {"time": 1000.0 + t, "event": name.kind.value, "name": name.value}
-    record.update({k: v for k, v in (("host", host), ("rank", rank)) if v is not None})
-    return {**record, **data}
+    """A record as the run log writes it (`records.record`, docs/events.md), its words
+    left out: the attempt it belongs to at the top, the rest of the data nested."""
+    attempt = data.get("attempt", 0) if name is Name.RESTARTING else data.pop("attempt", 0)
+    return {"v": 1, "time": 1000.0 + t, "kind": name.kind.value, "name": name.value,
+            "host": host, "rank": rank, "attempt": attempt, "data": data}
+
+
+def _flat(record: dict[str, Any]) -> dict[str, Any]:
+    """The same record as events.jsonl wrote it before version 1: ``event`` for the kind,
+    the data at the top."""
+    flat = {"time": record["time"], "event": record["kind"], "name": record["name"],
+            "attempt": record["attempt"]}
+    flat.update({k: record[k] for k in ("host", "rank") if record[k] is not None})
+    return {**flat, **record["data"]}
 
 
 def _exit(code: int | None = None, lost: str | None = None) -> dict[str, Any]:
@@ -138,7 +148,7 @@ def test_a_run_with_a_restart_and_a_tolerated_death_is_drawn_truthfully(tmp_path
     """))
     done = run_launch(cluster, "--log-dir", str(tmp_path / "logs"), timeout=90)
     assert done.returncode == 0, done.stderr[-2000:]
-    (run,) = (tmp_path / "logs").iterdir()
+    (run,) = [p for p in (tmp_path / "logs").iterdir() if not p.is_symlink()]
 
     drawn = _plot(str(run))
     assert drawn.returncode == 0, drawn.stderr
@@ -170,3 +180,9 @@ def test_a_run_with_a_restart_and_a_tolerated_death_is_drawn_truthfully(tmp_path
 def test_help_after_the_command_shows_its_usage() -> None:
     done = _plot("--help")
     assert done.returncode == 0 and done.stdout.startswith("Usage: plot-run RUN_DIR")
+
+
+def test_a_log_written_before_the_versioned_records_still_reads_the_same() -> None:
+    new = read_timeline(RESTART_THEN_TOLERATE)
+    old = read_timeline([_flat(r) for r in RESTART_THEN_TOLERATE])
+    assert old == new and old.verdict == "degraded" and len(old.attempts) == 2

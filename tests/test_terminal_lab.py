@@ -233,7 +233,7 @@ def test_a_closed_stdout_leaves_the_run_going_with_no_traceback_and_every_line_l
     assert "stdout is closed" in out.stderr
     assert err[-2] == "cluster launcher: run completed — all 2 ranks exited 0", out.stderr
     assert len(out.stdout.splitlines()) == 1
-    (run_dir,) = logs.iterdir()
+    (run_dir,) = [p for p in logs.iterdir() if not p.is_symlink()]
     for r in range(2):
         text = (run_dir / "attempt_0" / f"r{r}" / "stdout.log").read_text()
         assert text.endswith("done\n") and text.startswith("step 0\n")
@@ -264,9 +264,9 @@ def test_sighup_ends_the_run_like_term_with_its_verdict(tmp_path: Path) -> None:
     assert err.splitlines()[-1] == \
         "cluster launcher: interrupted by SIGHUP — every rank was stopped", err
     assert "Traceback" not in err
-    (run_dir,) = logs.iterdir()
+    (run_dir,) = [p for p in logs.iterdir() if not p.is_symlink()]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert events[-1]["event"] == "verdict" and events[-1]["exit_code"] == 129
+    assert events[-1]["kind"] == "verdict" and events[-1]["data"]["exit_code"] == 129
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from typing import IO, Any, Callable, Optional, TextIO
 from ..events import Event, Kind, Name
 from ..supervision.supervisor import Rank, RankState
 from .ranklines import rank_block
+from .records import Attempts, record
 from .sanitize import clean, json_inert, neutralize, shown_lines
 from .screen import ERR, OUT, Screen
 from .stacks import dump_text
@@ -359,7 +360,8 @@ class RunLog:
         <dir>/<run_id>/attempt_<k>/r<rank>/stderr.log
         <dir>/<run_id>/attempt_<k>/r<rank>/error.json   a failed rank's error file
         <dir>/<run_id>/attempt_<k>/stacks/r<rank>.txt   every rank's stack (a hang, Ctrl-\\)
-        <dir>/<run_id>/events.jsonl           every other event, one JSON object a line
+        <dir>/<run_id>/events.jsonl           every other event, one record a line
+                                              (`records`, docs/events.md)
         <dir>/<run_id>/cluster.json           the resolved plan, secrets redacted
 
     ``k`` counts attempts (``--max-restarts``), from 0.
@@ -380,6 +382,8 @@ class RunLog:
         self._lock = threading.Lock()
         #: The attempt whose rank output is being written (``--max-restarts``).
         self.attempt = 0
+        #: The attempt each record belongs to (`records.Attempts`), as ``--json`` says.
+        self._attempts = Attempts()
         self.on_error = on_error
         #: Why the log stopped (a failed write), once it did.
         self.failed: Optional[str] = None
@@ -419,16 +423,21 @@ class RunLog:
         if event.kind is Kind.SPAWN and event.rank is not None:
             for stderr in (False, True):  # both exist from the start, as with torchrun
                 self._rank_file(event.rank, stderr)
-        record = log_record(event)
-        text = record.pop("error_file", None)
+        attempt = self._attempts.see(event)
+        data = dict(event.data)
+        text = data.pop("error_file", None)
         if isinstance(text, str) and event.rank is not None:
-            with _private_file(self.rank_folder(event.rank) / "error.json") as fh:
+            path = self.rank_folder(event.rank) / "error.json"
+            _private_dir(path.parent.parent)
+            _private_dir(path.parent)
+            with _private_file(path) as fh:
                 fh.write(text.encode("utf-8"))
+            data["error_json"] = str(path.relative_to(self.folder))
         if event.kind is Kind.STACKS:
-            record["files"] = self._write_stacks(record.pop("ranks", {}) or {},
-                                                 record.get("hosts") or {})
-        record.setdefault("attempt", self.attempt)
-        line = json.dumps(record, ensure_ascii=False) + "\n"
+            data["files"] = self._write_stacks(data.pop("ranks", {}) or {},
+                                               data.get("hosts") or {})
+        line = json.dumps(record(event, attempt=attempt, data=data), default=str,
+                          ensure_ascii=False) + "\n"
         self._events.write(line.encode("utf-8"))
         self._events.flush()
 
@@ -467,32 +476,6 @@ def _private_file(path: Path, *, truncate: bool = False) -> IO[bytes]:
     return os.fdopen(fd, "ab")
 
 
-def log_record(event: Event) -> dict[str, Any]:
-    """An event as one line of events.jsonl: when, its kind and name, its words, where,
-    and its data (the stacks' words are left out: their files hold them)."""
-    out: dict[str, Any] = {"time": round(event.time, 6), "event": event.kind.value,
-                           "name": event.name.value,
-                           "message": "" if event.kind is Kind.STACKS else render(event)}
-    if event.host is not None:
-        out["host"] = event.host
-    if event.rank is not None:
-        out["rank"] = event.rank
-    out.update(event.data)
-    return out
-
-
-def json_record(event: Event) -> dict[str, Any]:
-    """An event as one ``--json`` line: when, its kind and name, where, its data, and its
-    words (rank output carries its text in ``data.text``; the raw bytes are left out)."""
-    data = {k: v for k, v in event.data.items() if k != "raw"}
-    out: dict[str, Any] = {"time": round(event.time, 6), "kind": event.kind.value,
-                           "name": event.name.value, "host": event.host, "rank": event.rank,
-                           "data": data}
-    if event.kind is not Kind.OUTPUT:
-        out["message"] = render(event)
-    return out
-
-
 class JsonConsole(Console):
     """``--json``: every event as one JSON line on stdout (rank output too, as kind
     ``output``), the verdict record last; the operator's words stay on stderr.
@@ -505,12 +488,14 @@ class JsonConsole(Console):
         kwargs["live"] = False
         super().__init__(**kwargs)
         self.color = False
+        self._attempts = Attempts()
 
     def emit(self, event: Event) -> None:
         if event.name is Name.REFUSED:  # bad input is refused before any event, on stderr
             super().emit(event)
             return
-        line = json_inert(json.dumps(json_record(event), default=str, ensure_ascii=False)) + "\n"
+        line = json_inert(json.dumps(record(event, attempt=self._attempts.see(event)),
+                                     default=str, ensure_ascii=False)) + "\n"
         data = line.encode("utf-8", "replace")
         if self.screen is None:
             with self._lock:

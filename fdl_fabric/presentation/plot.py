@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from ..events import Kind, Name
+from .records import upgrade
 
 #: How an attempt of a rank ended, in legend order, with its colour and hatch (the
 #: hatch keeps the outcomes apart in grey print and for colour-blind readers).
@@ -83,24 +84,31 @@ def load_records(run_dir: Path) -> Iterable[dict[str, Any]]:
         for number, line in enumerate(fh, 1):
             if line.strip():
                 try:
-                    yield json.loads(line)
+                    raw = json.loads(line)
                 except ValueError:
                     raise ValueError(f"events.jsonl line {number} is not JSON") from None
+                yield upgrade(raw) if isinstance(raw, dict) else raw
 
 
 def _exit_outcome(record: dict[str, Any]) -> str:
     """How a rank's exit record ended it: lost when its host went away, else by kind."""
-    exit_ = record.get("exit") or {}
+    data = _data(record)
+    exit_ = data.get("exit") or {}
     if isinstance(exit_, dict) and exit_.get("lost"):
         return "lost"
-    name, kind = record.get("name"), record.get("event")
+    name, kind = record.get("name"), record.get("kind")
     if kind == Kind.TOLERATED.value:
         return "tolerated"
     if kind == Kind.DEATH.value:
         return "failed"
-    if record.get("stopped") or name == Name.RANK_FORWARD_STOPPED.value:
+    if data.get("stopped") or name == Name.RANK_FORWARD_STOPPED.value:
         return "stopped"
-    return "ok" if record.get("ok") else "failed"
+    return "ok" if data.get("ok") else "failed"
+
+
+def _data(record: dict[str, Any]) -> dict[str, Any]:
+    data = record.get("data")
+    return data if isinstance(data, dict) else {}
 
 
 class _Reader:
@@ -122,12 +130,12 @@ class _Reader:
         self._attempt(int(record.get("attempt", 0) or 0), t)
         name, rank, host = record.get("name"), record.get("rank"), record.get("host")
         if name == Name.LAUNCH.value:
-            self.line.run_id = str(record.get("run_id", ""))
+            self.line.run_id = str(_data(record).get("run_id", ""))
         elif name == Name.COHORT_FORMED.value and self.attempt is not None:
             self.attempt.formed = t
         elif name == Name.VERDICT.value:
-            self.line.verdict = str(record.get("verdict", ""))
-            self.line.exit_code = record.get("exit_code")
+            self.line.verdict = str(_data(record).get("verdict", ""))
+            self.line.exit_code = _data(record).get("exit_code")
         elif name in (Name.HOST_LOST.value, Name.HOST_UNRESPONSIVE.value) and rank is None:
             for seg in list(self.open.values()):
                 if seg.host == host:
@@ -140,7 +148,7 @@ class _Reader:
             self.line.segments.append(self.open[rank])
         elif name == Name.RANK_DECLARED_DEAD.value and rank in self.open:
             self.open[rank].death = t
-        elif record.get("event") in (Kind.EXIT.value, Kind.DEATH.value, Kind.TOLERATED.value) \
+        elif record.get("kind") in (Kind.EXIT.value, Kind.DEATH.value, Kind.TOLERATED.value) \
                 and rank in self.open:
             self._close(self.open[rank], t, _exit_outcome(record))
 
@@ -172,7 +180,7 @@ def read_timeline(records: Iterable[dict[str, Any]]) -> Timeline:
     """The timeline of a run from its events.jsonl records, in order."""
     reader = _Reader()
     for record in records:
-        reader.feed(record)
+        reader.feed(upgrade(record))  # a log written before version 1 reads the same
     return reader.result()
 
 
