@@ -103,7 +103,7 @@ def test_a_50_mb_line_from_a_remote_rank_arrives_whole_in_the_log(
     out = run_launch(cluster, "--quiet", "--log-dir", str(logs), "--", "python3", "-c", code,
                      timeout=110)
     assert out.returncode == 0, out.stderr
-    (run_dir,) = logs.iterdir()
+    (run_dir,) = [p for p in logs.iterdir() if not p.is_symlink()]
     data = (run_dir / "attempt_0" / "r0" / "stdout.log").read_bytes()
     assert len(data) == 50 * (1 << 20) + 2 and data.endswith(b"y!\n")
 
@@ -170,3 +170,33 @@ def test_login_noise_before_the_agent_starts_is_ignored(sshd_lab, tmp_path: Path
     out = run_launch(cluster, "--cmd", "echo ok")
     assert out.returncode == 0, out.stderr
     assert "[lab1:cpu:r0] ok" in out.stdout
+
+
+def _status(cluster: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(ROOT),
+                           "status", "-c", str(cluster)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=90)
+
+
+def test_a_login_shell_that_prints_over_64_kib_is_named_once_with_where_to_look(
+        sshd_lab) -> None:
+    lab = sshd_lab(n_hosts=1, login_shell_rc="head -c 70000 /dev/zero | tr '\\0' x; echo")
+    out = _status(_remote_cluster(lab))
+    said = out.stdout + out.stderr
+    assert out.returncode == 1, said
+    words = ("the login shell of host lab1 printed more than 64 KiB before the agent "
+             "started: check ~/.bashrc and ~/.profile for output in non-interactive shells")
+    assert said.count(words) == 1, said
+    assert "xxxx" not in said and "protocol error" not in said
+
+
+def test_a_login_shell_that_reads_the_agents_stdin_is_named_once_with_where_to_look(
+        sshd_lab) -> None:
+    lab = sshd_lab(n_hosts=1, login_shell_rc="head -c 300 > /dev/null")
+    out = _status(_remote_cluster(lab))
+    said = out.stdout + out.stderr
+    assert out.returncode == 1, said
+    words = ("the login shell of host lab1 consumed the agent's stdin before the agent "
+             "started: check ~/.bashrc and ~/.profile for commands that read stdin")
+    assert said.count(words) == 1, said
+    assert "ValueError" not in said and "invalid literal" not in said

@@ -35,6 +35,10 @@ _MODULES = ("fdl_fabric.rank", "fdl_fabric.agent.wire", "fdl_fabric.agent.lines"
 #: Digits of the payload's length header.
 _HEADER_DIGITS = 10
 
+#: What the bootstrap says when its stdin does not begin with the payload's header:
+#: something read it first (a login shell's rc file running ``read`` or ``cat``).
+STDIN_TAKEN = "fdl-fabric agent: its stdin was read before it started"
+
 #: The command-line part: check the Python version, read exactly the payload, run it.
 #: os.read, not sys.stdin: a buffered reader would swallow the frames that follow.
 BOOTSTRAP = (
@@ -49,7 +53,9 @@ BOOTSTRAP = (
     "  if not c:sys.stderr.write('fdl-fabric agent: payload cut short\\n');sys.exit(3)\n"
     "  b+=c\n"
     " return b\n"
-    f"exec(compile(r(int(r({_HEADER_DIGITS}))),'<fdl-agent>','exec'))\n"
+    f"h=r({_HEADER_DIGITS})\n"
+    f"if not h.isdigit():sys.stderr.write('{STDIN_TAKEN}\\n');sys.exit(3)\n"
+    "exec(compile(r(int(h)),'<fdl-agent>','exec'))\n"
 )
 
 _LOADER = '''\

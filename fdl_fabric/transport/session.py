@@ -388,6 +388,9 @@ class AgentSession:
         return None if process is None else process.exit_status(STATUS_WAIT)
 
     def _why(self, status: Optional[int]) -> str:
+        shell = self._login_shell_problem()
+        if shell is not None:  # the one cause, said once
+            return shell
         parts = []
         if self._problem:
             parts.append(self._problem)
@@ -414,3 +417,22 @@ class AgentSession:
         if tail:
             parts.append("its last words: " + tail.splitlines()[-1][:300])
         return "; ".join(parts)
+
+    def _login_shell_problem(self) -> Optional[str]:
+        """The host's login shell stood between sshd and the agent: it printed more than
+        the launcher reads before the handshake (`wire.MAX_NOISE`), or it read the stdin
+        that carries the agent's source (`bundle.STDIN_TAKEN`). Named as such, with where
+        to look, instead of the protocol error and the bytes it caused."""
+        if self._stdout.reader.synced:
+            return None
+        rc = "check ~/.bashrc and ~/.profile"
+        if len(self._stdout.reader.noise) > wire.MAX_NOISE:
+            return (f"the login shell of host {self.host} printed more than "
+                    f"{wire.MAX_NOISE // 1024} KiB before the agent started: {rc} for "
+                    "output in non-interactive shells (guard it with `case $- in *i*)`)")
+        said = self._stderr.shell.decode("utf-8", "replace").strip().splitlines()
+        if said and said[-1].strip() == bundle.STDIN_TAKEN:
+            return (f"the login shell of host {self.host} consumed the agent's stdin before "
+                    f"the agent started: {rc} for commands that read stdin (read, cat, ssh "
+                    "without -n) in non-interactive shells")
+        return None
