@@ -97,6 +97,35 @@ def test_a_frozen_host_is_one_line_naming_it_under_status_stacks_and_cleanup(
     assert "lab1: nothing to stop" in outputs["cleanup"][1]
 
 
+def test_a_frozen_host_under_fabs_ad_hoc_cleanup_is_one_line_and_the_others_are_swept(
+        sshd_lab: Any, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=2)
+    gone = lab.hosts[1]
+    home = tmp_path / "home"
+    home.mkdir()
+    targets = ",".join(f"{lab.user}@{h.addr}:{h.port}" for h in lab.hosts)
+    fab = [sys.executable, "-m", "fabric", "-H", targets, "-i", lab.identity_file,
+           "-t", str(CONNECT), "cleanup"]
+    saved = {k: os.environ.get(k) for k in ("HOME", "SSH_AUTH_SOCK")}
+    os.environ.update({"HOME": str(home), "SSH_AUTH_SOCK": ""})
+    try:
+        with frozen(gone.sshd.pid):
+            code, out = on_pty(fab)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    assert code == 1, out
+    assert "Traceback" not in out, out
+    said = _line_of(gone.addr, out)
+    assert len(said) == 1, out
+    assert f"no SSH banner within {CONNECT} s from {lab.user}@{gone.addr}:{gone.port}" \
+        in said[0], out
+    assert f"cleanup: {lab.hosts[0].addr}: nothing to stop" in out, out
+
+
 def test_a_port_with_no_sshd_says_connection_refused(sshd_lab: Any) -> None:
     lab = sshd_lab(n_hosts=2)
     cluster = _cluster(lab)

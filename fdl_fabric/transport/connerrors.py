@@ -225,7 +225,7 @@ def from_connection(conn: Any, origin: Optional[Origin] = None) -> Destination:
     keys = conn.connect_kwargs.get("key_filename") or ()
     keys = (keys,) if isinstance(keys, str) else tuple(keys)
     port = int(conn.port) if conn.port else None
-    timeout = conn.connect_timeout or 10.0
+    timeout = conn.connect_kwargs.get("timeout") or conn.connect_timeout or 10.0
     return Destination(target=str(conn.host), user=conn.user, port=port, keys=keys,
                        known_hosts=os.path.expanduser("~/.ssh/known_hosts"),
                        timeout=float(timeout), origin=origin)

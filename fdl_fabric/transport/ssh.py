@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 #: Seconds paramiko may spend opening one session channel.
 SESSION_OPEN_TIMEOUT = 15.0
+#: Seconds a connection fab built (``fab -H … cleanup``) may take to connect, to send its
+#: banner and to log in, unless ``fab -t`` says otherwise: ssh_config's default here.
+ADHOC_CONNECT_TIMEOUT = 10
 
 # paramiko logs a failed handshake from its own thread with a traceback ("Exception
 # (client): Error reading SSH protocol banner" and 25 lines); with no handler anywhere,
@@ -410,6 +413,13 @@ class SshTransport(Transport):
         if not conn.is_connected:
             apply_host_key_policy(conn.client)
             conn.connect_kwargs.setdefault("transport_factory", _transport_factory)
+            # Every wait bounded, as for our own connections: fab's default is no connect
+            # timeout (and paramiko's banner and login waits are 15 s and 30 s).
+            timeout = conn.connect_kwargs.get("timeout") or conn.connect_timeout
+            if not timeout:
+                timeout = conn.connect_timeout = ADHOC_CONNECT_TIMEOUT
+            for key in ("banner_timeout", "auth_timeout"):
+                conn.connect_kwargs.setdefault(key, timeout)
         transport.connection = conn
         return transport
 
