@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from .clusterfile import ClusterSpec
-from .commands import flags
-from .commands.launch import LaunchOptions, execute
-from .errors import FdlError
+from .commands.launch import execute
+from .commands.options import launch_options
+from .errors import EXIT_USAGE, FdlError
 from .events import Event
 from .presentation.words import render
 
@@ -77,37 +77,60 @@ class LaunchResult:
         return self.exit_code == 0
 
 
-def launch(cluster: Union[PathLike, ClusterSpec] = "cluster.yml",
+def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
            command: Union[Sequence[str], str, None] = None, *,
+           hosts: Optional[str] = None, hostfile: Optional[PathLike] = None,
+           ssh_config: Optional[PathLike] = None, user: Optional[str] = None,
+           port: Optional[int] = None, identity: Optional[PathLike] = None,
+           slurm: bool = False, nproc_per_node: Optional[int] = None,
+           master_addr: Optional[str] = None, master_port: Optional[int] = None,
+           controller_addr: Optional[str] = None, controller_port: Optional[int] = None,
+           rdzv_endpoint: Optional[str] = None,
            max_restarts: Optional[int] = None, max_failure: Union[int, str, None] = None,
-           kill_grace: Optional[float] = None, log_dir: Optional[PathLike] = None,
-           env: Optional[Mapping[str, str]] = None, quiet: bool = False,
-           verbosity: int = 0, preflight: bool = True,
+           kill_grace: Optional[float] = None, agent_timeout: Optional[float] = None,
+           hang_timeout: Optional[float] = None, fanout: Optional[int] = None,
+           log_dir: Optional[PathLike] = None, env: Optional[Mapping[str, str]] = None,
+           quiet: bool = False, verbosity: int = 0, preflight: bool = True,
+           dry_run: bool = False, json: bool = False,
            on_event: Optional[Callable[[Event], None]] = None) -> LaunchResult:
-    """Launch the job of ``cluster`` (a cluster file, or a `ClusterSpec` built in code)
-    and supervise it to its verdict.
+    """Launch the job of ``cluster`` (a cluster file, or a `ClusterSpec` built in code),
+    or of ``hosts``/``hostfile`` (then pass ``cluster=None``), and supervise it to its
+    verdict.
 
     ``command``: the words every rank runs (a string is split like ``--cmd``); default,
-    the file's ``command:``. The other arguments are the command line's flags. Raises
+    the file's ``command:``. Every other argument is the command line's flag of the same
+    name (`commands.vocabulary`), checked by the same code (`commands.options`). Raises
     `FdlError` (exit_code 2) for a configuration mistake, before anything starts.
     """
-    opts = LaunchOptions(
-        cluster_file=None if isinstance(cluster, ClusterSpec) else os.fspath(cluster),
-        cluster=cluster if isinstance(cluster, ClusterSpec) else None,
-        command=flags.command(command) if isinstance(command, str) else None,
-        argv=() if command is None or isinstance(command, str) else list(command),
-        kill_grace=flags.seconds("--kill-grace", None if kill_grace is None
-                                 else str(kill_grace)),
-        max_failure=flags.max_failure(None if max_failure is None else str(max_failure)),
-        max_restarts=flags.restarts("--max-restarts", max_restarts),
-        log_dir=flags.log_dir(None if log_dir is None else os.fspath(log_dir)),
-        env_overrides=dict(env or {}), verbosity=1 + verbosity, quiet=quiet,
-        preflight=preflight)
+    values: dict[str, Any] = {
+        "cluster": None if cluster is None or isinstance(cluster, ClusterSpec)
+        else os.fspath(cluster),
+        "hosts": hosts, "hostfile": _path(hostfile), "ssh_config": _path(ssh_config),
+        "user": user, "port": port, "identity": _path(identity), "slurm": slurm,
+        "cmd": command if isinstance(command, str) else None,
+        "nproc_per_node": nproc_per_node, "master_addr": master_addr,
+        "master_port": master_port, "controller_addr": controller_addr,
+        "controller_port": controller_port, "rdzv_endpoint": rdzv_endpoint,
+        "kill_grace": kill_grace, "max_failure": max_failure, "max_restarts": max_restarts,
+        "agent_timeout": agent_timeout, "hang_timeout": hang_timeout, "fanout": fanout,
+        "preflight": preflight, "log_dir": _path(log_dir), "dry_run": dry_run,
+        "quiet": quiet, "verbose": str(verbosity) if verbosity else None, "json": json,
+        "env": dict(env or {})}
+    if isinstance(cluster, ClusterSpec) and (hosts or hostfile):
+        raise FdlError("hosts: give a ClusterSpec or hosts, not both", EXIT_USAGE)
+    words = () if command is None or isinstance(command, str) else list(command)
+    opts = launch_options(values, command="launch", argv=words)
+    if isinstance(cluster, ClusterSpec):
+        opts.cluster, opts.cluster_file = cluster, None
     opts.on_event = on_event
     launch_ = execute(opts)
     if launch_.refused is not None:
         raise launch_.refused
     return result_of(launch_.results, launch_.hosts_of, launch_.run_id)
+
+
+def _path(value: Optional[PathLike]) -> Optional[str]:
+    return None if value is None else os.fspath(value)
 
 
 def result_of(results: Sequence[Any], hosts_of: Sequence[tuple[str, ...]],

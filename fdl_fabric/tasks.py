@@ -7,18 +7,20 @@ this repo and the ``fdl-fabric`` console script use the same collection.
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from invoke.collection import Collection
 from invoke.context import Context
 from invoke.exceptions import Exit
 from invoke.tasks import Task, task
 
-from .commands import flags
+from .clusterfile import ClusterSpec
+from .commands import flags, vocabulary
 from .commands.cleanup import run_cleanup
-from .commands.launch import LaunchOptions
 from .commands.launch import launch as run_launch
+from .commands.options import hosts_cluster, launch_options, refuse
 from .commands.stacks import run_stacks
 from .commands.status import run_status
 from .errors import FdlError
@@ -29,21 +31,22 @@ from .presentation.plot import plot_run as draw
 
 
 class _ChosenShortFlags(Task[Any]):
-    """A task whose short flags are chosen, not derived from letters: invoke's automatic
-    ones gave ``inv launch`` ``-m`` for ``--cmd`` (torchrun's ``-m`` is a module), ``-n``
-    for ranks per host (srun's ``-n`` is total tasks) and ``-h`` for ``--hang-timeout``."""
-
-    SHORT: dict[str, str] = {}
+    """A task whose short flags are chosen (`commands.vocabulary`), not derived from
+    letters: invoke's automatic ones gave ``-m`` for ``--cmd`` (torchrun's ``-m`` is a
+    module), ``-n`` for ranks per host (srun's ``-n`` is total tasks) and ``-h`` for
+    ``--hang-timeout`` or ``--hosts`` (``-h`` is help everywhere)."""
 
     def arg_opts(self, name: str, default: str, taken_names: set[str]) -> dict[str, Any]:
         opts: dict[str, Any] = super().arg_opts(name, default, taken_names)
-        opts["names"] = opts["names"][:1] + ([self.SHORT[name]] if name in self.SHORT else [])
+        short = vocabulary.short_flags(self.name.replace("_", "-")).get(name)
+        opts["names"] = opts["names"][:1] + ([short] if short else [])
         return opts
 
 
-class _LaunchTask(_ChosenShortFlags):
-    SHORT = {"cluster": "c", "dry_run": "d", "json": "j", "kill_grace": "k", "log_dir": "l",
-             "quiet": "q", "verbose": "v", "hosts": "H", "ssh_config": "F"}
+def _task(command: str, **kw: Any) -> Callable[[Callable[..., Any]], Task[Any]]:
+    """An inv task of ``command``: its flags' help and short forms from the vocabulary."""
+    kw.setdefault("help", vocabulary.task_help(command))
+    return task(klass=_ChosenShortFlags, name=command, **kw)
 
 
 #: Defaults for the ``fdl`` config section: set them in invoke.yaml / fabric.yaml
@@ -77,159 +80,94 @@ def _remainder() -> list[str]:
     return []
 
 
-def launch_options(settings: dict[str, str], *, cluster: Optional[str] = None,
-                   cmd: Optional[str] = None, kill_grace: Optional[str] = None,
-                   quiet: bool = False, verbose: Optional[str] = None,
-                   max_failure: Optional[str] = None, max_restarts: Optional[str] = None,
-                   log_dir: Optional[str] = None, dry_run: bool = False,
-                   preflight: bool = True, slurm: bool = False,
-                   nproc_per_node: Optional[str] = None, agent_timeout: Optional[str] = None,
-                   hang_timeout: Optional[str] = None, hosts: Optional[str] = None,
-                   hostfile: Optional[str] = None,
-                   ssh_config: Optional[str] = None,
-                   fanout: Optional[str] = None) -> LaunchOptions:
-    """The launch's options from the flags as invoke gives them, every one checked: a bad
-    value is a FdlError (exit 2) naming its flag, before anything is read or started."""
-    per_node = flags.nproc_per_node("--nproc-per-node", nproc_per_node)
-    from_hosts = flags.hosts_cluster(hosts, hostfile, ssh_config, per_node,
-                                     cluster_given=cluster is not None or slurm)
-    if from_hosts is not None:
-        return LaunchOptions(
-            cluster_file=None, cluster=from_hosts, command=flags.command(cmd),
-            argv=_remainder(), kill_grace=flags.seconds("--kill-grace", kill_grace),
-            verbosity=1 + flags.verbosity(verbose), quiet=quiet,
-            max_failure=flags.max_failure(max_failure),
-            max_restarts=flags.restarts("--max-restarts", max_restarts),
-            log_dir=flags.log_dir(log_dir or settings["log_dir"] or None), dry_run=dry_run,
-            preflight=preflight, agent_timeout=flags.agent_timeout(agent_timeout),
-            hang_timeout=flags.seconds("--hang-timeout", hang_timeout),
-            fanout=flags.fanout(fanout))
-    return LaunchOptions(
-        # --slurm reads a cluster file only when one is named: the flags can say it all.
-        cluster_file=None if slurm and cluster is None
-        else flags.cluster_file(cluster, settings["cluster"]),
-        command=flags.command(cmd),
-        argv=_remainder(),
-        kill_grace=flags.seconds("--kill-grace", kill_grace),
-        verbosity=1 + flags.verbosity(verbose),
-        quiet=quiet,
-        max_failure=flags.max_failure(max_failure),
-        max_restarts=flags.restarts("--max-restarts", max_restarts),
-        log_dir=flags.log_dir(log_dir or settings["log_dir"] or None),
-        dry_run=dry_run,
-        preflight=preflight,
-        slurm=slurm,
-        nproc_per_node=per_node,
-        agent_timeout=flags.agent_timeout(agent_timeout),
-        hang_timeout=flags.seconds("--hang-timeout", hang_timeout),
-        fanout=flags.fanout(fanout),
-    )
+def _refused(exc: FdlError, command: str, as_json: bool = False) -> Exit:
+    """A refusal of ``command``: one line that starts with the flag (and a JSON record
+    under ``--json``), exit 2."""
+    refuse(exc, None, as_json=as_json)
+    return Exit(code=exc.exit_code)
 
 
-@task(
-    klass=_LaunchTask,
-    help={
-        "cluster": "cluster file (default: cluster.yml)",
-        "cmd": "command to run on every rank (default: `command:` of the cluster file); "
-        "or give the words after `--`",
-        "kill-grace": "seconds between TERM and KILL when stopping ranks (default: kill_grace)",
-        "quiet": "show only launcher status and events, not rank output",
-        "verbose": "more detail: -v, -vv, or --verbose=N (1-3); also sets FLODL_VERBOSITY "
-        "for the ranks",
-        "log-dir": "keep <dir>/<run_id>/attempt_<k>/r<rank>/{stdout,stderr}.log, "
-        "events.jsonl and cluster.json",
-        "dry-run": "print each host's agent spec and how it is reached; connect nowhere",
-        "preflight": "check paths, program and port on every host before starting any "
-        "rank (default); --no-preflight skips it",
-        "max-failure": "after the cohort forms, stop the run once this many ranks died "
-        "(a count, or a percentage such as 25%); default: elastic.max_failure",
-        "max-restarts": "start the whole group again up to N times after a failure, as "
-        "torchrun does (default: elastic.max_restarts, 0)",
-        "slurm": "run on the nodes of the Slurm allocation this runs in (salloc, sbatch), "
-        "one agent per node started by srun; reads a cluster file only with --cluster",
-        "nproc-per-node": "ranks on each host of --hosts (default 1; a hostfile's slots=N "
-        "wins), or on each Slurm node (default: nproc_per_node of the cluster file)",
-        "hosts": "the hosts, without a cluster file: node[1-4],gpu[01-02] (Slurm and "
-        "ClusterShell ranges), in rank order",
-        "hostfile": "the hosts from a DeepSpeed/MPI hostfile: `host slots=N` per line",
-        "ssh-config": "with --hosts/--hostfile: an ssh_config file read instead of "
-        "~/.ssh/config (like ssh -F): user, port, key, ProxyJump per host",
-        "agent-timeout": "seconds without a word from a host's agent after which the host is "
-        "unresponsive and its ranks lost (default: agent_timeout, 10)",
-        "hang-timeout": "seconds without output or progress from any rank after which the "
-        "run is hung: every rank's stack is shown, exit 1 (default: hang_timeout, off; "
-        "0 turns it off)",
-        "json": "every event as one JSON line on stdout, rank output included, the verdict "
-        "last (docs/cli.md); the operator's lines stay on stderr",
-        "fanout": "SSH hosts the launcher reaches itself (default: fanout, 64); beyond it, "
-        "about sqrt(hosts) of them are gateways that start the rest with ssh",
-    },
-    optional=["verbose"],
-)
+def _binary() -> str:
+    return "fdl-fabric" if os.path.basename(sys.argv[0]) == "fdl-fabric" else "inv"
+
+
+@_task("launch", optional=["verbose"])
 def launch(
     c: Context,
     cluster: Optional[str] = None,
-    cmd: Optional[str] = None,
-    kill_grace: Optional[str] = None,
-    quiet: bool = False,
-    verbose: Optional[str] = None,
-    max_failure: Optional[str] = None,
-    max_restarts: Optional[str] = None,
-    log_dir: Optional[str] = None,
-    dry_run: bool = False,
-    preflight: bool = True,
-    slurm: bool = False,
-    nproc_per_node: Optional[str] = None,
-    agent_timeout: Optional[str] = None,
-    hang_timeout: Optional[str] = None,
-    json: bool = False,
     hosts: Optional[str] = None,
     hostfile: Optional[str] = None,
     ssh_config: Optional[str] = None,
+    user: Optional[str] = None,
+    port: Optional[str] = None,
+    identity: Optional[str] = None,
+    slurm: bool = False,
+    cmd: Optional[str] = None,
+    nproc_per_node: Optional[str] = None,
+    master_addr: Optional[str] = None,
+    master_port: Optional[str] = None,
+    controller_addr: Optional[str] = None,
+    controller_port: Optional[str] = None,
+    rdzv_endpoint: Optional[str] = None,
+    kill_grace: Optional[str] = None,
+    max_failure: Optional[str] = None,
+    max_restarts: Optional[str] = None,
+    agent_timeout: Optional[str] = None,
+    hang_timeout: Optional[str] = None,
     fanout: Optional[str] = None,
+    preflight: bool = True,
+    log_dir: Optional[str] = None,
+    dry_run: bool = False,
+    quiet: bool = False,
+    verbose: Optional[str] = None,
+    json: bool = False,
 ) -> None:
-    """Launch the job described by the cluster file and supervise it to a verdict.
+    """Launch the job of the cluster file (or --hosts), supervised to a verdict.
 
     Exit codes: 0 ok (or degraded), 1 run failure, 2 config or usage error,
     130/143 interrupted by SIGINT/SIGTERM.
     """
+    values = dict(locals())
+    del values["c"]
     try:
-        opts = launch_options(_settings(c), cluster=cluster, cmd=cmd, kill_grace=kill_grace,
-                              quiet=quiet, verbose=verbose, max_failure=max_failure,
-                              max_restarts=max_restarts, log_dir=log_dir, dry_run=dry_run,
-                              preflight=preflight, slurm=slurm, nproc_per_node=nproc_per_node,
-                              agent_timeout=agent_timeout, hang_timeout=hang_timeout,
-                              hosts=hosts, hostfile=hostfile, ssh_config=ssh_config,
-                              fanout=fanout)
+        opts = launch_options(values, command="launch", argv=_remainder(),
+                              settings=_settings(c))
     except FdlError as exc:
-        raise Exit(str(exc), code=exc.exit_code) from None
-    opts.json = json
+        raise _refused(exc, "launch", json) from None
     code = run_launch(opts)
     if code:
         raise Exit(code=code)
 
 
-@task(
-    help={
-        "cluster": "cluster file whose hosts are swept (default: cluster.yml)",
-        "run-id": "stop only this run's ranks",
-        "all": "stop every recorded run of this user, not only this cluster's",
-        "pattern": "ALSO stop processes whose command line matches this regex, like "
-        "`pkill -f` (TERM, 1 s, KILL); may hit processes fdl-fabric did not start",
-        "slurm": "sweep every node of the Slurm allocation this runs in, for this job's "
-        "runs only, and cancel this job's leftover agent steps",
-        "force": "also stop runs whose launcher is alive (without it they are left alone, "
-        "unless named with --run-id)",
-    },
-    name="cleanup",
-)
+def _hosts(c: Context, command: str, values: dict[str, Any]) -> tuple[Optional[str],
+                                                                     Optional[ClusterSpec]]:
+    """A command's hosts: the cluster file, or the hosts of ``--hosts``/``--hostfile``
+    (checked; a bad one is exit 2 naming the flag)."""
+    try:
+        from_hosts = hosts_cluster(values, command=command)
+        if from_hosts is not None:
+            return None, from_hosts
+        if values.get("slurm"):
+            return values.get("cluster"), None
+        return flags.cluster_file(values.get("cluster"), _settings(c)["cluster"]), None
+    except FdlError as exc:
+        raise _refused(exc, command, bool(values.get("json"))) from None
+
+
+@_task("cleanup")
 def cleanup(
     c: Context,
     cluster: Optional[str] = None,
+    hosts: Optional[str] = None,
+    hostfile: Optional[str] = None,
+    ssh_config: Optional[str] = None,
+    user: Optional[str] = None,
+    port: Optional[str] = None,
+    identity: Optional[str] = None,
+    slurm: bool = False,
     run_id: Optional[str] = None,
     all: bool = False,
     pattern: Optional[str] = None,
-    slurm: bool = False,
     force: bool = False,
 ) -> None:
     """Stop leftover ranks on every host of the cluster, then verify none remains.
@@ -239,51 +177,55 @@ def cleanup(
     carry the run's id. A run whose launcher is alive is left alone unless named with
     --run-id or --force is given. Exit 1 if anything survives.
     """
-    file = cluster if slurm else _cluster_file(c, cluster)
+    file, from_hosts = _hosts(c, "cleanup", dict(locals()))
     try:
         pattern = flags.pattern(pattern)
     except FdlError as exc:
-        raise Exit(str(exc), code=exc.exit_code) from None
-    code = run_cleanup(file, run_id=run_id, all_runs=all, pattern=pattern, slurm=slurm,
-                       force=force)
+        raise _refused(exc, "cleanup") from None
+    code = run_cleanup(file, cluster=from_hosts, run_id=run_id,
+                       all_runs=all or from_hosts is not None, pattern=pattern,
+                       slurm=slurm, force=force)
     if code:
         raise Exit(code=code)
 
 
-@task(
-    help={
-        "cluster": "cluster file whose hosts hold the run (default: cluster.yml)",
-        "run-id": "the run to look at (default: the newest live run of the cluster file)",
-    },
-)
-def stacks(c: Context, cluster: Optional[str] = None, run_id: Optional[str] = None) -> None:
+@_task("stacks")
+def stacks(
+    c: Context,
+    cluster: Optional[str] = None,
+    hosts: Optional[str] = None,
+    hostfile: Optional[str] = None,
+    ssh_config: Optional[str] = None,
+    user: Optional[str] = None,
+    port: Optional[str] = None,
+    identity: Optional[str] = None,
+    run_id: Optional[str] = None,
+) -> None:
     """Show where every rank of a live run is: its Python stack, grouped by place.
 
     Reaches the hosts itself, like cleanup (nothing is asked of the launcher, and the
     run goes on). With py-spy on a host (`pip install fdl-fabric[stacks]`), every
     thread's Python stack; without it, what /proc says.
     """
-    code = run_stacks(_cluster_file(c, cluster), run_id=run_id)
+    file, from_hosts = _hosts(c, "stacks", dict(locals()))
+    code = run_stacks(file, cluster=from_hosts, run_id=run_id)
     if code:
         raise Exit(code=code)
 
 
-@task(
-    help={
-        "cluster": "cluster file (default: cluster.yml)",
-        "json": "print the report as JSON: {\"checks\": [...], \"ok\": bool}",
-        "cmd": "command whose program is checked on every host (default: `command:` of the "
-        "cluster file); or give the words after `--`",
-        "fast": "only what `inv launch` checks before spawning: ssh, paths, program, port",
-    },
-    name="prebuild-check",
-)
+@_task("prebuild-check")
 def prebuild_check(
     c: Context,
     cluster: Optional[str] = None,
-    json: bool = False,
+    hosts: Optional[str] = None,
+    hostfile: Optional[str] = None,
+    ssh_config: Optional[str] = None,
+    user: Optional[str] = None,
+    port: Optional[str] = None,
+    identity: Optional[str] = None,
     cmd: Optional[str] = None,
     fast: bool = False,
+    json: bool = False,
 ) -> None:
     """Check every host of the cluster before launching: one row per host and check.
 
@@ -291,28 +233,19 @@ def prebuild_check(
     data_path, clock skew and the controller port, all hosts in parallel.
     Exit 0 when nothing FAILs, 1 otherwise, 2 on a config error.
     """
-    code = check_cluster(_cluster_file(c, cluster), cmd=cmd, words=_remainder(),
+    file, from_hosts = _hosts(c, "prebuild-check", dict(locals()))
+    code = check_cluster(file, cluster=from_hosts, cmd=cmd, words=_remainder(),
                          as_json=json, fast=fast)
     if code:
         raise Exit(code=code)
 
 
-PLOT_USAGE = """Usage: plot-run RUN_DIR [--output FILE.svg|FILE.png]
-
-Draw a run's timeline: each rank's attempts against time, coloured by how they ended.
-
-  RUN_DIR              <log-dir>/<run_id> of a run launched with --log-dir
-  -o, --output FILE    picture to write, .svg or .png
-                       (default: RUN_DIR/timeline.svg and RUN_DIR/timeline.png)"""
-
-
-@task(help={"run-dir": "<log-dir>/<run_id> of a run launched with --log-dir",
-            "output": "picture to write, .svg or .png "
-                      "(default: <run-dir>/timeline.svg and timeline.png)"})
+@_task("plot-run", help={**vocabulary.task_help("plot-run"),
+                         "run-dir": "<log-dir>/<run_id> of a run launched with --log-dir"})
 def plot_run(c: Context, run_dir: str, output: str = "") -> None:
     """Draw a run's timeline: each rank's attempts against time, coloured by how they ended."""
     if run_dir in ("-h", "--help"):  # invoke hands a positional the next word, --help too
-        print(PLOT_USAGE)
+        vocabulary.write_page(vocabulary.help_page("plot-run", binary=_binary()))
         return
     events = EventBus(Console())
     try:
@@ -350,46 +283,68 @@ def _usage_errors_exit_2() -> None:
                 raise Exit(usage_line(exc, sys.argv, binary="inv"), code=2) from None
             raise
 
+    def print_task_help(self: Program, name: str) -> None:
+        """One help format: this collection's tasks print `vocabulary.help_page`."""
+        command = name.rpartition(".")[2]
+        if command not in TASK_NAMES or command == "run":
+            original_help(self, name)
+            return
+        binary = "fdl-fabric" if self.binary == "fdl-fabric" else f"inv {name}"
+        page = vocabulary.help_page(command, binary=binary)
+        if binary != "fdl-fabric":
+            page = page.replace(f"inv {name} {command}", f"inv {name}", 1)
+        vocabulary.write_page(page)
+
+    original_help = Program.print_task_help
     parse_tasks._fdl_usage_exit = True  # type: ignore[attr-defined]
     Program.parse_tasks = parse_tasks  # type: ignore[method-assign]
+    Program.print_task_help = print_task_help  # type: ignore[method-assign]
 
 
 #: This collection's tasks, by their command-line names.
-TASK_NAMES = frozenset({"launch", "cleanup", "prebuild-check", "plot-run", "stacks",
+TASK_NAMES = frozenset({"run", "launch", "cleanup", "prebuild-check", "plot-run", "stacks",
                         "status"})
 _usage_errors_exit_2()
 
-@task(
-    help={
-        "cluster": "cluster file whose hosts are asked (default: cluster.yml)",
-        "hosts": "ask these hosts instead: node[1-4],gpu[01-02]",
-        "hostfile": "ask the hosts of a DeepSpeed/MPI hostfile instead",
-        "ssh-config": "with --hosts/--hostfile: an ssh_config file (like ssh -F)",
-        "all": "every live run on those hosts, not only this cluster's",
-        "json": "print the runs as JSON",
-    },
-)
-def status(c: Context, cluster: Optional[str] = None, hosts: Optional[str] = None,
-           hostfile: Optional[str] = None, ssh_config: Optional[str] = None,
-           all: bool = False, json: bool = False) -> None:
+@_task("status")
+def status(
+    c: Context,
+    cluster: Optional[str] = None,
+    hosts: Optional[str] = None,
+    hostfile: Optional[str] = None,
+    ssh_config: Optional[str] = None,
+    user: Optional[str] = None,
+    port: Optional[str] = None,
+    identity: Optional[str] = None,
+    all: bool = False,
+    json: bool = False,
+) -> None:
     """List the live runs on the cluster's hosts: run id, launcher, uptime, ranks.
 
     Read from the records each host keeps; the runs are never touched. Exit 0, or 1 when
     a host could not be asked, 2 on bad input.
     """
-    try:
-        from_hosts = flags.hosts_cluster(hosts, hostfile, ssh_config, None,
-                                         cluster_given=cluster is not None)
-    except FdlError as exc:
-        raise Exit(str(exc), code=exc.exit_code) from None
-    code = run_status(None if from_hosts else _cluster_file(c, cluster),
-                      cluster=from_hosts, every_run=all or from_hosts is not None,
+    file, from_hosts = _hosts(c, "status", dict(locals()))
+    code = run_status(file, cluster=from_hosts, every_run=all or from_hosts is not None,
                       as_json=json)
     if code:
         raise Exit(code=code)
 
 
+@task(name="run")
+def run_task(c: Context) -> None:
+    """torchrun's command line: inv run -- [flags] SCRIPT [ARGS...] (fdl-fabric run).
+
+    The words after `--` are fdl-fabric run's: `inv run -- --help` lists its flags."""
+    from .commands.run import main as run_main
+
+    code = run_main(_remainder())
+    if code:
+        raise Exit(code=code)
+
+
 ns = Collection("fdl")
+ns.add_task(run_task, name="run")
 ns.add_task(launch)
 ns.add_task(cleanup)
 ns.add_task(prebuild_check)

@@ -271,8 +271,9 @@ def test_launchs_short_flags_do_not_contradict_torchrun_or_srun() -> None:
                           "--help"], capture_output=True, text=True, timeout=30)
     shorts = {line.split()[0].rstrip(",") for line in out.stdout.splitlines()
               if line.startswith("  -") and not line.startswith("  --")}
-    assert {"-c", "-H", "-F", "-v", "-q", "-d"} <= shorts
-    assert not shorts & {"-m", "-n", "-h"}, "torchrun's -m, srun's -n, everyone's -h"
+    assert {"-c", "-H", "-F", "-v", "-q", "-d", "-i", "-l", "-p", "-h"} <= shorts
+    assert "  -h, --help" in out.stdout, "-h is help, and only help"
+    assert not shorts & {"-m", "-n"}, "torchrun's -m, srun's -n"
 
 
 def _complete(shell: str, words: list[str]) -> list[str]:

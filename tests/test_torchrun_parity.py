@@ -276,9 +276,9 @@ def test_fdl_fabric_run_takes_a_module_like_python_dash_m(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("flag,hint", [
-    ("--rdzv-backend=c10d", "fdl-fabric launch"),
+    ("--rdzv-backend=c10d", "--rdzv-endpoint HOST:PORT places it"),
     ("--tee=3", "--log-dir"),
-    ("--node_rank=1", "fdl-fabric launch"),
+    ("--node_rank=1", "--hosts starts every host's ranks itself"),
     ("--monitor-interval=1", "the moment they happen"),
 ])
 def test_torchrun_flags_without_meaning_here_are_refused_with_what_to_use(
@@ -292,7 +292,7 @@ def test_torchrun_flags_without_meaning_here_are_refused_with_what_to_use(
 def test_fdl_fabric_run_refuses_several_nodes_and_passes_the_scripts_own_flags(
         tmp_path: Path) -> None:
     out = fdl_run("--nnodes", "2", "train.py", timeout=30)
-    assert out.returncode == 2 and "--nnodes" in out.stderr and "fdl-fabric launch" in out.stderr
+    assert out.returncode == 2 and "--nnodes" in out.stderr and "--hosts" in out.stderr
     script = tmp_path / "echo.py"
     script.write_text("import sys; print(sys.argv[1:])")
     out = fdl_run("--nproc-per-node", "1", str(script), "--nnodes", "7", "--tee", "x",

@@ -82,6 +82,39 @@ def dial(host: str, port: int, salt: bytes, run_id: str, me: str) -> str:
     return DIAL_OK if reply.get("type") == "probe_ok" else f"?{reply.get('type')}"
 
 
+#: How long the MASTER_ADDR check waits for the name and for the host to answer.
+REACH_TIMEOUT = 2.0
+
+
+def reach(host: str, port: int) -> str:
+    """Whether this host's ranks can dial ``host:port`` (MASTER_ADDR) before rank 0 listens
+    there: ``ok <ip>`` when the host answered (a refusal is an answer: rank 0 is not up
+    yet), ``busy <ip>`` when something already listens, ``!why`` when the name does not
+    resolve or the host does not answer within `REACH_TIMEOUT`."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"!does not resolve here ({exc.strerror or exc})"
+    except (OSError, UnicodeError) as exc:
+        return f"!does not resolve here ({exc})"
+    why = "no address"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.settimeout(REACH_TIMEOUT)
+            try:
+                sock.connect(sockaddr)
+            except ConnectionRefusedError:
+                return f"ok {sockaddr[0]}"
+            except socket.timeout:
+                why = f"{sockaddr[0]} gave no answer within {REACH_TIMEOUT:g} s"
+                continue
+            except OSError as exc:
+                why = f"{sockaddr[0]}: {exc.strerror or exc}"
+                continue
+            return f"busy {sockaddr[0]}"
+    return f"!{why}"
+
+
 def gpu_indices() -> Dict[str, Any]:
     """``{"gpus": [0, 1, ...]}`` from nvidia-smi, or ``{"gpus": None, "gpu_error": why}``.
 
@@ -170,6 +203,9 @@ def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str,
             beat(0.0)
         values["pymodule"] = find_module(values["prog"], str(module), cwd,
                                          checks.get("pythonpath"))
+    master = checks.get("master")
+    if master:
+        values["master"] = reach(str(master["host"]), int(master["port"]))
     target = checks.get("dial")
     if target:
         if beat is not None:

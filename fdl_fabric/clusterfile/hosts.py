@@ -2,10 +2,12 @@
 
 A cluster without a file, as pdsh, clush, mpirun and DeepSpeed users write it. Ranges are
 folded and expanded by ClusterShell's `NodeSet` (the syntax of Slurm and ClusterShell);
-a hostfile is DeepSpeed's and MPI's (``host slots=N``, ``max_slots`` accepted, ``#``
-comments). The result is written as the cluster file it stands for and read by the same
-schema, so every rule of a cluster file (names, bounds, addresses) holds here too, with
-the flag named in place of the file.
+each entry may carry ssh's ``user@`` and ``:port`` (``root@gpu[1-4]:2222``), and an IPv6
+address is written in brackets (``[fd00::1]:22``), as ``fab -H`` and ``ssh`` take them.
+A hostfile is DeepSpeed's and MPI's (``host slots=N``, ``max_slots`` accepted, ``#``
+comments; its host word takes the same ``user@host:port``). The result is written as
+the cluster file it stands for and read by the same schema, so every rule of a cluster
+file (names, bounds, addresses) holds here too, with the flag named in place of the file.
 """
 
 from __future__ import annotations
@@ -41,6 +43,54 @@ class HostSlot:
     slots: Optional[int] = None
     #: The hostfile line it was read from (None: ``--hosts``).
     line: Optional[int] = None
+    #: ``user@`` and ``:port`` of the entry (None: ``--user``/``--port``, else ssh_config).
+    user: Optional[str] = None
+    port: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class SshDefaults:
+    """``--user``, ``--port``, ``--identity`` and ``-F``: what every host of the command
+    line is reached with, unless its entry says otherwise (``user@host:port``)."""
+
+    config_file: Optional[str] = None
+    user: Optional[str] = None
+    port: Optional[int] = None
+    identity_file: Optional[str] = None
+
+
+def split_entry(text: str, where: str) -> tuple[Optional[str], str, Optional[int]]:
+    """``[user@]host[:port]`` as (user, host, port); ``host`` may be a range
+    (``gpu[1-4]``), an IPv6 address in brackets (``[fd00::1]``, returned without them) or
+    bare (``fd00::1``, no port then, as ssh reads it)."""
+    user: Optional[str] = None
+    if "@" in text:
+        user, _, text = text.rpartition("@")
+        if not user:
+            raise HostsError(f"{where}: {text!r}: empty user before '@'")
+    port_text: Optional[str] = None
+    end = text.find("]")
+    if text.startswith("[") and ":" in text[1:max(end, 0)]:
+        host, rest = text[1:end], text[end + 1:]
+        if rest:
+            if not rest.startswith(":"):
+                raise HostsError(f"{where}: {text!r}: expected [ipv6]:port")
+            port_text = rest[1:]
+    elif text.count(":") > 1:
+        host = text  # a bare IPv6 address: no port (write [addr]:port for one)
+    else:
+        host, colon, port_text_ = text.partition(":")
+        port_text = port_text_ if colon else None
+    if not host:
+        raise HostsError(f"{where}: {text!r}: no host")
+    return user, host, None if port_text is None else port_number(port_text, f"{where}: {text!r}")
+
+
+def port_number(text: str, where: str) -> int:
+    """A TCP port, 1-65535, written in ASCII digits."""
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
+        raise HostsError(f"{where}: port must be a number from 1 to 65535, got {text!r}")
+    return int(text)
 
 
 def expand_hosts(text: str) -> list[HostSlot]:
@@ -51,15 +101,21 @@ def expand_hosts(text: str) -> list[HostSlot]:
     parts = _top_level_parts(text)
     if not parts:
         raise HostsError("--hosts: no host given")
-    hosts: list[str] = []
+    slots: list[HostSlot] = []
     for part in parts:
-        try:
-            hosts += list(NodeSet(part))
-        except NodeSetException as exc:
-            raise HostsError(f"--hosts: {part!r}: {exc}") from None
-        if len(hosts) > WORKERS_MAX:
+        user, host, port = split_entry(part, "--hosts")
+        if ":" in host:  # an IPv6 address is one host, never a range
+            names = [host]
+        else:
+            try:
+                names = list(NodeSet(host))
+            except NodeSetException as exc:
+                raise HostsError(f"--hosts: {part!r}: {exc}") from None
+        slots += [HostSlot(h, user=user, port=port) for h in names]
+        if len(slots) > WORKERS_MAX:
             raise HostsError(f"--hosts: more than {WORKERS_MAX} hosts")
-    return [HostSlot(h) for h in _unique(hosts, "--hosts")]
+    _unique([s.host for s in slots], "--hosts")
+    return slots
 
 
 def read_hostfile(path: str) -> list[HostSlot]:
@@ -83,7 +139,8 @@ def read_hostfile(path: str) -> list[HostSlot]:
                 slots = int(m.group(2))
                 if slots < 1:  # not "the default": a host with no rank is no host here
                     raise HostsError(f"{path}:{number}: slots must be at least 1, got {word!r}")
-        found.append(HostSlot(words[0], slots, number))
+        user, host, port = split_entry(words[0], f"{path}:{number}")
+        found.append(HostSlot(host, slots, number, user=user, port=port))
         if len(found) > WORKERS_MAX:
             raise HostsError(f"{path}: more than {WORKERS_MAX} hosts")
     if not found:
@@ -93,19 +150,27 @@ def read_hostfile(path: str) -> list[HostSlot]:
 
 
 def cluster_from_hosts(hosts: Sequence[HostSlot], *, nproc_per_node: Optional[int],
-                       ssh_config: Optional[str], source: str, folder: Optional[str] = None,
-                       max_hosts: Optional[int] = None, **top: Any) -> ClusterSpec:
+                       ssh: SshDefaults, source: str, folder: Optional[str] = None,
+                       max_hosts: Optional[int] = None,
+                       addrs: Optional[dict[str, str]] = None, **top: Any) -> ClusterSpec:
     """The cluster these hosts stand for: each host a worker with its slots (or
-    ``nproc_per_node``, else 1) ranks, working in this folder, reached through
-    ``ssh_config`` when given; hosts after the first ``max_hosts`` are spares
-    (``--nnodes MIN:MAX``); ``top`` adds cluster keys (``elastic``, ...)."""
+    ``nproc_per_node``, else 1) ranks, working in this folder, reached with ``ssh`` (its
+    entry's user and port first); ``addrs`` gives a host's address when it is not its
+    name (an ssh_config alias's HostName, ``--master-addr``); hosts after the first
+    ``max_hosts`` are spares (``--nnodes MIN:MAX``); ``top`` adds cluster keys."""
     folder = os.path.abspath(folder or os.getcwd())
     workers = []
     for i, h in enumerate(hosts):
         worker: dict[str, Any] = {"host": h.host, "path": folder,
                                   "nproc": h.slots or nproc_per_node or 1}
-        if ssh_config is not None:
-            worker["ssh"] = {"config_file": os.path.abspath(ssh_config)}
+        reach = {"config_file": os.path.abspath(ssh.config_file) if ssh.config_file else None,
+                 "user": h.user or ssh.user, "port": h.port or ssh.port,
+                 "identity_file": os.path.abspath(os.path.expanduser(ssh.identity_file))
+                 if ssh.identity_file else None}
+        if any(v is not None for v in reach.values()):
+            worker["ssh"] = {k: v for k, v in reach.items() if v is not None}
+        if addrs and h.host in addrs:
+            worker["addr"] = addrs[h.host]
         if max_hosts is not None and i >= max_hosts:
             worker["spare"] = True
         workers.append(worker)

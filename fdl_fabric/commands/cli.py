@@ -17,6 +17,8 @@ from invoke.program import Program
 
 from .. import __version__
 from ..errors import EXIT_USAGE, FdlError
+from .vocabulary import COMMANDS as COMMANDS
+from .vocabulary import write_page
 
 #: invoke's core flags that mean something to ``fdl-fabric``; the others (``--echo``,
 #: ``--dry``, ``--list``, ``-T``, ...) drive invoke's own runner and listing, nothing of
@@ -156,9 +158,6 @@ def program() -> FdlProgram:
     return FdlProgram(namespace=ns, version=__version__, name="fdl-fabric", binary="fdl-fabric")
 
 
-#: The commands, in the order help lists them.
-COMMANDS = ("run", "launch", "cleanup", "prebuild-check", "stacks", "status", "plot-run")
-
 #: ``fdl-fabric --help``: the commands, one line each (invoke's core options are no
 #: business of a user of this tool; ``fdl-fabric COMMAND --help`` details each).
 HELP = f"""\
@@ -186,7 +185,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = list(sys.argv if argv is None else argv)
     rest = args[1:]
     if rest in (["-h"], ["--help"], ["help"]):
-        sys.stdout.write(HELP)
+        write_page(HELP)
         sys.exit(0)
     if not rest:
         sys.stderr.write(HELP)

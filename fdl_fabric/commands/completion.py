@@ -2,32 +2,22 @@
 
 Invoke's own completion knows only its tasks, not ``run`` (torchrun's command line,
 parsed by argparse), so the script is written here from the one source of each
-command's flags: the task's arguments and ``run``'s parser. It is a static script (no
+command's flags: `vocabulary`. It is a static script (no
 Python runs at each Tab) for bash; zsh loads it through ``bashcompinit``.
 """
 
 from __future__ import annotations
 
-from .cli import COMMANDS
-from .run import parser
+from . import vocabulary
+from .vocabulary import COMMANDS
 
 SHELLS = ("bash", "zsh")
 
 
 def flags_of(command: str) -> list[str]:
-    """Every spelling of every flag of ``command``."""
-    if command == "run":
-        return sorted({o for a in parser()._actions for o in a.option_strings})
-    from ..tasks import ns
-
-    task = ns.tasks[command]
-    names: set[str] = set()
-    for argument in task.get_arguments():
-        for name in argument.names:
-            names.add(f"-{name}" if len(name) == 1 else f"--{name}")
-        if argument.kind is bool and argument.default is True:
-            names.add(f"--no-{argument.names[0]}")
-    return sorted(names | {"--help"})
+    """Every spelling of every flag of ``command`` (`vocabulary`, the one table)."""
+    return sorted({w for f in vocabulary.flags_of(command) for w in f.spellings}
+                  | {"-h", "--help"})
 
 
 def script(shell: str) -> str:

@@ -9,18 +9,27 @@ here.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from ..agent.wire import AGENT_TIMEOUT_MIN
-from ..clusterfile import ClusterSpec, parse_max_failure
-from ..clusterfile.hosts import HostsError, cluster_from_hosts, expand_hosts, read_hostfile
+from ..clusterfile import parse_max_failure
+from ..clusterfile.hosts import (
+    HostsError,
+    HostSlot,
+    SshDefaults,
+    expand_hosts,
+    port_number,
+    read_hostfile,
+)
 from ..clusterfile.model import FANOUT_MAX
+from ..clusterfile.names import host_name_problem, user_name_problem
 from ..errors import EXIT_USAGE, FdlError, usage
 from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
 from ..supervision.policy import MaxFailure
@@ -189,52 +198,138 @@ def pattern(text: Optional[str]) -> Optional[str]:
     return text
 
 
-def hosts_cluster(hosts: Optional[str], hostfile: Optional[str], ssh_config: Optional[str],
-                  nproc_per_node: Optional[int], *, cluster_given: bool,
-                  **top: Any) -> Optional[ClusterSpec]:
-    """``--hosts`` / ``--hostfile`` (with ``-F``): the cluster they stand for, or None when
-    neither is given. Checked like a cluster file (exit 2, the flag or line named)."""
-    if hosts is None and hostfile is None:
-        if ssh_config is not None:
-            raise usage("--ssh-config", "only with --hosts or --hostfile (a cluster file "
-                        "sets ssh.config_file per worker)")
+def nproc_words(value: Optional[str], *, this_machine: bool) -> Optional[int]:
+    """``--nproc-per-node``: a number; for ``run`` also torchrun's ``gpu``, ``cpu`` and
+    ``auto``, counted on this machine (torchrun counts on each node; ``--hosts`` assumes
+    hosts like this one, and a cluster file's ``local_devices: all`` asks each host)."""
+    if value is None:
         return None
-    if hosts is not None and hostfile is not None:
-        raise usage("--hosts", "give --hosts or --hostfile, not both")
-    if cluster_given:
-        raise usage("--hosts" if hosts is not None else "--hostfile",
-                    "the hosts come from the command line or from --cluster, not both")
-    if ssh_config is not None and not os.path.isfile(ssh_config):
-        raise usage("--ssh-config", f"{ssh_config} is not a file")
+    text = str(value).strip().lower()
+    if this_machine and text in ("gpu", "cpu", "auto"):
+        from ..agent.checks import gpu_indices
+
+        count = len(gpu_indices().get("gpus") or []) if text != "cpu" else 0
+        if not count and text == "gpu":
+            raise usage("--nproc-per-node", "gpu: no GPU found (nvidia-smi)")
+        text = str(count or os.cpu_count() or 1)
+    return nproc_per_node("--nproc-per-node", text)
+
+
+def nnodes(text: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes N`` or ``MIN:MAX``."""
+    low, _, high = text.strip().partition(":")
+    high = high or low
+    if not (low.isascii() and low.isdigit() and high.isascii() and high.isdigit()) \
+            or not 1 <= int(low) <= int(high):
+        raise usage("--nnodes", f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return int(low), int(high)
+
+
+def port(flag: str, value: Optional[str]) -> Optional[int]:
+    """A TCP port, 1-65535."""
+    if value is None:
+        return None
     try:
-        slots = expand_hosts(hosts) if hosts is not None else read_hostfile(str(hostfile))
-        source = "--hosts" if hosts is not None else str(hostfile)
-        # Every host is checked before the first one is looked up (a name lookup is the
-        # first thing that leaves this machine).
-        cluster = cluster_from_hosts(slots, nproc_per_node=nproc_per_node,
-                                     ssh_config=ssh_config, source=source, **top)
-        controller = None if "controller" in top else \
-            _controller_toward(slots[0].host, ssh_config)
-        if controller is None:
-            return cluster
-        return cluster_from_hosts(slots, nproc_per_node=nproc_per_node, ssh_config=ssh_config,
-                                  source=source, controller={"host": controller}, **top)
+        return port_number(str(value).strip(), flag)
     except HostsError as exc:
         raise FdlError(str(exc), EXIT_USAGE) from None
 
 
-def _controller_toward(host: str, ssh_config: Optional[str]) -> Optional[str]:
+def address(flag: str, value: Optional[str]) -> Optional[str]:
+    """A host name or an IP address (brackets around IPv6 dropped), by the cluster file's
+    own rule for ``addr``."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    problem = host_name_problem(text) if text else "is empty"
+    if problem is not None:
+        raise usage(flag, f"{text!r} {problem}" if not problem.startswith(repr(text))
+                    else problem)
+    return text
+
+
+def endpoint(flag: str, value: str) -> tuple[str, int]:
+    """torchrun's ``HOST:PORT`` (``[v6]:PORT``); a missing port is refused, not guessed."""
+    text = str(value).strip()
+    host, colon, port_text = text.rpartition(":")
+    if not colon or not host or (":" in host and not host.startswith("[")):
+        raise usage(flag, f"expected HOST:PORT (IPv6 as [addr]:PORT), got {value!r}")
+    checked = address(flag, host)
+    found = port(flag, port_text)
+    assert checked is not None and found is not None
+    return checked, found
+
+
+def ssh_defaults(config_file: Optional[str], user: Optional[str], port_text: Optional[str],
+                 identity: Optional[str]) -> SshDefaults:
+    """``-F``, ``-l``, ``-p``, ``-i``: how every host of the command line is reached."""
+    if config_file is not None and not os.path.isfile(config_file):
+        raise usage("--ssh-config", f"{config_file} is not a file")
+    if identity is not None and not os.path.isfile(os.path.expanduser(identity)):
+        raise usage("--identity", f"{identity} is not a file (a private key, as ssh -i)")
+    if user is not None:
+        problem = user_name_problem(user)
+        if problem is not None:
+            raise usage("--user", f"{user!r} {problem}")
+    return SshDefaults(config_file=config_file, user=user, port=port("--port", port_text),
+                       identity_file=identity)
+
+
+def host_slots(hosts: Optional[str], hostfile: Optional[str]) -> list[HostSlot]:
+    """The hosts of ``--hosts`` or ``--hostfile``, each with its slots, user and port."""
+    try:
+        return expand_hosts(hosts) if hosts is not None else read_hostfile(str(hostfile))
+    except HostsError as exc:
+        raise FdlError(str(exc), EXIT_USAGE) from None
+
+
+def host_addresses(slots: list[HostSlot], config_file: Optional[str]) -> dict[str, str]:
+    """The address each host's ranks are dialled at when it is not the host's name: an
+    ssh_config ``Host`` alias stands for its ``HostName``, which only ssh knows; a rank
+    given the alias as MASTER_ADDR cannot resolve it (as ``ssh -G`` reads it: the ``-F``
+    file, else ``~/.ssh/config``)."""
+    path = config_file or os.path.expanduser("~/.ssh/config")
+    if not os.path.isfile(path):
+        return {}
+    import paramiko  # only for hosts given on the command line: a local run loads none
+
+    try:
+        config = paramiko.SSHConfig.from_path(path)
+    except OSError as exc:
+        raise usage("--ssh-config", f"{path}: {exc.strerror or exc}") from None
+    found: dict[str, str] = {}
+    for slot in slots:
+        name = str(config.lookup(slot.host).get("hostname", slot.host))
+        if name != slot.host:
+            found[slot.host] = name
+    return found
+
+
+def controller_toward(first_addr: str) -> Optional[str]:
     """The address of this machine that the first host sees (what its ranks dial), for a
     remote first host; None for this machine (the coordinator then binds loopback)."""
-    if host in ("localhost", "127.0.0.1"):
+    if is_this_machine(first_addr):
         return None
-    target = host
-    if ssh_config is not None:
-        import paramiko  # only with -F: a local launch loads no SSH library
-
-        target = str(paramiko.SSHConfig.from_path(ssh_config).lookup(host).get("hostname", host))
     try:
-        return launcher_address(target)
+        return launcher_address(first_addr)
     except UnicodeError:  # a name the IDNA codec refuses: as for a name that does not resolve
         return socket.gethostname()
 
+
+def is_this_machine(address_: str) -> bool:
+    """A loopback name or address: the hosts that are this machine, as written."""
+    if address_ == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address_).is_loopback
+    except ValueError:
+        return False
+
+
+def free_port() -> int:
+    """A port nobody on this machine listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])

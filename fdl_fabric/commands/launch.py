@@ -581,7 +581,8 @@ class Launch:
     def _supervise(self, r: _Settings, plan: LaunchPlan, coordinator: Coordinator,
                    inbox: queue.SimpleQueue[reports.Report]) -> RunResult:
         cluster = plan.cluster
-        checks = {w.host: launch_plan(cluster, w, r.argv, r.prebuilt.get(w.host))
+        checks = {w.host: launch_plan(cluster, w, r.argv, r.prebuilt.get(w.host),
+                                      master=(plan.master_addr, cluster.master_port))
                   for w in cluster.workers}
 
         def judge_host(host: str, values: Mapping[str, str]

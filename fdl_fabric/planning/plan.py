@@ -83,6 +83,11 @@ class LaunchPlan:
     def world_size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def master_addr(self) -> str:
+        """``MASTER_ADDR``, as every rank got it (rank 0's host's address)."""
+        return self.ranks[0].env["MASTER_ADDR"]
+
     def envelope_hex(self, host: str) -> str:
         return self.envelopes[host].to_hex()
 

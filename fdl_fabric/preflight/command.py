@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
+from ..clusterfile import ClusterSpec
 from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
 from ..presentation.output import Console
@@ -21,10 +22,12 @@ from ..transport.sshconfig import resolve_all_settings
 from .run import run_checks
 
 
-def check_cluster(cluster_file: str, *, cmd: Optional[str] = None, words: Sequence[str] = (),
+def check_cluster(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = None,
+                  cmd: Optional[str] = None, words: Sequence[str] = (),
                   as_json: bool = False, fast: bool = False,
                   console: Optional[Console] = None) -> int:
-    """Check every host of ``cluster_file``: 0 nothing FAILs, 1 something does, 2 usage.
+    """Check every host of ``cluster_file`` (or of ``cluster``, the hosts of ``--hosts``):
+    0 nothing FAILs, 1 something does, 2 usage.
 
     ``words`` (the words after ``--``), else ``cmd``, else the file's ``command:`` is the
     program whose presence is checked on every host, as a launch would resolve it.
@@ -34,7 +37,7 @@ def check_cluster(cluster_file: str, *, cmd: Optional[str] = None, words: Sequen
     try:
         # A `scheduler: slurm` file means the nodes of this allocation, as for a launch:
         # each is checked through its own srun step.
-        cluster = resolve_cluster(cluster_file)
+        cluster = resolve_cluster(cluster_file, cluster)
         settings = resolve_all_settings(cluster, events)
     except FdlError as exc:  # a ConfigError is one, exit 2
         events(Name.REFUSED, error=str(exc))

@@ -18,8 +18,10 @@ from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate
 
 
 def launch_plan(cluster: ClusterSpec, worker: WorkerSpec, argv: Sequence[str],
-                prebuilt: Optional[PrebuiltBinary]) -> HostPlan:
-    """What a launch checks on one host before any rank starts (``fast``)."""
+                prebuilt: Optional[PrebuiltBinary],
+                master: Optional[tuple[str, int]] = None) -> HostPlan:
+    """What a launch checks on one host before any rank starts (``fast``); ``master``:
+    ``MASTER_ADDR``/``MASTER_PORT``, which every host's ranks dial."""
     dial_host = controller_dial_host(cluster, worker)
     bind_host = coordinator_bind_host(cluster)
     port = cluster.controller.port
@@ -27,7 +29,8 @@ def launch_plan(cluster: ClusterSpec, worker: WorkerSpec, argv: Sequence[str],
                 listen_host=bind_host, listen_port=port, configured_port=port)
     return HostPlan(worker=worker, fast=True, argv=tuple(argv), prebuilt=prebuilt, dial=dial,
                     path_env=worker.env.get("PATH", cluster.env.get("PATH")),
-                    python_path=worker.env.get("PYTHONPATH", cluster.env.get("PYTHONPATH")))
+                    python_path=worker.env.get("PYTHONPATH", cluster.env.get("PYTHONPATH")),
+                    master=master)
 
 
 def agent_checks(plan: HostPlan) -> dict[str, Any]:
@@ -43,6 +46,7 @@ def agent_checks(plan: HostPlan) -> dict[str, Any]:
         "path_env": plan.path_env,
         "dial": {"host": plan.dial.host, "port": plan.dial.port}
         if plan.dial.host not in BIND_ALL else None,
+        "master": {"host": plan.master[0], "port": plan.master[1]} if plan.master else None,
     }
 
 

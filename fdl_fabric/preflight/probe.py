@@ -104,6 +104,9 @@ class HostPlan:
     path_env: Optional[str] = None
     #: PYTHONPATH when cluster/host env sets it: where ``python -m`` looks for modules.
     python_path: Optional[str] = None
+    #: ``MASTER_ADDR`` and ``MASTER_PORT`` of the launch: every host must resolve and
+    #: reach rank 0's address before any rank starts (a launch's pre-flight only).
+    master: Optional[tuple[str, int]] = None
 
     @property
     def host(self) -> str:

@@ -82,7 +82,29 @@ def evaluate(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> list[Che
             rows.append(_clock_row(plan, v, facts))
     if plan.dial is not None:
         rows.append(_port_row(plan, facts, ctl))
+    if plan.master is not None and "master" in v:
+        rows.append(_master_row(plan, v["master"]))
     return rows
+
+
+def _master_row(plan: HostPlan, got: str) -> Check:
+    """``MASTER_ADDR`` as this host's ranks will dial it, before rank 0 listens: a name
+    that does not resolve here, or a host that does not answer, would leave them retrying
+    for torch's 30-minute default with no verdict."""
+    assert plan.master is not None
+    addr, port = plan.master
+    target = f"MASTER_ADDR {addr}" + (f" (port {port})" if got.startswith("busy") else "")
+    if got.startswith("ok"):
+        return Check(plan.host, "master", Status.OK,
+                     f"MASTER_ADDR {addr} resolves to {got.split()[-1]} and answers")
+    if got.startswith("busy"):
+        return Check(plan.host, "master", Status.WARN,
+                     f"{target}: something already listens on {addr}:{port}; rank 0's "
+                     "store cannot bind it (give --master-port, or master_port:)")
+    return Check(plan.host, "master", Status.FAIL,
+                 f"MASTER_ADDR {addr} {got[1:]}: this host's ranks cannot reach rank 0 "
+                 "(give --master-addr, or addr: of the first worker, an address every host "
+                 "resolves and reaches)")
 
 
 def _shell_row(plan: HostPlan, facts: HostFacts) -> Check:

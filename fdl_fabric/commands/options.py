@@ -1,0 +1,242 @@
+"""One front door: the flags of any command, as given, to what the command works on.
+
+``inv launch``, ``fdl-fabric launch``, ``fdl-fabric run`` and the Python API all build
+their `LaunchOptions` here, and ``status``, ``stacks``, ``cleanup`` and
+``prebuild-check`` their hosts, so a flag means one thing everywhere and is checked in
+one place (each value by `commands.flags`, before anything is read, looked up or
+started). Values arrive as the command line gives them: strings, booleans, None for a
+flag not given, keyed by the flag's Python name (`commands.vocabulary`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from ..clusterfile import ClusterSpec, ControllerSpec, ElasticSpec, SshSpec, WorkerSpec
+from ..clusterfile.hosts import HostsError, cluster_from_hosts
+from ..errors import EXIT_USAGE, FdlError, usage
+from . import flags
+from .launch import LaunchOptions
+
+#: MASTER_PORT when ranks span hosts and none is given: torchrun's.
+MASTER_PORT_DEFAULT = 29500
+#: ``fdl-fabric run``'s kill grace: torchrun's (its agent waits 30 s after SIGTERM).
+RUN_KILL_GRACE = 30.0
+
+#: Flags that describe hosts given on the command line; with a cluster file they are
+#: refused (the file says it per worker), never ignored.
+_HOSTS_ONLY = ("ssh_config", "user", "port", "identity")
+#: Flags that place the rendezvous; with a cluster file, ``controller:`` and
+#: ``master_port:`` say it.
+_RENDEZVOUS = ("master_addr", "master_port", "controller_addr", "controller_port",
+               "rdzv_endpoint")
+
+
+def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[str] = (),
+                   settings: Optional[Mapping[str, str]] = None) -> LaunchOptions:
+    """A launch from its flags (``command`` is ``launch`` or ``run``; ``argv``, the rank's
+    words when given as words). Raises `FdlError` (exit 2) naming the flag."""
+    v = _Values(values)
+    settings = settings or {}
+    per_node = flags.nproc_words(v.get("nproc_per_node"), this_machine=command == "run")
+    grace = flags.seconds("--kill-grace", v.get("kill_grace"))
+    common = dict(
+        command=flags.command(v.get("cmd")), argv=list(argv),
+        verbosity=1 + flags.verbosity(v.get("verbose")), quiet=bool(v.get("quiet")),
+        max_failure=flags.max_failure(v.get("max_failure")),
+        max_restarts=flags.restarts("--max-restarts", v.get("max_restarts")),
+        log_dir=flags.log_dir(v.get("log_dir") or settings.get("log_dir") or None),
+        dry_run=bool(v.get("dry_run")), preflight=v.get("preflight") is not False,
+        agent_timeout=flags.agent_timeout(v.get("agent_timeout")),
+        hang_timeout=flags.seconds("--hang-timeout", v.get("hang_timeout")),
+        fanout=flags.fanout(v.get("fanout")), json=bool(v.get("json")),
+        env_overrides=dict(v.get("env") or {}))
+    from_hosts = hosts_cluster(values, command=command, nproc_per_node=per_node,
+                               launching=True)
+    if from_hosts is not None:
+        if command == "run":
+            from_hosts = _with_nnodes(from_hosts, v.get("nnodes"))
+            grace = RUN_KILL_GRACE if grace is None else grace
+        return LaunchOptions(cluster_file=None, cluster=from_hosts, kill_grace=grace,
+                             **common)  # type: ignore[arg-type]
+    if command == "run":
+        cluster = _this_machine(v, per_node)
+        return LaunchOptions(cluster_file=None, cluster=cluster,
+                             kill_grace=RUN_KILL_GRACE if grace is None else grace,
+                             **common)  # type: ignore[arg-type]
+    slurm = bool(v.get("slurm"))
+    _refuse_with_file(v, "the cluster file")
+    return LaunchOptions(
+        # --slurm reads a cluster file only when one is named: the flags can say it all.
+        cluster_file=None if slurm and v.get("cluster") is None
+        else flags.cluster_file(v.get("cluster"), settings.get("cluster", "cluster.yml")),
+        slurm=slurm, nproc_per_node=per_node, kill_grace=grace,
+        **common)  # type: ignore[arg-type]
+
+
+def hosts_cluster(values: Mapping[str, Any], *, command: str,
+                  nproc_per_node: Optional[int] = None,
+                  launching: bool = False) -> Optional[ClusterSpec]:
+    """The cluster that ``--hosts``/``--hostfile`` stand for, with ``-F``, ``--user``,
+    ``--port``, ``--identity`` and, for a launch, the rendezvous flags; None when neither
+    is given (the other host flags are then refused, naming the cluster file's key)."""
+    v = _Values(values)
+    hosts, hostfile = v.get("hosts"), v.get("hostfile")
+    if hosts is None and hostfile is None:
+        _refuse_with_file(v, "a cluster file" if command != "run" else "one host")
+        return None
+    if hosts is not None and hostfile is not None:
+        raise usage("--hosts", "give --hosts or --hostfile, not both")
+    if v.get("cluster") is not None or v.get("slurm"):
+        raise usage("--hosts" if hosts is not None else "--hostfile",
+                    "the hosts come from the command line or from "
+                    f"{'--slurm' if v.get('slurm') else '--cluster'}, not both")
+    ssh = flags.ssh_defaults(v.get("ssh_config"), v.get("user"), v.get("port"),
+                             v.get("identity"))
+    slots = flags.host_slots(hosts, hostfile)
+    top: dict[str, Any] = {}
+    addrs = flags.host_addresses(slots, ssh.config_file)
+    if launching:
+        top, first_addr = _rendezvous(v, slots, addrs)
+        if first_addr is not None:
+            addrs[slots[0].host] = first_addr
+        grace = flags.seconds("--kill-grace", v.get("kill_grace"))
+        if grace is not None:
+            top["kill_grace"] = grace
+        restarts = flags.restarts("--max-restarts", v.get("max_restarts"))
+        if restarts:
+            top["elastic"] = {"max_restarts": restarts}
+    high = (_nnodes(v.get("nnodes"))[1] or None) if command == "run" else None
+    try:
+        return cluster_from_hosts(slots, nproc_per_node=nproc_per_node, ssh=ssh,
+                                  source="--hosts" if hosts is not None else str(hostfile),
+                                  max_hosts=high, addrs=addrs, **top)
+    except HostsError as exc:
+        raise FdlError(str(exc), EXIT_USAGE) from None
+
+
+def _rendezvous(v: _Values, slots: Sequence[Any],
+                addrs: Mapping[str, str]) -> tuple[dict[str, Any], Optional[str]]:
+    """Where the ranks meet: the coordinator on this machine (its address toward the first
+    host, a free port) and MASTER_ADDR:PORT on the first host, each unless given. Returns
+    the cluster keys and the first host's address when ``--master-addr`` gave it."""
+    endpoint = v.get("rdzv_endpoint")
+    rdzv_host, rdzv_port = flags.endpoint("--rdzv-endpoint", endpoint) if endpoint \
+        else (None, None)
+    for flag in ("controller_addr", "controller_port"):
+        if endpoint and v.get(flag) is not None:
+            raise usage("--rdzv-endpoint", f"give it or --{flag.replace('_', '-')}, not both")
+    master_addr = flags.address("--master-addr", v.get("master_addr"))
+    first = slots[0].host
+    first_addr = master_addr or addrs.get(first, first)
+    controller_host = flags.address("--controller-addr", v.get("controller_addr")) \
+        or rdzv_host or flags.controller_toward(first_addr)
+    controller_port = flags.port("--controller-port", v.get("controller_port")) \
+        or rdzv_port or flags.free_port()
+    master_port = flags.port("--master-port", v.get("master_port"))
+    if master_port is None:
+        here = all(flags.is_this_machine(addrs.get(s.host, s.host)) for s in slots) \
+            and flags.is_this_machine(first_addr)
+        master_port = flags.free_port() if here else MASTER_PORT_DEFAULT
+    top: dict[str, Any] = {"master_port": master_port,
+                           "controller": {"port": controller_port}}
+    if controller_host is not None:
+        top["controller"]["host"] = controller_host
+    return top, master_addr
+
+
+def _refuse_with_file(v: _Values, where: str) -> None:
+    """A host or rendezvous flag without ``--hosts``: refused, with what to use instead."""
+    for name in _HOSTS_ONLY + _RENDEZVOUS:
+        if v.get(name) is None or (where == "one host" and name in ("master_addr",
+                                                                    "master_port")):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "user":
+            raise usage("-l/--user", "only with --hosts or --hostfile (a cluster file sets "
+                        "ssh.user per worker; -l is no longer --log-dir: write --log-dir)")
+        if where == "one host":
+            raise usage(flag, "only with --hosts or --hostfile: `fdl-fabric run` without "
+                        "them runs on this machine")
+        key = {"ssh_config": "ssh.config_file", "port": "ssh.port",
+               "identity": "ssh.identity_file", "master_addr": "addr of the first worker",
+               "master_port": "master_port",
+               "controller_addr": "controller.host", "controller_port": "controller.port",
+               "rdzv_endpoint": "controller.host and controller.port"}[name]
+        raise usage(flag, f"only with --hosts or --hostfile ({where} sets {key})")
+
+
+def _nnodes(text: Optional[str]) -> tuple[int, int]:
+    """torchrun's ``--nnodes N`` or ``MIN:MAX``; (0, 0) for the default, 1."""
+    if text is None or text.strip() in ("1", "1:1"):
+        return 0, 0
+    return flags.nnodes(text)
+
+
+def _with_nnodes(cluster: ClusterSpec, text: Optional[str]) -> ClusterSpec:
+    """``--nnodes MIN:MAX`` on ``run --hosts``: ``elastic.min_hosts`` (the spares were set
+    when the hosts were read)."""
+    low, _ = _nnodes(text)
+    roster = sum(1 for w in cluster.workers if not w.spare)
+    if low and low > roster:
+        raise usage("--nnodes", f"MIN is {low}, but only {roster} host(s) were given")
+    if not low:
+        return cluster
+    return dataclasses.replace(cluster, elastic=dataclasses.replace(cluster.elastic,
+                                                                    min_hosts=low))
+
+
+def _this_machine(v: _Values, per_node: Optional[int]) -> ClusterSpec:
+    """``fdl-fabric run`` without hosts: this machine, in this folder, every port free."""
+    if _nnodes(v.get("nnodes")) != (0, 0):
+        raise usage("--nnodes", f"`fdl-fabric run` without --hosts is this machine, got "
+                    f"{v.get('nnodes')!r}: give the hosts with --hosts or --hostfile")
+    master_port = flags.port("--master-port", v.get("master_port"))
+    addr = flags.address("--master-addr", v.get("master_addr")) or "127.0.0.1"
+    cwd = os.getcwd()
+    worker = WorkerSpec(index=0, host="localhost", nproc=per_node or 1,
+                        local_devices=None, path=cwd, addr=addr,
+                        nccl_socket_ifname=None, ssh=SshSpec(), tunnel=False, env={},
+                        data_path=None, is_local=True, line=0, transport="local")
+    return ClusterSpec(
+        file="fdl-fabric run", folder=cwd,
+        controller=ControllerSpec(host="127.0.0.1", port=flags.free_port()),
+        command=None, env={}, kill_grace=RUN_KILL_GRACE,
+        master_port=master_port or flags.free_port(),
+        elastic=ElasticSpec(max_restarts=flags.restarts("--max-restarts",
+                                                        v.get("max_restarts")) or 0),
+        workers=(worker,),
+        # Each run is a cluster of its own: two jobs started from one folder never see
+        # each other as leftovers.
+        key=f"run-{secrets.token_hex(8)}")
+
+
+def refuse(exc: FdlError, command: Optional[str], *, as_json: bool = False) -> None:
+    """Say a refusal the way every event is said: one line on stderr, and under
+    ``--json`` its record on stdout too (`presentation.output.JsonConsole`)."""
+    from ..events import EventBus, Name
+    from ..presentation.output import Console, JsonConsole
+
+    console = JsonConsole() if as_json else Console()
+    EventBus(console)(Name.REFUSED, command=command, error=str(exc))
+
+
+class _Values:
+    """The flags as given: a missing key, None and False all mean "not given"."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self._values = values
+
+    def get(self, name: str) -> Any:
+        value = self._values.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # the API's numbers, checked as the command line's words
+        return value
+
+
+__all__ = ["MASTER_PORT_DEFAULT", "RUN_KILL_GRACE", "hosts_cluster", "launch_options",
+           "refuse"]
