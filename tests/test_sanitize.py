@@ -134,3 +134,14 @@ def test_json_stays_the_same_value_with_c1_escaped() -> None:
     line = json_inert(json.dumps(value, ensure_ascii=False))
     assert json.loads(line) == value
     assert not re.search("[\x00-\x1f\x7f-\x9f\u2028\u2029]", line)
+
+
+def test_a_launcher_line_with_a_word_wider_than_the_terminal_is_cut_with_no_orphan() -> None:
+    from fdl_fabric.presentation.ranklines import cut_to_width
+
+    path = '    "/tmp/' + "x" * 66 + '/steady.py",'
+    rows = cut_to_width(f"head\n{path}\nshort", 80).split("\n")
+    assert rows[0] == "head" and rows[-1] == "short"
+    assert all(len(row) <= 80 for row in rows)
+    assert "".join(r.strip() for r in rows[1:-1]) == path.strip()
+    assert len(rows[2].strip()) >= 8  # no '",' alone on a row

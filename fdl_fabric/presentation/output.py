@@ -27,7 +27,8 @@ from typing import IO, Any, Callable, Optional, TextIO
 
 from ..events import Event, Kind, Name
 from ..supervision.supervisor import Rank, RankState
-from .ranklines import rank_block
+from .interrupted import Interrupted
+from .ranklines import cut_to_width, rank_block
 from .records import Attempts, record
 from .sanitize import clean, json_inert, neutralize, shown_lines
 from .screen import ERR, OUT, Screen
@@ -115,6 +116,8 @@ class Console:
         #: Launcher lines go to a terminal: laid out for its width (`words.fit`).
         self.err_terminal = is_terminal(self.err)
         self.screen: Optional[Screen] = None
+        #: Rank output since an interrupt, shown grouped before the summary.
+        self._interrupted: Optional[Interrupted] = None
         if threaded:
             self.screen = Screen(self.out, self.err, dropped_hint=dropped_hint,
                                  notice=self._notice)
@@ -130,6 +133,11 @@ class Console:
         if not self.show_rank_output:
             return
         data = event.data
+        interrupted = self._interrupted
+        if interrupted is not None:  # kept, shown grouped before the summary
+            interrupted.add(event.rank if event.rank is not None else -1, event.host or "?",
+                            data["text"])
+            return
         stream = self.err if data["stderr"] else self.out
         colour = _PALETTE[self.host_color(event.host or "")] if self.color else None
         block, rows = rank_block(data["label"], data["text"], colour=colour,
@@ -146,6 +154,10 @@ class Console:
         if event.kind is Kind.OUTPUT:
             self.rank_output(event)
             return
+        if event.kind in (Kind.SUMMARY, Kind.VERDICT) and self._interrupted is not None:
+            where = self._interrupted.text()
+            if where and self.verbosity >= 0:
+                self.message(where)
         if event.kind is Kind.RESULT:
             self.result(self._result_text(event))
             return
@@ -155,7 +167,10 @@ class Console:
             return
         if event.kind is Kind.STOPPING and event.data.get("signal") and self.screen is not None:
             # Ctrl-C or TERM: the verdict must show within the grace, whatever the
-            # terminal still has to take of the ranks' output.
+            # terminal still has to take of the ranks' output; what the ranks print now
+            # (where they were) is kept and shown grouped (`interrupted`).
+            if self._interrupted is None:
+                self._interrupted = Interrupted()
             self.screen.give_up_output(f"the run was interrupted "
                                        f"({event.data['signal']})")
         if event.kind is Kind.VERDICT and self.screen is not None:
@@ -197,7 +212,11 @@ class Console:
         """A launcher line: whatever its words quote from a host (an agent's error, a
         spawn failure's reason) was cleaned with the event's data; this last pass makes
         sure no control but the newline and the tab reaches the terminal."""
-        data = (neutralize(text) + "\n").encode("utf-8", "replace")
+        text = neutralize(text)
+        width = self.err_width()
+        if width is not None:
+            text = cut_to_width(text, width)
+        data = (text + "\n").encode("utf-8", "replace")
         return LINE_START + data if self.err_terminal else data
 
     def _write_message(self, text: str) -> None:
@@ -238,7 +257,8 @@ class Console:
     @property
     def dropped(self) -> int:
         """Lines of rank output the console did not show (a stall, a closed stdout)."""
-        return self.screen.dropped if self.screen is not None else 0
+        hidden = self._interrupted.hidden if self._interrupted is not None else 0
+        return hidden + (self.screen.dropped if self.screen is not None else 0)
 
     def close(self) -> None:
         """Write what is queued (bounded by `screen.FINAL_DRAIN`) and stop the writer."""

@@ -38,3 +38,29 @@ def rank_block(label: str, text: str, *, width: Optional[int] = None,
             room = max(width, 8)
         lines = [row for line in lines for row in fold(line, room)]
     return "".join(head + line + "\n" for line in lines), len(lines)
+
+
+def cut_to_width(text: str, width: int) -> str:
+    """Launcher text already laid out between words (`words.fit`), with each line that is
+    still wider than ``width`` (one word longer than the line: a path in a traceback)
+    cut at the edge here, its rows indented under it, so the terminal never wraps a row
+    to column 0."""
+    out: list[str] = []
+    for line in text.split("\n"):
+        if line.isascii() and len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * min(len(line) - len(line.lstrip(" ")) + 2, width // 2)
+        first, *rest = fold(line, width)
+        rows = [first, *(fold("".join(rest), width - len(indent)) if rest else [])]
+        short = ORPHAN - len(rows[-1])
+        if len(rows) > 1 and short > 0 and len(rows[-2]) > 2 * ORPHAN:
+            # No row of a lone '",' or ')': the last one takes a few characters more.
+            rows[-2], rows[-1] = rows[-2][:-short], rows[-2][-short:] + rows[-1]
+        out.append(rows[0])
+        out += [indent + row for row in rows[1:]]
+    return "\n".join(out)
+
+
+#: The fewest characters the last row of a cut line gets.
+ORPHAN = 8
