@@ -134,9 +134,9 @@ def test_a_rank_failing_on_attempt_0_and_passing_on_attempt_1_exits_0_with_two_a
     assert (run_dir / "attempt_0" / "r1" / "stdout.log").read_text() == "attempt 0 of 2\n"
     assert (run_dir / "attempt_1" / "r1" / "stdout.log").read_text() == "attempt 1 of 2\n"
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    restart = [e for e in events if e["event"] == "restart"]
+    restart = [e for e in events if e["kind"] == "restart"]
     assert len(restart) == 1 and restart[0]["attempt"] == 1
-    assert events[-1]["event"] == "verdict" and events[-1]["attempts"] == 2
+    assert events[-1]["kind"] == "verdict" and events[-1]["data"]["attempts"] == 2
 
 
 def test_restarts_stop_after_max_restarts_with_the_last_failure_as_the_verdict(
