@@ -208,7 +208,8 @@ def stacks(
     thread's Python stack; without it, what /proc says.
     """
     file, from_hosts = _hosts(c, "stacks", dict(locals()))
-    code = run_stacks(file, cluster=from_hosts, run_id=run_id)
+    code = run_stacks(file, cluster=from_hosts, run_id=run_id,
+                      every_run=from_hosts is not None)
     if code:
         raise Exit(code=code)
 

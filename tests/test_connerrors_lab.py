@@ -91,9 +91,9 @@ def test_a_frozen_host_is_one_line_naming_it_under_status_stacks_and_cleanup(
         assert f"no SSH banner within {CONNECT} s from {lab.user}@{gone.addr}:{gone.port}" \
             in said[0], (command, out)
         assert f"worker at {cluster}:" in said[0], (command, out)
-    # the hosts that answered are counted, not the three of the file
-    assert f"0 live run(s) on the 2 host(s) of {cluster}" in outputs["status"][1]
-    assert "on its 2 host(s)" in outputs["stacks"][1]
+    # the hosts that answered are counted, out of the three asked
+    assert f"0 live run(s) on 2 of the 3 host(s) of {cluster}" in outputs["status"][1]
+    assert "on 2 of the 3 host(s)" in outputs["stacks"][1]
     assert "lab1: nothing to stop" in outputs["cleanup"][1]
 
 

@@ -181,7 +181,8 @@ def test_refused_authentication_fails_naming_the_host(sshd_lab, tmp_path: Path) 
     assert "lab1" in out.stderr and "authentication refused" in out.stderr
     host = lab.hosts[0]
     # What to fix is named: the destination as written and the key that was offered.
-    assert f"({lab.user}@{host.addr}:{host.port} with key {other_key})" in out.stderr
+    assert (f"authentication refused for {lab.user}@{host.addr}:{host.port} with key "
+            f"{other_key}") in out.stderr
 
 
 def test_a_missing_identity_file_is_named_with_the_destination(sshd_lab, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ file (names, bounds, addresses) holds here too, with the flag named in place of 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Sequence
@@ -176,7 +177,9 @@ def cluster_from_hosts(hosts: Sequence[HostSlot], *, nproc_per_node: Optional[in
         workers.append(worker)
     text = yaml.safe_dump({**top, "workers": workers}, sort_keys=False)
     try:
-        return parse_cluster(text, file=source, folder=folder)
+        return dataclasses.replace(
+            parse_cluster(text, file=source, folder=folder),
+            named_by="--hostfile" if any(h.line is not None for h in hosts) else "--hosts")
     except ConfigError as exc:
         raise HostsError(_one_line(exc.problems, hosts, source)) from None
 

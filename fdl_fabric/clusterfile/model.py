@@ -138,6 +138,9 @@ class ClusterSpec:
     key: Optional[str] = None
     #: SSH hosts connected directly; more than this go through gateways (`planning.tree`).
     fanout: int = FANOUT_DEFAULT
+    #: The flag that named the hosts (``--hosts``, ``--hostfile``) when no cluster file
+    #: did: advice then speaks in flags, and no worker has a line of a file to point at.
+    named_by: Optional[str] = None
 
 
 # --------------------------------------------------------------------------------------------

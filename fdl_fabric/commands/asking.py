@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from ..clusterfile import ClusterSpec
 from ..supervision import reports
-from ..transport import connerrors, for_cluster
+from ..transport import for_cluster
 from ..transport.fanout import close_all, connect_each, start_each
 from ..transport.session import AgentSession
 from ..transport.sshconfig import SshSettings
@@ -26,23 +26,13 @@ ANSWER_TIMEOUT = 30.0
 Asked = tuple[dict[str, AgentSession], "queue.SimpleQueue[reports.Report]", dict[str, str]]
 
 
-def origins(cluster: ClusterSpec, from_file: bool) -> dict[str, connerrors.Origin]:
-    """Where each host was named, for the reason a connect fails: its line of the cluster
-    file, or (``from_file`` False: ``--hosts``, ``--hostfile``) the flag."""
-    if from_file:
-        return connerrors.origins(cluster.workers, cluster.file)
-    flag = cluster.file if cluster.file.startswith("-") else "--hostfile"
-    return connerrors.origins(cluster.workers, None, flag=flag)
-
-
 @contextlib.contextmanager
-def asking_agents(cluster: ClusterSpec, settings: Mapping[str, SshSettings], *,
-                  from_file: bool = True) -> Iterator[Asked]:
+def asking_agents(cluster: ClusterSpec, settings: Mapping[str, SshSettings]
+                  ) -> Iterator[Asked]:
     """An agent on every host that can be reached: the sessions, their one inbox, and why
     each other host could not be asked. Everything is closed on the way out."""
     inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
     transports = for_cluster(cluster, dict(settings), purpose="cleanup")
-    connerrors.mark(transports, origins(cluster, from_file))
     errors = connect_each(transports.values())
     sessions: dict[str, AgentSession] = {}
     try:

@@ -116,7 +116,6 @@ def run_cleanup(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] =
     named on the command line (``--hosts``; ``cluster_file`` None)."""
     console = console or Console()
     events = EventBus(console)
-    from_file = cluster is None and not slurm
     try:
         if slurm:
             for flag, given in (("--all", all_runs), ("--pattern", pattern)):
@@ -131,10 +130,6 @@ def run_cleanup(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] =
         return exc.exit_code
     key = cluster_key(cluster)
     transports = for_cluster(cluster, settings, purpose="cleanup")
-    named_by = None if from_file else (cluster.file if cluster.file.startswith("-") else
-                                       "--hostfile")
-    connerrors.mark(transports, connerrors.origins(cluster.workers, cluster.file,
-                                                   flag=named_by))
     errors = connect_each(transports.values())
     command = "inv cleanup" + (f" --run-id {run_id}" if run_id else "") + \
         (" --force" if force else "")

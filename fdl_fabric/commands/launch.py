@@ -409,7 +409,7 @@ class Launch:
                     ranks={h: [r.rank for r in plan.host_ranks(h)] for h in plan.hosts()})
         for name, data in plan_warnings(
                 plan, targets={h: s.target.rpartition("@")[2] for h, s in r.settings.items()},
-                from_flags=opts.cluster is not None and opts.cluster_file is None):
+                from_flags=cluster.named_by is not None):
             self.events(name, **data)
         if any(plan.defaults(h) for h in plan.hosts()):
             self.events(Name.OMP_DEFAULTED)

@@ -35,14 +35,13 @@ def run_stacks(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
     of any cluster, not only this one's (a ``--hosts`` run has a cluster of its own)."""
     console = console or Console()
     events = EventBus(console)
-    from_file = cluster is None
     try:
         cluster = resolve_cluster(cluster_file, cluster)
         settings = resolve_all_settings(cluster, events)
     except FdlError as exc:
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code
-    with asking_agents(cluster, settings, from_file=from_file) as (sessions, inbox, errors):
+    with asking_agents(cluster, settings) as (sessions, inbox, errors):
         return _show(cluster, sessions, inbox, errors, run_id, events, every_run)
 
 

@@ -31,7 +31,6 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
     ``cluster``: hosts named on the command line (``--hosts``; ``cluster_file`` None)."""
     console = console or Console()
     events = EventBus(console)
-    from_file = cluster is None
     try:
         cluster = resolve_cluster(cluster_file, cluster)
         settings = resolve_all_settings(cluster, events)
@@ -39,7 +38,7 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code
     key = None if every_run else cluster_key(cluster)
-    with asking_agents(cluster, settings, from_file=from_file) as (sessions, inbox, errors):
+    with asking_agents(cluster, settings) as (sessions, inbox, errors):
         for session in sessions.values():
             session.list_runs(key)
         listed, problems = collect(inbox, set(sessions), reports.Runs, ANSWER_TIMEOUT)

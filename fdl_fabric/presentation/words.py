@@ -718,8 +718,8 @@ _WORDS: dict[Name, Words] = {
     Name.CHECK_REPORT: _check_report,
     Name.CHECK_VERDICT: _check_verdict,
     Name.STACKS_PROBLEM: lambda e, d: f"stacks: {e.host}: {d['problem']}",
-    Name.STACKS_NO_LIVE_RUN: lambda e, d: (f"stacks: no live run of {d['file']} on its "
-                                           f"{d['hosts']} host(s)"),
+    Name.STACKS_NO_LIVE_RUN: lambda e, d: (f"stacks: no live run of {d['file']} on "
+                                           f"{_answered(d)} host(s)"),
     Name.STACKS_RUN_UNKNOWN: lambda e, d: (f"stacks: run {d['run_id']} is not recorded on any "
                                            f"host of {d['file']}"),
     Name.STACKS_VIEW: _stacks,
@@ -729,9 +729,15 @@ _WORDS: dict[Name, Words] = {
 }
 
 
+def _answered(d: Mapping[str, Any]) -> str:
+    """``the 3`` when every host asked answered, ``2 of the 3`` when one did not."""
+    asked = d.get("of", d["hosts"])
+    return f"the {asked}" if asked == d["hosts"] else f"{d['hosts']} of the {asked}"
+
+
 def status_text(d: Mapping[str, Any]) -> str:
     """``status``: each live run, its launcher, uptime and hosts with their ranks."""
-    lines = [f"{len(d['runs'])} live run(s) on the {d['hosts']} host(s) of {d['file']}"]
+    lines = [f"{len(d['runs'])} live run(s) on {_answered(d)} host(s) of {d['file']}"]
     for run in d["runs"]:
         launcher = run["launcher"]
         who = f"{launcher.get('host', '?')} pid {launcher.get('pid', '?')}" if launcher else "?"

@@ -76,10 +76,18 @@ def for_cluster(cluster: ClusterSpec, settings: Optional[Mapping[str, SshSetting
 
     tree = cluster_tree(cluster, fanout, avoid)
     if tree.flat:
-        return {w.host: for_worker(w, settings, purpose=purpose) for w in cluster.workers}
-    from .gateway import tree_transports
+        made = {w.host: for_worker(w, settings, purpose=purpose) for w in cluster.workers}
+    else:
+        from .gateway import tree_transports
 
-    return tree_transports(cluster, tree, settings or {}, purpose=purpose)
+        made = tree_transports(cluster, tree, settings or {}, purpose=purpose)
+    if any(w.transport == "ssh" for w in cluster.workers):  # local-only: no paramiko
+        from . import connerrors
+
+        # Where each host was named, for the words of a failed connect.
+        connerrors.mark(made, connerrors.origins(cluster.workers, cluster.file,
+                                                 flag=cluster.named_by))
+    return made
 
 
 def resolve_cluster(cluster_file: Optional[str], cluster: Optional[ClusterSpec] = None, *,
