@@ -7,6 +7,7 @@ this repo and the ``fdl-fabric`` console script use the same collection.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from typing import Any, Callable, Optional
@@ -44,24 +45,29 @@ class _ChosenShortFlags(Task[Any]):
 
 
 def _task(command: str, **kw: Any) -> Callable[[Callable[..., Any]], Task[Any]]:
-    """An inv task of ``command``: its flags' help and short forms from the vocabulary."""
+    """An inv task of ``command`` whose flags are the vocabulary's: its body takes
+    ``(c, **given)``, and the signature invoke parses is written from the table (a switch
+    defaults to False, or True for ``--no-…``; a value to None, meaning not given)."""
     kw.setdefault("help", vocabulary.task_help(command))
-    return task(klass=_ChosenShortFlags, name=command, **kw)
+
+    def make(body: Callable[..., Any]) -> Task[Any]:
+        if "given" in inspect.signature(body).parameters:
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+            body.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+                [inspect.Parameter("c", kind)] + [
+                    inspect.Parameter(f.name, kind, default=f.on_by_default
+                                      if f.metavar is None and not f.counted else None)
+                    for f in vocabulary.flags_of(command)])
+        made: Task[Any] = task(klass=_ChosenShortFlags, name=command, **kw)(body)
+        return made
+
+    return make
 
 
 #: Defaults for the ``fdl`` config section: set them in invoke.yaml / fabric.yaml
 #: (``fdl: {cluster: lab.yml, log_dir: runs/logs}``) or the environment
 #: (``INVOKE_FDL_CLUSTER=lab.yml``); command-line flags win.
 CONFIG_DEFAULTS = {"cluster": "cluster.yml", "log_dir": ""}
-
-
-def _cluster_file(c: Context, cluster: Optional[str]) -> str:
-    """The ``--cluster`` flag (or the configured default), checked: a bad one is exit 2
-    with one line, as every usage error of these tasks."""
-    try:
-        return flags.cluster_file(cluster, _settings(c)["cluster"])
-    except FdlError as exc:
-        raise Exit(str(exc), code=exc.exit_code) from None
 
 
 def _settings(c: Context) -> dict[str, str]:
@@ -88,52 +94,25 @@ def _refused(exc: FdlError, command: str, as_json: bool = False) -> Exit:
 
 
 def _binary() -> str:
-    return "fdl-fabric" if os.path.basename(sys.argv[0]) == "fdl-fabric" else "inv"
+    """``inv`` when invoke's own program runs (``inv``, ``invoke``, ``python -m invoke``),
+    else ``fdl-fabric``."""
+    path = sys.argv[0] if sys.argv else ""
+    name, folder = os.path.basename(path), os.path.basename(os.path.dirname(path))
+    return "inv" if name in ("inv", "invoke") or folder == "invoke" else "fdl-fabric"
 
 
 @_task("launch", optional=["verbose"])
-def launch(
-    c: Context,
-    cluster: Optional[str] = None,
-    hosts: Optional[str] = None,
-    hostfile: Optional[str] = None,
-    ssh_config: Optional[str] = None,
-    user: Optional[str] = None,
-    port: Optional[str] = None,
-    identity: Optional[str] = None,
-    slurm: bool = False,
-    cmd: Optional[str] = None,
-    nproc_per_node: Optional[str] = None,
-    master_addr: Optional[str] = None,
-    master_port: Optional[str] = None,
-    controller_addr: Optional[str] = None,
-    controller_port: Optional[str] = None,
-    rdzv_endpoint: Optional[str] = None,
-    kill_grace: Optional[str] = None,
-    max_failure: Optional[str] = None,
-    max_restarts: Optional[str] = None,
-    agent_timeout: Optional[str] = None,
-    hang_timeout: Optional[str] = None,
-    fanout: Optional[str] = None,
-    preflight: bool = True,
-    log_dir: Optional[str] = None,
-    dry_run: bool = False,
-    quiet: bool = False,
-    verbose: Optional[str] = None,
-    json: bool = False,
-) -> None:
+def launch(c: Context, **given: Any) -> None:
     """Launch the job of the cluster file (or --hosts), supervised to a verdict.
 
     Exit codes: 0 ok (or degraded), 1 run failure, 2 config or usage error,
     130/143 interrupted by SIGINT/SIGTERM.
     """
-    values = dict(locals())
-    del values["c"]
     try:
-        opts = launch_options(values, command="launch", argv=_remainder(),
+        opts = launch_options(given, command="launch", argv=_remainder(),
                               settings=_settings(c))
     except FdlError as exc:
-        raise _refused(exc, "launch", json) from None
+        raise _refused(exc, "launch", bool(given.get("json"))) from None
     code = run_launch(opts)
     if code:
         raise Exit(code=code)
@@ -155,21 +134,7 @@ def _hosts(c: Context, command: str, values: dict[str, Any]) -> tuple[Optional[s
 
 
 @_task("cleanup")
-def cleanup(
-    c: Context,
-    cluster: Optional[str] = None,
-    hosts: Optional[str] = None,
-    hostfile: Optional[str] = None,
-    ssh_config: Optional[str] = None,
-    user: Optional[str] = None,
-    port: Optional[str] = None,
-    identity: Optional[str] = None,
-    slurm: bool = False,
-    run_id: Optional[str] = None,
-    all: bool = False,
-    pattern: Optional[str] = None,
-    force: bool = False,
-) -> None:
+def cleanup(c: Context, **given: Any) -> None:
     """Stop leftover ranks on every host of the cluster, then verify none remains.
 
     Only processes of runs recorded by fdl-fabric's agents are stopped: a rank's
@@ -177,66 +142,45 @@ def cleanup(
     carry the run's id. A run whose launcher is alive is left alone unless named with
     --run-id or --force is given. Exit 1 if anything survives.
     """
-    file, from_hosts = _hosts(c, "cleanup", dict(locals()))
+    file, from_hosts = _hosts(c, "cleanup", given)
     try:
-        pattern = flags.pattern(pattern)
+        pattern = flags.pattern(given.get("pattern"))
     except FdlError as exc:
         raise _refused(exc, "cleanup") from None
-    code = run_cleanup(file, cluster=from_hosts, run_id=run_id,
-                       all_runs=all or from_hosts is not None, pattern=pattern,
-                       slurm=slurm, force=force)
+    code = run_cleanup(file, cluster=from_hosts, run_id=given.get("run_id"),
+                       all_runs=bool(given.get("all")) or from_hosts is not None,
+                       pattern=pattern, slurm=bool(given.get("slurm")),
+                       force=bool(given.get("force")))
     if code:
         raise Exit(code=code)
 
 
 @_task("stacks")
-def stacks(
-    c: Context,
-    cluster: Optional[str] = None,
-    hosts: Optional[str] = None,
-    hostfile: Optional[str] = None,
-    ssh_config: Optional[str] = None,
-    user: Optional[str] = None,
-    port: Optional[str] = None,
-    identity: Optional[str] = None,
-    run_id: Optional[str] = None,
-) -> None:
+def stacks(c: Context, **given: Any) -> None:
     """Show where every rank of a live run is: its Python stack, grouped by place.
 
     Reaches the hosts itself, like cleanup (nothing is asked of the launcher, and the
     run goes on). With py-spy on a host (`pip install fdl-fabric[stacks]`), every
     thread's Python stack; without it, what /proc says.
     """
-    file, from_hosts = _hosts(c, "stacks", dict(locals()))
-    code = run_stacks(file, cluster=from_hosts, run_id=run_id,
+    file, from_hosts = _hosts(c, "stacks", given)
+    code = run_stacks(file, cluster=from_hosts, run_id=given.get("run_id"),
                       every_run=from_hosts is not None)
     if code:
         raise Exit(code=code)
 
 
 @_task("prebuild-check")
-def prebuild_check(
-    c: Context,
-    cluster: Optional[str] = None,
-    hosts: Optional[str] = None,
-    hostfile: Optional[str] = None,
-    ssh_config: Optional[str] = None,
-    user: Optional[str] = None,
-    port: Optional[str] = None,
-    identity: Optional[str] = None,
-    cmd: Optional[str] = None,
-    fast: bool = False,
-    json: bool = False,
-) -> None:
+def prebuild_check(c: Context, **given: Any) -> None:
     """Check every host of the cluster before launching: one row per host and check.
 
     SSH and host keys, shell tools, paths and disk, the program, platform, GPUs,
     data_path, clock skew and the controller port, all hosts in parallel.
     Exit 0 when nothing FAILs, 1 otherwise, 2 on a config error.
     """
-    file, from_hosts = _hosts(c, "prebuild-check", dict(locals()))
-    code = check_cluster(file, cluster=from_hosts, cmd=cmd, words=_remainder(),
-                         as_json=json, fast=fast)
+    file, from_hosts = _hosts(c, "prebuild-check", given)
+    code = check_cluster(file, cluster=from_hosts, cmd=given.get("cmd"), words=_remainder(),
+                         as_json=bool(given.get("json")), fast=bool(given.get("fast")))
     if code:
         raise Exit(code=code)
 
@@ -308,26 +252,16 @@ TASK_NAMES = frozenset({"run", "launch", "cleanup", "prebuild-check", "plot-run"
 _usage_errors_exit_2()
 
 @_task("status")
-def status(
-    c: Context,
-    cluster: Optional[str] = None,
-    hosts: Optional[str] = None,
-    hostfile: Optional[str] = None,
-    ssh_config: Optional[str] = None,
-    user: Optional[str] = None,
-    port: Optional[str] = None,
-    identity: Optional[str] = None,
-    all: bool = False,
-    json: bool = False,
-) -> None:
+def status(c: Context, **given: Any) -> None:
     """List the live runs on the cluster's hosts: run id, launcher, uptime, ranks.
 
     Read from the records each host keeps; the runs are never touched. Exit 0, or 1 when
     a host could not be asked, 2 on bad input.
     """
-    file, from_hosts = _hosts(c, "status", dict(locals()))
-    code = run_status(file, cluster=from_hosts, every_run=all or from_hosts is not None,
-                      as_json=json)
+    file, from_hosts = _hosts(c, "status", given)
+    code = run_status(file, cluster=from_hosts,
+                      every_run=bool(given.get("all")) or from_hosts is not None,
+                      as_json=bool(given.get("json")))
     if code:
         raise Exit(code=code)
 

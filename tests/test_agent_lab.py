@@ -200,3 +200,15 @@ def test_a_login_shell_that_reads_the_agents_stdin_is_named_once_with_where_to_l
              "started: check ~/.bashrc and ~/.profile for commands that read stdin")
     assert said.count(words) == 1, said
     assert "ValueError" not in said and "invalid literal" not in said
+
+
+def test_a_launch_on_a_host_whose_login_shell_reads_stdin_says_so_and_sweeps_nothing(
+        sshd_lab) -> None:
+    lab = sshd_lab(n_hosts=1, login_shell_rc="head -c 300 > /dev/null")
+    out = run_launch(_remote_cluster(lab), "--cmd", "echo ran")
+    assert out.returncode == 1, out.stderr
+    words = "the login shell of host lab1 consumed the agent's stdin"
+    lines = [line for line in out.stderr.splitlines() if words in line]
+    # once where it happened, once in the verdict that names it: no sweep repeats it
+    assert len(lines) <= 2 and out.stderr.splitlines()[-1] in lines, out.stderr
+    assert "could not clear" not in out.stderr and "ran" not in out.stdout

@@ -109,3 +109,28 @@ def test_two_runs_at_once_from_one_folder_with_user_host_port_and_identity_compl
     masters = [{e["MASTER_PORT"] for e in _envs(tmp_path / f"env{n}").values()}
                for n in range(2)]
     assert masters[0] != masters[1], "and a MASTER_PORT of its own on this machine"
+
+
+def test_the_python_api_launches_hosts_with_the_command_lines_options(
+        sshd_lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fdl_fabric
+    from labutil import PROBE
+
+    lab = sshd_lab(n_hosts=2)
+    monkeypatch.setenv("HOME", _home(tmp_path)["HOME"])
+    dump = tmp_path / "env"
+    seen: list[str] = []
+    result = fdl_fabric.launch(
+        None, [sys.executable, PROBE, "--dump", str(dump)],
+        hosts=",".join(f"{h.addr}:{h.port}" for h in lab.hosts), user=lab.user,
+        identity=lab.identity_file, nproc_per_node=2, controller_port=None,
+        master_port=29517, kill_grace=5, max_restarts=0, max_failure=1, agent_timeout=12,
+        hang_timeout=0, fanout=64, log_dir=tmp_path / "logs", quiet=True, preflight=True,
+        on_event=lambda e: seen.append(e.name.value))
+    assert result.ok, result.message
+    assert len(result.ranks) == 4 and {r.host for r in result.ranks} == {
+        h.addr for h in lab.hosts}
+    envs = {int(p.stem.split("-r")[1]): json.loads(p.read_text())["env"]
+            for p in dump.glob("env-r*.json")}
+    assert {e["MASTER_PORT"] for e in envs.values()} == {"29517"}
+    assert "verdict" in seen and (tmp_path / "logs" / "latest").is_symlink()

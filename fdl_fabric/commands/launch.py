@@ -283,6 +283,8 @@ class Launch:
         self.joined_any = False
         #: Hosts that were lost or unresponsive in some attempt (their records are swept).
         self.faulted: dict[str, str] = {}
+        #: Hosts whose agent started in some attempt (only they can hold what to sweep).
+        self.greeted: set[str] = set()
         self.launcher = {"host": socket.gethostname(), "pid": os.getpid(),
                          "started": time.time()}
         #: What the launch resolved before contacting any host.
@@ -433,6 +435,7 @@ class Launch:
                             error=root_error(failed), **membership_data(selection, plan))
                 self._membership_event(selection, plan)
             result = self._attempt(r, plan, attempt)
+            self.greeted.update(h for h, s in self.sessions.items() if s.greeted)
             self.results.append(result)
             self.hosts_of.append(selection.hosts)
             self.faulted.update(result.faults)
@@ -742,7 +745,7 @@ class Launch:
         if r is None or self.run_id is None:
             return
         hosts = [t for h, t in self.transports.items()
-                 if h in self.faulted and t.sweep_after_loss]
+                 if h in self.faulted and t.sweep_after_loss and h in self.greeted]
         if not hosts:
             return
         # A connection to a host that stopped answering is not to be trusted, whatever

@@ -257,3 +257,17 @@ def write_page(text: str) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit then goes nowhere
         os.close(devnull)
+
+
+def markdown_table() -> str:
+    """docs/cli.md's table of every flag of every command (a test keeps the page equal
+    to it, so the page and the commands never disagree)."""
+    shown = [c for c in COMMANDS]
+    head = "| flag | " + " | ".join(f"`{c}`" for c in shown) + " | default | meaning |"
+    rows = [head, "|" + "---|" * (len(shown) + 3)]
+    for f in FLAGS:
+        spelled = ", ".join(f"`{w}{' ' + f.metavar if f.metavar else ''}`"
+                            for w in sorted(f.spellings, key=len))
+        marks = " | ".join("✓" if c in f.commands else "" for c in shown)
+        rows.append(f"| {spelled} | {marks} | {f.default} | {f.help.replace('|', '&#124;')} |")
+    return "\n".join(rows) + "\n"

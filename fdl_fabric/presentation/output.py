@@ -511,9 +511,8 @@ class JsonConsole(Console):
         self._attempts = Attempts()
 
     def emit(self, event: Event) -> None:
-        if event.name is Name.REFUSED:  # bad input is refused before any event, on stderr
-            super().emit(event)
-            return
+        # Bad input too: its `refused` record on stdout (the only one: nothing started),
+        # and its one line on stderr.
         line = json_inert(json.dumps(record(event, attempt=self._attempts.see(event)),
                                      default=str, ensure_ascii=False)) + "\n"
         data = line.encode("utf-8", "replace")

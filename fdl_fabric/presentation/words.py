@@ -268,8 +268,8 @@ def cause_data(e: Event, **extra: Any) -> dict[str, Any]:
 
 def _sweep_unreachable(e: Event, d: Mapping[str, Any]) -> str:
     return (f"{L}host {e.host!r} {unreachable(d['reason'])}: left its registry record of run "
-            f"{d['run_id']}; `inv cleanup --run-id {d['run_id']}` removes it (and anything "
-            "left) once the host is back")
+            f"{d['run_id']}; `fdl-fabric cleanup --run-id {d['run_id']}` with the same hosts "
+            "removes it (and anything left) once the host is back")
 
 
 def _output_dropped(e: Event, d: Mapping[str, Any]) -> str:
@@ -598,7 +598,8 @@ _WORDS: dict[Name, Words] = {
                                           f"after its last rank: {_pids(d['stopped'])}"),
     Name.AFTER_RUN_REMAINS: lambda e, d: (
         f"{L}{e.host}: could NOT stop what the run left behind: pids "
-        f"{', '.join(str(p.get('pid')) for p in d['remaining'])} (see `inv cleanup`)"),
+        f"{', '.join(str(p.get('pid')) for p in d['remaining'])} (see `fdl-fabric "
+        "cleanup`)"),
     Name.HOST_LOST: lambda e, d: f"{L}host {e.host!r}: {d['reason']}",
     Name.HOST_UNRESPONSIVE: _host_unresponsive,
     Name.HOST_ABANDONED: lambda e, d: (f"{L}host {e.host!r} did not report its ranks' exits "
@@ -677,8 +678,9 @@ _WORDS: dict[Name, Words] = {
     Name.ALL_RANKS_DEAD: lambda e, d: (f"every rank was lost ({d['dead']}/{d['world_size']} "
                                        "dead)"),
     Name.PREFLIGHT_FAILED: lambda e, d: (
-        f"{L}pre-flight failed on {d['failures']} check(s), nothing was started (`inv "
-        "prebuild-check` checks more; --no-preflight skips this)"),
+        f"{L}pre-flight failed on {d['failures']} check(s), nothing was started "
+        "(`fdl-fabric prebuild-check` with the same hosts checks more; --no-preflight "
+        "skips this)"),
     Name.HOST_ENDED_EARLY: lambda e, d: (f"{L}host {e.host!r}: {d['reason']} before its ranks "
                                          "started"),
     Name.COHORT_NOT_FORMED: lambda e, d: (f"{L}cohort did not form within "

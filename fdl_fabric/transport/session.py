@@ -220,6 +220,9 @@ class AgentSession:
         self.process: Optional[AgentProcess] = None
         self.broken = False
         self.done = False
+        #: The agent said HELLO: it ran, so something of the run may be on its host (an
+        #: agent that never started, its login shell in the way, left nothing to sweep).
+        self.greeted = False
         self._closed_streams = 0
         self._stdout = _Stdout(self)
         self._stderr = _Stderr(self)
@@ -363,6 +366,8 @@ class AgentSession:
         report = decode(self.host, obj)
         if kind == wire.DONE:
             self.done = True
+        elif kind == wire.HELLO:
+            self.greeted = True
         self.post(report)
 
     def protocol_error(self, reason: str) -> None:
