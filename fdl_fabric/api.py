@@ -59,7 +59,8 @@ class LaunchResult:
     """The outcome of a launch: what the command line's last line and exit code say, as
     data."""
 
-    #: ``ok``, ``degraded``, ``failed``, ``hung`` or ``interrupted``.
+    #: ``ok``, ``degraded``, ``failed``, ``hung`` or ``interrupted``; ``dry-run`` when
+    #: ``dry_run`` asked for the plan only (``on_event`` sees it as the ``dry_run`` event).
     verdict: str
     #: What ``inv launch`` would exit with (0 ok or degraded, 1 failed, 128 + signal).
     exit_code: int
@@ -126,6 +127,10 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
     launch_ = execute(opts)
     if launch_.refused is not None:
         raise launch_.refused
+    if opts.dry_run:  # the plan was said (a `dry_run` event); nothing ran
+        return LaunchResult(verdict="dry-run", exit_code=0, message="dry run: nothing was "
+                            "connected or started", run_id=None, ranks=(), attempts=(),
+                            root_cause=None)
     return result_of(launch_.results, launch_.hosts_of, launch_.run_id)
 
 

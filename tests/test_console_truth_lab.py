@@ -105,3 +105,35 @@ def test_a_tqdm_style_bar_with_a_nested_bar_stays_readable(
         assert f"{head}outer: 100%|##########| 2/2" in shown, text
         # A colour a rank leaves on does not reach the next line: it was reset.
         assert f"{head}red text with no reset" in shown, text
+
+
+#: Real tqdm (the package training scripts use), nested bars with ``position=1``: its own
+#: ``\r`` redraws and cursor moves, on a pipe as the agent gives ranks.
+TQDM = r'''
+import sys
+from tqdm import tqdm
+for epoch in tqdm(range(2), desc="epoch", file=sys.stdout, ncols=60, mininterval=0):
+    for step in tqdm(range(3), desc="step", file=sys.stdout, ncols=60, position=1,
+                     leave=False, mininterval=0):
+        pass
+print("trained", flush=True)
+'''
+
+
+@pytest.mark.timeout(90)
+def test_real_tqdm_nested_bars_stay_readable_behind_each_ranks_prefix(
+        pane: Pane, tmp_path: Path) -> None:  # noqa: F811
+    (tmp_path / "bars.py").write_text(TQDM)
+    job = cluster(tmp_path, "python3 bars.py")
+    assert pane.finish(pane.start("--cluster", str(job))) == 0, pane.lines()
+    shown = pane.lines()
+    text = "\n".join(shown)
+    assert shown[-2] == "cluster launcher: run completed — all 2 ranks exited 0", text
+    bars = [line for line in shown if "epoch" in line or "step" in line]
+    assert bars, text
+    # Every row a bar drew is behind a rank's prefix: none overwrote a launcher line.
+    assert all(re.match(r"\[localhost:cpu:r[01]\] ", line) for line in bars), text
+    for r in (0, 1):
+        head = f"[localhost:cpu:r{r}] "
+        assert any(line.startswith(head) and "epoch: 100%" in line for line in shown), text
+        assert f"{head}trained" in shown, text

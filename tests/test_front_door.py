@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 import fdl_fabric
+from fdl_fabric.clusterfile import load_cluster
 from fdl_fabric.clusterfile.hosts import HostsError, expand_hosts, split_entry
 from fdl_fabric.commands import vocabulary
 from fdl_fabric.commands.options import MASTER_PORT_DEFAULT, hosts_cluster, launch_options
 from fdl_fabric.errors import FdlError
 from fdl_fabric.tasks import ns
+from fdl_fabric.transport.sshconfig import with_dialable_addrs
 
 ROOT = Path(__file__).resolve().parent.parent
 FDL = (sys.executable, "-m", "fdl_fabric")
@@ -157,10 +159,25 @@ def test_an_ssh_config_alias_is_its_hostname_for_the_ranks(tmp_path: Path) -> No
     opts = launch_options({"hosts": "node[1-2]", "ssh_config": str(config)},
                           command="launch", argv=["true"])
     assert opts.cluster is not None
-    assert [w.addr for w in opts.cluster.workers] == ["127.0.0.5", "127.0.0.6"]
+    dialable = with_dialable_addrs(opts.cluster)  # what the launch does before its plan
+    assert [w.addr for w in dialable.workers] == ["127.0.0.5", "127.0.0.6"]
     honoured = launch_options({"hosts": "node[1-2]", "ssh_config": str(config),
                                "master_addr": "127.0.0.9"}, command="launch", argv=["true"])
-    assert honoured.cluster is not None and honoured.cluster.workers[0].addr == "127.0.0.9"
+    assert honoured.cluster is not None
+    assert [w.addr for w in with_dialable_addrs(honoured.cluster).workers] == [
+        "127.0.0.9", "127.0.0.6"]
+
+
+def test_a_cluster_files_alias_is_its_hostname_unless_addr_says_otherwise(
+        tmp_path: Path) -> None:
+    config = tmp_path / "ssh_config"
+    config.write_text("Host trainbox\n  HostName 127.0.0.7\n")
+    path = tmp_path / "cluster.yml"
+    common = f"    nproc: 1\n    path: /tmp\n    ssh: {{config_file: {config}}}\n"
+    path.write_text(f"workers:\n  - host: trainbox\n{common}"
+                    f"  - host: evalbox\n    addr: 127.0.0.8\n{common}")
+    cluster = with_dialable_addrs(load_cluster(str(path)))
+    assert [w.addr for w in cluster.workers] == ["127.0.0.7", "127.0.0.8"]
 
 
 def test_the_coordinator_port_is_free_unless_given_and_rdzv_endpoint_places_it() -> None:
@@ -231,3 +248,24 @@ def test_docs_cli_md_has_the_one_flag_table_of_every_command() -> None:
     table = page.split("<!-- flags:begin -->\n", 1)[1].split("<!-- flags:end -->", 1)[0]
     assert table == vocabulary.markdown_table(), \
         "docs/cli.md's table is vocabulary.markdown_table(): paste it again"
+
+
+def test_the_api_dry_run_takes_every_host_and_rendezvous_option_and_starts_nothing(
+        tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("not read by a dry run")
+    config = tmp_path / "ssh_config"
+    config.write_text("Host node1\n  HostName 127.0.0.5\n")
+    seen: list[object] = []
+    result = fdl_fabric.launch(
+        None, ["python3", "train.py"], hosts="node1,bob@127.0.0.6:2200", ssh_config=config,
+        user="root", port=2222, identity=key, nproc_per_node=2, master_port=29510,
+        controller_addr="127.0.0.1", rdzv_endpoint=None, controller_port=29410,
+        kill_grace=3, max_failure="25%", max_restarts=1, agent_timeout=8, hang_timeout=60,
+        fanout=8, preflight=False, env={"FOO": "bar"}, verbosity=1, quiet=True,
+        dry_run=True, on_event=seen.append)
+    assert (result.verdict, result.exit_code, result.run_id) == ("dry-run", 0, None)
+    (plan,) = [e for e in seen if getattr(e, "name").value == "dry_run"]  # noqa: B009
+    text = json.dumps(plan.data, default=str)  # type: ignore[attr-defined]
+    for fact in ("127.0.0.5", "bob", "2200", "2222", "29510", "29410"):
+        assert fact in text, fact

@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fdl_fabric.commands.launch import LaunchOptions
+from fdl_fabric.commands.options import launch_options
 from fdl_fabric.errors import FdlError
-from fdl_fabric.tasks import launch_options
 from labutil import ROOT, LiveLaunch
 
 TOY = str(ROOT / "examples" / "toy_train.py")
@@ -42,9 +42,10 @@ def test_any_flag_values_give_options_or_a_usage_error_naming_the_flag(
         max_failure: str | None, max_restarts: str | None) -> None:
     tracemalloc.start()
     try:
-        opts = launch_options(SETTINGS, cluster=cluster, cmd=cmd, kill_grace=kill_grace,
-                              verbose=verbose, max_failure=max_failure,
-                              max_restarts=max_restarts)
+        opts = launch_options({"cluster": cluster, "cmd": cmd, "kill_grace": kill_grace,
+                               "verbose": verbose, "max_failure": max_failure,
+                               "max_restarts": max_restarts}, command="launch",
+                              settings=SETTINGS)
         assert isinstance(opts, LaunchOptions)
     except FdlError as exc:
         assert exc.exit_code == 2

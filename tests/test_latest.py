@@ -52,4 +52,4 @@ def test_the_run_folder_is_said_at_the_start_and_before_the_verdict() -> None:
     assert render(event(Name.LOGS_KEPT, **data, failed=None)) == (
         "cluster launcher: logs of run r1: /l/r1 (also /l/latest)")
     assert render(event(Name.LOGS_KEPT, **{**data, "latest": None}, failed="No space left")) \
-        == "cluster launcher: logs of run r1: /l/r1; incomplete: No space left"
+        == "cluster launcher: logs of run r1: /l/r1; incomplete: writing them failed (above)"

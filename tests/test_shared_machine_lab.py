@@ -145,6 +145,8 @@ def _modes(root: Path) -> dict[str, int]:
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [*dirnames, *filenames]:
             path = Path(dirpath) / name
+            if path.is_symlink():  # <log-dir>/latest: a link's own mode means nothing
+                continue
             out[str(path)] = stat.S_IMODE(path.lstat().st_mode)
     return out
 

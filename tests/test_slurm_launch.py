@@ -151,7 +151,7 @@ def test_three_nodes_of_two_ranks_run_with_the_torchrun_environment_and_every_cp
         assert env["SLURM_JOB_NODELIST"] == job.nodelist == "n[1-3]"
         assert not any(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
     assert run.err_lines()[-1] == "cluster launcher: run completed — all 6 ranks exited 0"
-    assert len(list((tmp_path / "logs").glob("*/attempt_0/r5/stdout.log"))) == 1
+    assert (tmp_path / "logs" / "latest" / "attempt_0" / "r5" / "stdout.log").is_file()
     assert_nothing_left(job, run.run_id)
 
 

@@ -285,26 +285,14 @@ def host_slots(hosts: Optional[str], hostfile: Optional[str]) -> list[HostSlot]:
         raise FdlError(str(exc), EXIT_USAGE) from None
 
 
-def host_addresses(slots: list[HostSlot], config_file: Optional[str]) -> dict[str, str]:
-    """The address each host's ranks are dialled at when it is not the host's name: an
-    ssh_config ``Host`` alias stands for its ``HostName``, which only ssh knows; a rank
-    given the alias as MASTER_ADDR cannot resolve it (as ``ssh -G`` reads it: the ``-F``
-    file, else ``~/.ssh/config``)."""
-    path = config_file or os.path.expanduser("~/.ssh/config")
-    if not os.path.isfile(path):
-        return {}
-    import paramiko  # only for hosts given on the command line: a local run loads none
+def dialed(host: str, config_file: Optional[str]) -> str:
+    """The name ssh dials for ``host`` (`sshconfig.hostname_of`), its error naming -F."""
+    from ..transport.sshconfig import SshOptionError, hostname_of
 
     try:
-        config = paramiko.SSHConfig.from_path(path)
-    except OSError as exc:
-        raise usage("--ssh-config", f"{path}: {exc.strerror or exc}") from None
-    found: dict[str, str] = {}
-    for slot in slots:
-        name = str(config.lookup(slot.host).get("hostname", slot.host))
-        if name != slot.host:
-            found[slot.host] = name
-    return found
+        return hostname_of(host, config_file)
+    except SshOptionError as exc:
+        raise usage("--ssh-config", str(exc)) from None
 
 
 def controller_toward(first_addr: str) -> Optional[str]:

@@ -73,7 +73,7 @@ from ..supervision.verdict import Verdict
 from ..transport import Transport, for_cluster, resolve_cluster
 from ..transport.fanout import close_all, connect_all, connect_each, start_agents
 from ..transport.session import AgentSession
-from ..transport.sshconfig import SshSettings, resolve_all_settings
+from ..transport.sshconfig import SshSettings, resolve_all_settings, with_dialable_addrs
 from ..transport.tunnel import check_open_files, open_tunnel
 from .cleanup import sweep_request, sweep_with_agents
 from .planwarnings import plan_warnings
@@ -346,7 +346,7 @@ class Launch:
     def _resolve(self) -> Optional[_Settings]:
         """Every input checked (exit 2 on a mistake); None after a dry run."""
         opts = self.opts
-        cluster = load_for(opts)
+        cluster = with_dialable_addrs(load_for(opts))
         changes: dict[str, Any] = {}
         if opts.kill_grace is not None:
             changes["kill_grace"] = opts.kill_grace

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from ..clusterfile import ClusterSpec, ControllerSpec, ElasticSpec, SshSpec, WorkerSpec
-from ..clusterfile.hosts import HostsError, cluster_from_hosts
+from ..clusterfile.hosts import HostsError, HostSlot, cluster_from_hosts
 from ..errors import EXIT_USAGE, FdlError, usage
 from . import flags
 from .launch import LaunchOptions
@@ -63,13 +63,15 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
             grace = RUN_KILL_GRACE if grace is None else grace
         return LaunchOptions(cluster_file=None, cluster=from_hosts, kill_grace=grace,
                              **common)  # type: ignore[arg-type]
-    if command == "run":
+    if command == "run" and v.get("cluster") is None:
         cluster = _this_machine(v, per_node)
         return LaunchOptions(cluster_file=None, cluster=cluster,
                              kill_grace=RUN_KILL_GRACE if grace is None else grace,
                              **common)  # type: ignore[arg-type]
     slurm = bool(v.get("slurm"))
-    _refuse_with_file(v, "the cluster file")
+    if command == "run" and _nnodes(v.get("nnodes")) != (0, 0):
+        raise usage("--nnodes", "with --cluster the file says it (elastic.min_hosts, "
+                    "spare: true)")
     return LaunchOptions(
         # --slurm reads a cluster file only when one is named: the flags can say it all.
         cluster_file=None if slurm and v.get("cluster") is None
@@ -87,7 +89,8 @@ def hosts_cluster(values: Mapping[str, Any], *, command: str,
     v = _Values(values)
     hosts, hostfile = v.get("hosts"), v.get("hostfile")
     if hosts is None and hostfile is None:
-        _refuse_with_file(v, "a cluster file" if command != "run" else "one host")
+        _refuse_with_file(v, "one host" if command == "run" and v.get("cluster") is None
+                          else "a cluster file")
         return None
     if hosts is not None and hostfile is not None:
         raise usage("--hosts", "give --hosts or --hostfile, not both")
@@ -99,9 +102,9 @@ def hosts_cluster(values: Mapping[str, Any], *, command: str,
                              v.get("identity"))
     slots = flags.host_slots(hosts, hostfile)
     top: dict[str, Any] = {}
-    addrs = flags.host_addresses(slots, ssh.config_file)
+    addrs: dict[str, str] = {}
     if launching:
-        top, first_addr = _rendezvous(v, slots, addrs)
+        top, first_addr = _rendezvous(v, slots, ssh.config_file)
         if first_addr is not None:
             addrs[slots[0].host] = first_addr
         grace = flags.seconds("--kill-grace", v.get("kill_grace"))
@@ -119,11 +122,13 @@ def hosts_cluster(values: Mapping[str, Any], *, command: str,
         raise FdlError(str(exc), EXIT_USAGE) from None
 
 
-def _rendezvous(v: _Values, slots: Sequence[Any],
-                addrs: Mapping[str, str]) -> tuple[dict[str, Any], Optional[str]]:
+def _rendezvous(v: _Values, slots: Sequence[HostSlot],
+                config_file: Optional[str]) -> tuple[dict[str, Any], Optional[str]]:
     """Where the ranks meet: the coordinator on this machine (its address toward the first
     host, a free port) and MASTER_ADDR:PORT on the first host, each unless given. Returns
-    the cluster keys and the first host's address when ``--master-addr`` gave it."""
+    the cluster keys and the first host's address when ``--master-addr`` gave it (the
+    others' are the names ssh dials: `sshconfig.with_dialable_addrs`, at the launch)."""
+    addrs = {s.host: flags.dialed(s.host, config_file) for s in slots}
     endpoint = v.get("rdzv_endpoint")
     rdzv_host, rdzv_port = flags.endpoint("--rdzv-endpoint", endpoint) if endpoint \
         else (None, None)

@@ -74,8 +74,9 @@ _BOTH = LAUNCHING
 
 FLAGS: tuple[Flag, ...] = (
     # Where: the hosts, the same for every command that reaches hosts.
-    _f("cluster", "the cluster file", HOSTED - _RUN, metavar="FILE", short="c",
-       default="cluster.yml, or fdl.cluster in invoke's config"),
+    _f("cluster", "the cluster file (`run`: its hosts, with the script as the command)",
+       HOSTED, metavar="FILE", short="c",
+       default="cluster.yml, or fdl.cluster in invoke's config; `run`: this machine"),
     _f("hosts", "the hosts, without a cluster file, in rank order: node[1-4],gpu[01-02] "
        "(Slurm and ClusterShell ranges); each entry may say user@ and :port "
        "(root@gpu[1-4]:2222), IPv6 in brackets ([fd00::1]:22)", HOSTED, metavar="LIST",

@@ -481,7 +481,8 @@ def _log_folder(e: Event, d: Mapping[str, Any]) -> str:
 
 def _logs_kept(e: Event, d: Mapping[str, Any]) -> str:
     also = f" (also {d['latest']})" if d.get("latest") else ""
-    cut = f"; incomplete: {d['failed']}" if d.get("failed") else ""
+    # The write error itself was said once, when it happened.
+    cut = "; incomplete: writing them failed (above)" if d.get("failed") else ""
     return f"{L}logs of run {d['run_id']}: {d['folder']}{also}{cut}"
 
 

@@ -240,6 +240,42 @@ def _from_config_file(path: Optional[str], host: str) -> dict[str, str]:
     return out
 
 
+def hostname_of(host: str, config_file: Optional[str]) -> str:
+    """The name ssh dials for ``host``, as ``ssh -G`` reads it: the ``HostName`` of the
+    ``-F`` file (``ssh.config_file``), else of ``~/.ssh/config``; ``host`` itself when
+    neither has one. A ``Host`` alias exists only for ssh: a rank given it as MASTER_ADDR
+    cannot resolve it."""
+    path = config_file or os.path.expanduser("~/.ssh/config")
+    if not os.path.isfile(path):
+        return host
+    import paramiko  # only for a file that may say it: a local-only launch loads none
+
+    try:
+        found = paramiko.SSHConfig.from_path(path).lookup(host).get("hostname", host)
+    except OSError as exc:
+        raise SshOptionError(f"ssh config {path}: {exc.strerror or exc}") from None
+    return str(found)
+
+
+def with_dialable_addrs(cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster with each SSH worker whose ``addr`` is its ssh destination (the
+    default) given the name ssh really dials (`hostname_of`), so MASTER_ADDR and the
+    peers' addresses are names the ranks resolve; an ``addr`` written apart is kept."""
+    import dataclasses
+
+    workers = []
+    for w in cluster.workers:
+        dest = (w.ssh.target or w.host).rpartition("@")[2]
+        if w.transport == "ssh" and w.addr == dest:
+            try:
+                w = dataclasses.replace(w, addr=hostname_of(dest, w.ssh.config_file))
+            except SshOptionError as exc:
+                raise ConfigError([Problem(cluster.file, f"workers[{w.index}].ssh", w.line,
+                                           str(exc))]) from None
+        workers.append(w)
+    return dataclasses.replace(cluster, workers=tuple(workers))
+
+
 def resolve_all_settings(
     cluster: ClusterSpec, events: Optional[EventBus] = None
 ) -> dict[str, SshSettings]:
