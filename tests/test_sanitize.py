@@ -1,5 +1,5 @@
 """Issue 29, item 8: nothing a rank or a host sends can act on the operator's terminal
-(`fdl_fabric.presentation.sanitize`)."""
+(`fdl_fabric.inert`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fdl_fabric.events import Event, Name
-from fdl_fabric.presentation.sanitize import (
+from fdl_fabric.inert import (
     RESET,
     SGR,
     clean,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 
-from .sanitize import shown_lines
+from ..inert import shown_lines
 from .stacks import rank_list
 
 #: Lines of each rank's output kept after the interrupt (its last ones).

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional, TextIO
 
 from ..events import Event, Kind, Name
+from ..inert import clean, json_inert, neutralize, shown_lines
 from ..supervision.supervisor import Rank, RankState
 from .interrupted import Interrupted
 from .ranklines import cut_to_width, rank_block
 from .records import Attempts, record
-from .sanitize import clean, json_inert, neutralize, shown_lines
 from .screen import ERR, OUT, Screen
 from .stacks import dump_text
 from .words import fit, render

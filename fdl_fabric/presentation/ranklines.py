@@ -4,10 +4,10 @@ A launcher line begins at column 0 with ``cluster launcher:`` (or ``root cause:`
 table of the summary); a rank's row always begins with its ``[host:device:rN]``
 prefix. For that to hold on the screen, three things must hold for what a rank sends:
 
-* it cannot move the cursor or rewrite the screen (`sanitize.shown_lines`: controls
+* it cannot move the cursor or rewrite the screen (`inert.shown_lines`: controls
   and escapes shown inert, a ``\\r`` redraw shown as its latest state);
 * it cannot start a row of its own: on a terminal a line longer than the width is cut
-  here into rows that each carry the prefix (`sanitize.fold`), so the terminal never
+  here into rows that each carry the prefix (`inert.fold`), so the terminal never
   wraps it to a row that begins with the rank's own text;
 * it cannot colour what follows it: a line that kept a colour ends with a reset.
 
@@ -20,7 +20,7 @@ from typing import Optional
 
 from rich.cells import cell_len
 
-from .sanitize import fold, shown_lines
+from ..inert import fold, shown_lines
 
 
 def rank_block(label: str, text: str, *, width: Optional[int] = None,

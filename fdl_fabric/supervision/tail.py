@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from ..inert import latest_state, neutralize
+
 #: Lines of a rank's stderr the root cause quotes.
 TAIL_LINES = 20
 #: Characters kept of each quoted line (a longer one ends in ``…``).
@@ -26,29 +28,9 @@ _LINE_BYTES = 4 * LINE_CHARS
 
 
 def visible(text: str) -> str:
-    """``text`` with every control character shown, not obeyed, in ``cat -v``'s caret
-    notation (ESC ``^[``, DEL ``^?``, the C1 CSI U+009B ``M-^[``); a tab is a space."""
-    if text.isprintable():
-        return text
-    out = []
-    for ch in text:
-        code = ord(ch)
-        if ch == "\t":
-            out.append(" ")
-        elif code < 0x20 or code == 0x7F:
-            out.append("^" + chr(code ^ 0x40))
-        elif 0x80 <= code < 0xA0:
-            out.append("M-^" + chr(code - 0x40))
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-def _latest(line: str) -> str:
-    """A line redrawn with ``\\r`` (a progress bar) as its latest state."""
-    if "\r" not in line:
-        return line
-    return line.rstrip("\r").rsplit("\r", 1)[-1]
+    """``text`` made inert as the console makes rank output (`inert.neutralize`: ESC
+    ``^[``, DEL ``^?``, the C1 CSI ``M-^[``), a tab a space (a quoted line is indented)."""
+    return neutralize(text.replace("\t", " "))
 
 
 def _clip(line: str) -> str:
@@ -76,9 +58,9 @@ class RankTail:
             for i, piece in enumerate(pieces):
                 text = piece[:_LINE_BYTES].decode("utf-8", "replace")
                 if i == 0 and continues and self._lines:
-                    self._lines[-1] = _clip(_latest(self._lines[-1] + text))
+                    self._lines[-1] = _clip(latest_state(self._lines[-1] + text))
                 else:
-                    self._lines.append(_clip(_latest(text)))
+                    self._lines.append(_clip(latest_state(text)))
             self._open = partial
 
     def lines(self) -> list[str]:
