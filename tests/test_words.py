@@ -55,8 +55,9 @@ def test_every_event_name_has_words() -> None:
     (event(Name.COHORT_NOT_FORMED, missing=[2, 3], formation_timeout=0.3),
      "cluster launcher: cohort did not form within 0.3s: rank(s) [2, 3] never joined"),
     (event(Name.PREFLIGHT_FAILED, failures=2),
-     "cluster launcher: pre-flight failed on 2 check(s), nothing was started (`inv "
-     "prebuild-check` checks more; --no-preflight skips this)"),
+     "cluster launcher: pre-flight failed on 2 check(s), nothing was started "
+     "(`fdl-fabric prebuild-check` with the same hosts checks more; --no-preflight skips "
+     "this)"),
     (event(Name.RANK_START_FAILED, host="h1", rank=1, reason="train: not found on PATH"),
      "cluster launcher: host 'h1': could not start rank 1: train: not found on PATH"),
 ], ids=lambda v: v.name.value if isinstance(v, Event) else None)
