@@ -4,11 +4,14 @@ and hosts on the command line that say user, port, key and where ranks meet."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -29,9 +32,26 @@ COMMANDS = [c for c in vocabulary.COMMANDS]
 
 
 def _help(*argv: str) -> str:
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT)
-    assert out.returncode == 0 and out.stderr == "", out.stderr
-    return out.stdout
+    """A help page as a person gets it (``FDL``/``INV`` argv), printed in this process."""
+    from invoke.program import Program
+
+    from fdl_fabric.commands import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    words = list(argv[argv.index("fdl_fabric") + 1:] if "fdl_fabric" in argv
+                 else argv[argv.index(str(ROOT)) + 1:])
+    binary = "fdl-fabric" if "fdl_fabric" in argv else "inv"
+    with mock.patch.object(sys, "argv", [binary, *words]), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if binary == "fdl-fabric":
+                cli.main([binary, *words])
+            else:
+                Program(namespace=ns, name="inv", binary="inv").run([binary, *words])
+        except SystemExit as exc:
+            assert exc.code in (0, None), err.getvalue()
+    assert err.getvalue() == "", err.getvalue()
+    return out.getvalue()
 
 
 # -- one vocabulary ------------------------------------------------------------------------

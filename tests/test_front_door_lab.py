@@ -91,11 +91,15 @@ def test_two_runs_at_once_from_one_folder_with_user_host_port_and_identity_compl
     lab = sshd_lab(n_hosts=2)
     hosts = ",".join(f"{lab.user}@{h.addr}:{h.port}" for h in lab.hosts)
     env = _home(tmp_path)
+    joiner = tmp_path / "join.py"  # each rank joins its run's cohort: the port must be right
+    joiner.write_text("import json, os, sys\nfrom fdl_fabric import rank\nrank.join()\n"
+                      "os.makedirs(sys.argv[1], exist_ok=True)\n"
+                      "with open(os.path.join(sys.argv[1], 'env-r%s.json' % "
+                      "os.environ['RANK']), 'w') as f:\n    json.dump(dict(os.environ), f)\n")
     runs = []
     for n in range(2):
         argv = [*FDL_RUN, "--hosts", hosts, "--identity", lab.identity_file,
-                "--nproc-per-node", "2", DDP, "--steps", "2", "--dump-env",
-                str(tmp_path / f"env{n}")]
+                "--nproc-per-node", "2", str(joiner), str(tmp_path / f"env{n}")]
         runs.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True))
     outs = [run.communicate(timeout=200) for run in runs]
