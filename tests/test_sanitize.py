@@ -145,3 +145,11 @@ def test_a_launcher_line_with_a_word_wider_than_the_terminal_is_cut_with_no_orph
     assert all(len(row) <= 80 for row in rows)
     assert "".join(r.strip() for r in rows[1:-1]) == path.strip()
     assert len(rows[2].strip()) >= 8  # no '",' alone on a row
+
+
+@given(st.text(alphabet=st.characters(max_codepoint=0x2FF), max_size=64))
+def test_the_fast_plain_check_agrees_with_the_rule_for_any_text(text: str) -> None:
+    from fdl_fabric.inert import is_plain
+
+    acts = re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text) is not None
+    assert is_plain(text) is not acts
