@@ -18,24 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from fdl_fabric.testing import SshdLab
 from labutil import ROOT
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(240)]
 
 DDP = str(ROOT / "examples" / "ddp_torch.py")
 FDL_RUN = (sys.executable, "-m", "fdl_fabric", "run")
-
-
-def _aliases(lab: SshdLab, path: Path) -> Path:
-    """``node1``, ``node2``: names only this ssh_config knows (no resolver has them)."""
-    blocks = []
-    for i, host in enumerate(lab.hosts, 1):
-        options = "".join(f"  {o.replace('=', ' ', 1)}\n" for o in lab.ssh_options())
-        blocks.append(f"Host node{i}\n  HostName {host.addr}\n  Port {host.port}\n"
-                      f"  User {lab.user}\n  IdentityFile {lab.identity_file}\n{options}")
-    path.write_text("\n".join(blocks))
-    return path
 
 
 def _envs(dump: Path) -> dict[int, dict[str, str]]:
@@ -59,7 +47,7 @@ def _home(tmp_path: Path) -> dict[str, str]:
 def test_ssh_config_aliases_become_their_hostname_and_gloo_ddp_completes(
         sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=2)
-    config = _aliases(lab, tmp_path / "ssh_config")
+    config = lab.write_ssh_config(tmp_path / "ssh_config")
     dump = tmp_path / "env"
     out = subprocess.run([*FDL_RUN, "--hosts", "node[1-2]", "-F", str(config),
                           "--nproc-per-node", "1", DDP, "--steps", "3", "--dump-env",
@@ -75,7 +63,7 @@ def test_ssh_config_aliases_become_their_hostname_and_gloo_ddp_completes(
 def test_a_master_addr_no_host_resolves_is_refused_before_any_rank_starts(
         sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=2)
-    config = _aliases(lab, tmp_path / "ssh_config")
+    config = lab.write_ssh_config(tmp_path / "ssh_config")
     out = subprocess.run([*FDL_RUN, "--hosts", "node[1-2]", "-F", str(config),
                           "--master-addr", "rank0.invalid", DDP, "--steps", "3"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)

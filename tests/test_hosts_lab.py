@@ -11,21 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fdl_fabric.testing import SshdLab
 from labutil import INV_LAUNCH, PROBE, ROOT
 
 pytestmark = pytest.mark.lab
-
-
-def _ssh_config(lab: SshdLab, path: Path) -> Path:
-    """``node1``, ``node2``, ... exist only here: address, port, user, key, known_hosts."""
-    blocks = []
-    for i, host in enumerate(lab.hosts, 1):
-        options = "".join(f"  {o.replace('=', ' ', 1)}\n" for o in lab.ssh_options())
-        blocks.append(f"Host node{i}\n  HostName {host.addr}\n  Port {host.port}\n"
-                      f"  User {lab.user}\n  IdentityFile {lab.identity_file}\n{options}")
-    path.write_text("\n".join(blocks))
-    return path
 
 
 def _ranks(dump: Path) -> dict[int, dict[str, str]]:
@@ -35,7 +23,7 @@ def _ranks(dump: Path) -> dict[int, dict[str, str]]:
 
 def test_hosts_ranges_through_an_ssh_config_file_run_every_rank(sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=2)
-    config = _ssh_config(lab, tmp_path / "ssh_config")
+    config = lab.write_ssh_config(tmp_path / "ssh_config")
     dump = tmp_path / "d"
     out = subprocess.run([*INV_LAUNCH, "--hosts", "node[1-2]", "--ssh-config", str(config),
                           "--nproc-per-node", "2", "--cmd", f"python3 {PROBE} --dump {dump}"],
@@ -51,7 +39,7 @@ def test_hosts_ranges_through_an_ssh_config_file_run_every_rank(sshd_lab, tmp_pa
 def test_a_hostfile_gives_each_host_its_slots_and_the_dry_run_shows_them(
         sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=2)
-    config = _ssh_config(lab, tmp_path / "ssh_config")
+    config = lab.write_ssh_config(tmp_path / "ssh_config")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# DeepSpeed / MPI style\nnode1 slots=1\nnode2 slots=3 max_slots=8\n")
     base = [*INV_LAUNCH, "--hostfile", str(hostfile), "--ssh-config", str(config)]
@@ -70,7 +58,7 @@ def test_a_hostfile_gives_each_host_its_slots_and_the_dry_run_shows_them(
 
 def test_fdl_fabric_run_with_hosts_is_a_multi_host_torchrun(sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=2)
-    config = _ssh_config(lab, tmp_path / "ssh_config")
+    config = lab.write_ssh_config(tmp_path / "ssh_config")
     script = tmp_path / "train.py"
     script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', "
                       "os.environ['WORLD_SIZE'], 'on', os.environ['GROUP_RANK'], flush=True)\n")

@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_hosts_lab import _ssh_config
 
 from labutil import INV_LAUNCH, ROOT
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.lab
 def test_hosts_that_are_aliases_of_this_machine_raise_no_loopback_warning(
         sshd_lab, tmp_path: Path) -> None:
     lab = sshd_lab(n_hosts=2)
-    config = _ssh_config(lab, tmp_path / "ssh_config")
+    config = lab.write_ssh_config(tmp_path / "ssh_config")
     out = subprocess.run([*INV_LAUNCH, "--hosts", "node[1-2]", "--ssh-config", str(config),
                           "--cmd", "true"], cwd=ROOT, capture_output=True, text=True,
                          timeout=90)

@@ -283,6 +283,17 @@ class SshdLab:
         """
         return [f"UserKnownHostsFile={self.known_hosts}", "StrictHostKeyChecking=accept-new"]
 
+    def write_ssh_config(self, path: Path, alias: str = "node{i}") -> Path:
+        """An ssh_config (``ssh -F``) naming each host by an alias only it knows
+        (``node1``, ``node2``, ... by default: no resolver has them), with its address,
+        port, user, key and the lab's known_hosts."""
+        options = "".join(f"  {o.replace('=', ' ', 1)}\n" for o in self.ssh_options())
+        path.write_text("\n".join(
+            f"Host {alias.format(i=i)}\n  HostName {h.addr}\n  Port {h.port}\n"
+            f"  User {self.user}\n  IdentityFile {self.identity_file}\n{options}"
+            for i, h in enumerate(self.hosts, 1)))
+        return path
+
     def worker(self, host: LabHost, **fields: Any) -> dict[str, Any]:
         """A cluster.yml worker mapping for ``host``, overridden by ``fields``.
 
