@@ -289,3 +289,12 @@ def test_the_api_dry_run_takes_every_host_and_rendezvous_option_and_starts_nothi
     text = json.dumps(plan.data, default=str)  # type: ignore[attr-defined]
     for fact in ("127.0.0.5", "bob", "2200", "2222", "29510", "29410"):
         assert fact in text, fact
+
+
+def test_ports_picked_together_are_never_the_same_one_twice() -> None:
+    from fdl_fabric.commands.flags import free_ports
+
+    assert len(set(free_ports(64))) == 64
+    for _ in range(20):  # the coordinator's and rank 0's store: two ports, always
+        cluster = launch_options({}, command="run", argv=["true"]).cluster
+        assert cluster is not None and cluster.controller.port != cluster.master_port

@@ -9,6 +9,7 @@ here.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import math
 import os
@@ -316,8 +317,14 @@ def is_this_machine(address_: str) -> bool:
         return False
 
 
-def free_port() -> int:
-    """A port nobody on this machine listens on now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` different ports nobody on this machine listens on now (the kernel's
+    picks, all held until all are known: ports picked one after the other may be the
+    same one twice, as each is free again once its socket closes)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("", 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports

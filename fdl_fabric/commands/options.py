@@ -85,7 +85,9 @@ def hosts_cluster(values: Mapping[str, Any], *, command: str,
                   launching: bool = False) -> Optional[ClusterSpec]:
     """The cluster that ``--hosts``/``--hostfile`` stand for, with ``-F``, ``--user``,
     ``--port``, ``--identity`` and, for a launch, the rendezvous flags; None when neither
-    is given (the other host flags are then refused, naming the cluster file's key)."""
+    is given (the other host flags are then refused, naming the cluster file's key). The
+    launch's other flags (kill grace, restarts...) stay in `LaunchOptions`, which the
+    launch applies over any cluster, a file's or this one."""
     v = _Values(values)
     hosts, hostfile = v.get("hosts"), v.get("hostfile")
     if hosts is None and hostfile is None:
@@ -107,12 +109,6 @@ def hosts_cluster(values: Mapping[str, Any], *, command: str,
         top, first_addr = _rendezvous(v, slots, ssh.config_file)
         if first_addr is not None:
             addrs[slots[0].host] = first_addr
-        grace = flags.seconds("--kill-grace", v.get("kill_grace"))
-        if grace is not None:
-            top["kill_grace"] = grace
-        restarts = flags.restarts("--max-restarts", v.get("max_restarts"))
-        if restarts:
-            top["elastic"] = {"max_restarts": restarts}
     high = (_nnodes(v.get("nnodes"))[1] or None) if command == "run" else None
     try:
         return cluster_from_hosts(slots, nproc_per_node=nproc_per_node, ssh=ssh,
@@ -140,13 +136,16 @@ def _rendezvous(v: _Values, slots: Sequence[HostSlot],
     first_addr = master_addr or addrs.get(first, first)
     controller_host = flags.address("--controller-addr", v.get("controller_addr")) \
         or rdzv_host or flags.controller_toward(first_addr)
+    # The coordinator's port and rank 0's store port, when both are picked here, are
+    # picked together: never the same port twice.
+    free = iter(flags.free_ports(2))
     controller_port = flags.port("--controller-port", v.get("controller_port")) \
-        or rdzv_port or flags.free_port()
+        or rdzv_port or next(free)
     master_port = flags.port("--master-port", v.get("master_port"))
     if master_port is None:
         here = all(flags.is_this_machine(addrs.get(s.host, s.host)) for s in slots) \
             and flags.is_this_machine(first_addr)
-        master_port = flags.free_port() if here else MASTER_PORT_DEFAULT
+        master_port = next(free) if here else MASTER_PORT_DEFAULT
     top: dict[str, Any] = {"master_port": master_port,
                            "controller": {"port": controller_port}}
     if controller_host is not None:
@@ -202,6 +201,7 @@ def _this_machine(v: _Values, per_node: Optional[int]) -> ClusterSpec:
                     f"{v.get('nnodes')!r}: give the hosts with --hosts or --hostfile")
     master_port = flags.port("--master-port", v.get("master_port"))
     addr = flags.address("--master-addr", v.get("master_addr")) or "127.0.0.1"
+    coordinator_port, free_master = flags.free_ports(2)
     cwd = os.getcwd()
     worker = WorkerSpec(index=0, host="localhost", nproc=per_node or 1,
                         local_devices=None, path=cwd, addr=addr,
@@ -209,9 +209,9 @@ def _this_machine(v: _Values, per_node: Optional[int]) -> ClusterSpec:
                         data_path=None, is_local=True, line=0, transport="local")
     return ClusterSpec(
         file="fdl-fabric run", folder=cwd,
-        controller=ControllerSpec(host="127.0.0.1", port=flags.free_port()),
+        controller=ControllerSpec(host="127.0.0.1", port=coordinator_port),
         command=None, env={}, kill_grace=RUN_KILL_GRACE,
-        master_port=master_port or flags.free_port(),
+        master_port=master_port or free_master,
         elastic=ElasticSpec(max_restarts=flags.restarts("--max-restarts",
                                                         v.get("max_restarts")) or 0),
         workers=(worker,),
