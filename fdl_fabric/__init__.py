@@ -10,4 +10,8 @@ def __getattr__(name: str) -> object:
         from . import api
 
         return getattr(api, name)
+    if name in ("attach", "RunHandle"):
+        from . import handle
+
+        return getattr(handle, name)
     raise AttributeError(f"module 'fdl_fabric' has no attribute {name!r}")

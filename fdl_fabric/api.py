@@ -93,7 +93,8 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
            log_dir: Optional[PathLike] = None, env: Optional[Mapping[str, str]] = None,
            quiet: bool = False, verbosity: int = 0, preflight: bool = True,
            dry_run: bool = False, json: bool = False,
-           on_event: Optional[Callable[[Event], None]] = None) -> LaunchResult:
+           on_event: Optional[Callable[[Event], None]] = None,
+           on_exit: Optional[str] = None, detach: bool = False) -> Any:
     """Launch the job of ``cluster`` (a cluster file, or a `ClusterSpec` built in code),
     or of ``hosts``/``hostfile`` (then pass ``cluster=None``), and supervise it to its
     verdict.
@@ -102,6 +103,11 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
     the file's ``command:``. Every other argument is the command line's flag of the same
     name (`commands.vocabulary`), checked by the same code (`commands.options`). Raises
     `FdlError` (exit_code 2) for a configuration mistake, before anything starts.
+
+    ``detach=True``: returns a `handle.RunHandle` once every rank runs under a detached
+    supervisor (the run outlives this process); a launch that fails before that raises
+    `FdlError` with its exit code, its verdict said on the console. ``on_event`` then
+    sees nothing (the supervisor's events are in the run's record).
     """
     values: dict[str, Any] = {
         "cluster": None if cluster is None or isinstance(cluster, ClusterSpec)
@@ -116,7 +122,7 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
         "agent_timeout": agent_timeout, "hang_timeout": hang_timeout, "fanout": fanout,
         "preflight": preflight, "log_dir": _path(log_dir), "dry_run": dry_run,
         "quiet": quiet, "verbose": str(verbosity) if verbosity else None, "json": json,
-        "env": dict(env or {})}
+        "env": dict(env or {}), "on_exit": on_exit, "detach": detach}
     if isinstance(cluster, ClusterSpec) and (hosts or hostfile):
         raise FdlError("hosts: give a ClusterSpec or hosts, not both", EXIT_USAGE)
     words = () if command is None or isinstance(command, str) else list(command)
@@ -124,6 +130,8 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
     if isinstance(cluster, ClusterSpec):
         opts.cluster, opts.cluster_file = cluster, None
     opts.on_event = on_event
+    if opts.detach:
+        return _detached(opts)
     launch_ = execute(opts)
     if launch_.refused is not None:
         raise launch_.refused
@@ -132,6 +140,18 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
                             "connected or started", run_id=None, ranks=(), attempts=(),
                             root_cause=None)
     return result_of(launch_.results, launch_.hosts_of, launch_.run_id)
+
+
+def _detached(opts: Any) -> Any:
+    """``detach=True``: the run's handle once every rank runs."""
+    from .commands.detach import detach
+    from .handle import RunHandle
+
+    outcome = detach(opts)
+    if isinstance(outcome, int):
+        raise FdlError(f"the detached launch ended before every rank ran (exit {outcome}); "
+                       "its verdict is above", outcome)
+    return RunHandle(outcome.run_id, outcome.folder)
 
 
 def _path(value: Optional[PathLike]) -> Optional[str]:

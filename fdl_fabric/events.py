@@ -116,6 +116,8 @@ class Name(str, Enum):
     # -- ranks -------------------------------------------------------------------------------
     RANK_STARTED = ("rank_started", Kind.SPAWN)
     RANK_OUTPUT = ("rank_output", Kind.OUTPUT)
+    #: Every rank of an attempt has a pid: what ``--detach`` waits for.
+    ALL_RANKS_RUNNING = ("all_ranks_running", Kind.SPAWN)
     RANK_START_FAILED = ("rank_start_failed", Kind.DEATH)
     RANK_EXITED = ("rank_exited", Kind.EXIT)
     RANK_FAILED = ("rank_failed", Kind.DEATH)
@@ -163,6 +165,7 @@ class Name(str, Enum):
     HUNG = ("hung", Kind.VERDICT)
     INTERRUPTED = ("interrupted", Kind.VERDICT)
     STOPPED_BY_CLEANUP = ("stopped_by_cleanup", Kind.VERDICT)
+    STOPPED_BY_COMMAND = ("stopped_by_command", Kind.VERDICT)
     INTERRUPTED_BY_FORWARD = ("interrupted_by_forward", Kind.VERDICT)
     INTERRUPTED_OUTSIDE_RUN = ("interrupted_outside_run", Kind.VERDICT)
     LAUNCH_FAILED = ("launch_failed", Kind.VERDICT)
@@ -172,8 +175,24 @@ class Name(str, Enum):
     ROOT_CAUSE = ("root_cause", Kind.SUMMARY)
     #: ``--log-dir``: where this run's logs are, said again just before the verdict.
     LOGS_KEPT = ("logs_kept", Kind.SUMMARY)
+    #: ``--on-exit``: the hook ran, or failed (neither changes the verdict).
+    ON_EXIT_RAN = ("on_exit_ran", Kind.INFO)
+    ON_EXIT_FAILED = ("on_exit_failed", Kind.WARNING)
     VERDICT = ("verdict", Kind.VERDICT)
     DRY_RUN = ("dry_run", Kind.RESULT)
+    # -- runs that outlive the terminal (`fdl_fabric.runs`) ------------------------------------
+    DETACHED = ("detached", Kind.RESULT)
+    HANGUP_IGNORED = ("hangup_ignored", Kind.INFO)
+    RECORD_FAILED = ("record_failed", Kind.WARNING)
+    RECORDS_PRUNED = ("records_pruned", Kind.DEBUG)
+    SUPERVISOR_LOST = ("supervisor_lost", Kind.VERDICT)
+    ATTACHED = ("attached", Kind.INFO)
+    ATTACH_LEFT = ("attach_left", Kind.INFO)
+    RUN_ENDED = ("run_ended", Kind.VERDICT)
+    RUN_NOT_FOUND = ("run_not_found", Kind.VERDICT)
+    STOP_SENT = ("stop_sent", Kind.INFO)
+    WAIT_TIMED_OUT = ("wait_timed_out", Kind.VERDICT)
+    RUNS_VIEW = ("runs_view", Kind.RESULT)
     # -- the other commands ------------------------------------------------------------------
     REFUSED = ("refused", Kind.WARNING)
     CLEANUP_HOST = ("cleanup_host", Kind.INFO)

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 __all__ = [
     "ARG_STRLEN_MAX",
+    "ON_EXIT_SECONDS",
+    "RECORD_LOG_BYTES",
+    "RECORDS_BYTES_MAX",
+    "RECORDS_KEPT",
     "COMMAND_MAX_BYTES",
     "DEPTH_MAX",
     "ENV_MAX_BYTES",
@@ -205,3 +209,19 @@ TUNNEL_WAITING_MAX = 256
 #: closed (the coordinator gives a connection as long for its hello), and so is one whose
 #: frame has waited this long for a place under the bound.
 TUNNEL_WAITING_SECONDS = 10.0
+
+
+# -- the controller's run records (`fdl_fabric.runs`) ------------------------------------------
+#: A record's console.log and each rank's stdout.log/stderr.log rotate past this size: the
+#: file is renamed ``<name>.1`` (replacing the one before) and a new one starts, so one
+#: rank that prints without end holds at most twice this on the controller's disk.
+RECORD_LOG_BYTES = 64 << 20
+#: Records kept on the controller: the newest this many ended runs; older ones are pruned
+#: when a run starts. A live run's record is never pruned.
+RECORDS_KEPT = 100
+#: Bytes all ended runs' records may hold together; the oldest go first past it.
+RECORDS_BYTES_MAX = 4 << 30
+#: Seconds an ``--on-exit`` hook may run before it is stopped (TERM, then KILL 5 s later):
+#: long enough for a mail or a webhook, short enough that a hung one never holds a run's
+#: end for long.
+ON_EXIT_SECONDS = 60.0

@@ -26,6 +26,7 @@ from .commands.stacks import run_stacks
 from .commands.status import run_status
 from .errors import FdlError
 from .events import EventBus, Name
+from .limits import RANKS_MAX
 from .preflight import check_cluster
 from .presentation.output import Console
 from .presentation.plot import plot_run as draw
@@ -113,7 +114,7 @@ def launch(c: Context, **given: Any) -> None:
                               settings=_settings(c))
     except FdlError as exc:
         raise _refused(exc, "launch", bool(given.get("json"))) from None
-    code = run_launch(opts)
+    code = run_launch(opts, binary=_binary())
     if code:
         raise Exit(code=code)
 
@@ -218,6 +219,7 @@ def _usage_errors_exit_2() -> None:
         return
 
     def parse_tasks(self: Program) -> None:
+        self.core.unparsed[:] = vocabulary.named_run(list(self.core.unparsed))
         try:
             original(self)
         except ParseError as exc:
@@ -248,22 +250,78 @@ def _usage_errors_exit_2() -> None:
 
 #: This collection's tasks, by their command-line names.
 TASK_NAMES = frozenset({"run", "launch", "cleanup", "prebuild-check", "plot-run", "stacks",
-                        "status"})
+                        "status", "attach", "logs", "stop", "wait"})
+#: ``--tail``'s bound: more lines than any record holds.
+TAIL_MAX = 10**9
 _usage_errors_exit_2()
 
 @_task("status")
 def status(c: Context, **given: Any) -> None:
-    """List the live runs on the cluster's hosts: run id, launcher, uptime, ranks.
+    """List this controller's runs, then the live runs on the cluster's hosts.
 
-    Read from the records each host keeps; the runs are never touched. Exit 0, or 1 when
-    a host could not be asked, 2 on bad input.
+    Read from the records this machine and each host keep; the runs are never touched.
+    Exit 0, or 1 when a host could not be asked, 2 on bad input.
     """
     file, from_hosts = _hosts(c, "status", given)
+    # The hosts' view when hosts are named, or the default cluster file is there: this
+    # controller's runs need neither.
+    named = from_hosts is not None or given.get("cluster") is not None
     code = run_status(file, cluster=from_hosts,
                       every_run=bool(given.get("all")) or from_hosts is not None,
-                      as_json=bool(given.get("json")))
+                      as_json=bool(given.get("json")), ended_too=bool(given.get("all")),
+                      hosts=named or (file is not None and os.path.exists(file)))
     if code:
         raise Exit(code=code)
+
+
+def _of_a_run(command: str, given: dict[str, Any], call: Callable[[], int]) -> None:
+    """A command on one run of this controller: its flags were checked by ``call``'s
+    arguments; a bad one is exit 2 naming it."""
+    try:
+        code = call()
+    except FdlError as exc:
+        raise _refused(exc, command) from None
+    if code:
+        raise Exit(code=code)
+
+
+@_task("attach")
+def attach(c: Context, **given: Any) -> None:
+    """Show a run's output so far, then follow it live; Ctrl-C leaves it running."""
+    from .commands.follow import run_attach
+
+    _of_a_run("attach", given, lambda: run_attach(
+        given.get("run_id"), tail=flags.whole("--tail", given.get("tail"), TAIL_MAX),
+        stop=bool(given.get("stop"))))
+
+
+@_task("logs")
+def logs(c: Context, **given: Any) -> None:
+    """Print a run's output; -f follows it to its verdict."""
+    from .commands.follow import run_logs
+
+    _of_a_run("logs", given, lambda: run_logs(
+        given.get("run_id"), follow_on=bool(given.get("follow")),
+        rank=flags.whole("--rank", given.get("rank"), RANKS_MAX - 1),
+        host=given.get("host"), tail=flags.whole("--tail", given.get("tail"), TAIL_MAX)))
+
+
+@_task("stop")
+def stop(c: Context, **given: Any) -> None:
+    """Stop a run: TERM to every rank, KILL after the kill grace (--kill: at once)."""
+    from .commands.stopping import run_stop
+
+    _of_a_run("stop", given, lambda: run_stop(given.get("run_id"),
+                                              kill=bool(given.get("kill"))))
+
+
+@_task("wait")
+def wait(c: Context, **given: Any) -> None:
+    """Wait for a run's end and exit with its exit code (124 after --timeout)."""
+    from .commands.stopping import run_wait
+
+    _of_a_run("wait", given, lambda: run_wait(
+        given.get("run_id"), timeout=flags.seconds("--timeout", given.get("timeout"))))
 
 
 @task(name="run")
@@ -286,4 +344,8 @@ ns.add_task(prebuild_check)
 ns.add_task(plot_run, name="plot-run")
 ns.add_task(stacks)
 ns.add_task(status)
+ns.add_task(attach)
+ns.add_task(logs)
+ns.add_task(stop)
+ns.add_task(wait)
 ns.configure({"fdl": dict(CONFIG_DEFAULTS)})

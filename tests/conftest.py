@@ -12,6 +12,14 @@ import pytest
 
 pytest_plugins = ["fdl_fabric.testing.fixtures"]
 
+# Every launch keeps a record on the controller (`fdl_fabric.runs`): the suite's go to a
+# folder of its own, not to the home of whoever runs it (launchers started as processes
+# inherit it).
+if not os.environ.get("FDL_FABRIC_RUNS_DIR"):
+    import tempfile
+
+    os.environ["FDL_FABRIC_RUNS_DIR"] = tempfile.mkdtemp(prefix="fdl-fabric-runs-")
+
 
 @pytest.fixture
 def probe() -> str:

@@ -141,6 +141,8 @@ class ClusterSpec:
     #: The flag that named the hosts (``--hosts``, ``--hostfile``) when no cluster file
     #: did: advice then speaks in flags, and no worker has a line of a file to point at.
     named_by: Optional[str] = None
+    #: ``on_exit``: a shell command run once when the run ends (`runs.hook`).
+    on_exit: Optional[str] = None
 
 
 # --------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ _DEFAULT_AGENT_TIMEOUT = ClusterSpec.agent_timeout
 
 _TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "master_port",
              "elastic", "workers", "scheduler", "nproc_per_node", "local_devices", "path",
-             "agent_timeout", "hang_timeout", "fanout")
+             "agent_timeout", "hang_timeout", "fanout", "on_exit")
 #: Top-level keys that only a Slurm launch reads: every node gets the same ranks.
 _SLURM_KEYS = ("nproc_per_node", "local_devices", "path")
 _CONTROLLER_KEYS = ("host", "port")
@@ -104,6 +104,10 @@ def read_cluster(
     command = r.string(command_field)
     if command is not None:
         command = r.checked(command_field, command, "command", command_problem)
+    on_exit_field = top.field("on_exit")
+    on_exit = r.string(on_exit_field)
+    if on_exit is not None:
+        on_exit = r.checked(on_exit_field, on_exit, "on_exit", command_problem)
     env_field = top.field("env")
     env = read_env(r, env_field)
     # A worker's check adds its own env to the cluster's; once the cluster env alone is too
@@ -173,6 +177,7 @@ def read_cluster(
         env_forward=env_forward,
         slurm=slurm,
         agent_timeout=_or(agent_timeout, _DEFAULT_AGENT_TIMEOUT),
+        on_exit=on_exit,
         hang_timeout=hang_timeout,
         fanout=_or(fanout, FANOUT_DEFAULT),
     )

@@ -98,6 +98,16 @@ def restarts(flag: str, text: Union[None, str, int]) -> Optional[int]:
     return int(raw)
 
 
+def whole(flag: str, text: Union[None, str, int], maximum: int) -> Optional[int]:
+    """A whole number from 0 to ``maximum`` (``--tail``, ``--rank``)."""
+    if text is None:
+        return None
+    raw = str(text).strip()
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > maximum:
+        raise usage(flag, f"expected a whole number from 0 to {maximum}, got {text!r}")
+    return int(raw)
+
+
 def fanout(value: Optional[str]) -> Optional[int]:
     """``--fanout``: hosts the launcher reaches directly; beyond it, a gateway tree
     (`planning.tree`). The file's ``fanout:`` bound, 1 to `FANOUT_MAX`."""
@@ -141,13 +151,16 @@ def cluster_file(value: Optional[str], default: str) -> str:
     return value
 
 
-def command(text: Optional[str]) -> Optional[str]:
+def command(text: Optional[str], flag: str = "--cmd") -> Optional[str]:
+    """A shell command given as one string (``--cmd``, ``--on-exit``)."""
     if text is None:
         return None
     if not text.strip():
-        raise usage("--cmd", "the command is empty")
+        raise usage(flag, "the command is empty")
+    if "\0" in text:
+        raise usage(flag, "the command contains a NUL character")
     if len(text.encode("utf-8", "surrogatepass")) > COMMAND_MAX_BYTES:
-        raise usage("--cmd", f"the command is longer than {COMMAND_MAX_BYTES} bytes")
+        raise usage(flag, f"the command is longer than {COMMAND_MAX_BYTES} bytes")
     return text
 
 

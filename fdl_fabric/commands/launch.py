@@ -63,6 +63,10 @@ from ..presentation.latest import RunFolder, point_latest
 from ..presentation.output import Console, JsonConsole, RunLog
 from ..presentation.rankoutput import RankOutput
 from ..presentation.words import cause_data, unreachable
+from ..runs import place
+from ..runs.hook import hook_env, run_hook
+from ..runs.reading import is_live, read_json
+from ..runs.record import ON_EXIT_LOG, STOP_NOTE, RunRecord
 from ..supervision import reports
 from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
 from ..supervision.membership import HostFate, Membership, Selection
@@ -119,6 +123,14 @@ class LaunchOptions:
     hang_timeout: Optional[float] = None
     #: ``--fanout``: hosts reached directly; beyond it, a gateway tree (wins over the file's).
     fanout: Optional[int] = None
+    #: ``--on-exit``: a shell command run once when the run ends (wins over the file's).
+    on_exit: Optional[str] = None
+    #: ``--detach``: asked for (`commands.detach` starts the supervisor that runs it).
+    detach: bool = False
+    #: This process is the detached supervisor of the run (`commands.supervise`).
+    detached: bool = False
+    #: The run id, when chosen before the launch (``--detach`` names it at once).
+    run_id: Optional[str] = None
 
 
 def load_for(opts: LaunchOptions) -> ClusterSpec:
@@ -205,13 +217,18 @@ class Signals:
         #: The first stop signal of the launch.
         self.received: Optional[int] = None
         self.raising = True
+        #: SIGHUP was ignored when the launch started (``nohup``, a detached supervisor):
+        #: it stays ignored, as well-behaved programs do.
+        self.hangup_ignored = False
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self._handle) for sig in _HANDLED}
+        self.hangup_ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        handled = [s for s in _HANDLED if not (s is signal.SIGHUP and self.hangup_ignored)]
+        previous = {sig: signal.signal(sig, self._handle) for sig in handled}
         try:
             yield
         finally:
@@ -302,11 +319,15 @@ class Launch:
         #: What refused the launch (bad input, exit 2), and the exit code once it ended.
         self.refused: Optional[FdlError] = None
         self.exit_code: Optional[int] = None
+        #: The run's record on this controller (`runs.record`), once the run has an id.
+        self.record: Optional[RunRecord] = None
 
     def run(self) -> int:
         """The launch; its exit code. Bad input is refused (exit 2, nothing started);
         everything else ends with the summary and the verdict as the last line."""
         with self.signals.installed():
+            if self.signals.hangup_ignored and not self.opts.detached:
+                self.events(Name.HANGUP_IGNORED)
             try:
                 resolved = self._resolve()
                 if resolved is None:
@@ -332,6 +353,8 @@ class Launch:
             finally:
                 if self.log is not None:
                     self.log.close()
+                if self.record is not None:
+                    self.record.close()
 
     def _teardown(self) -> None:
         for session in self.sessions.values():
@@ -390,7 +413,8 @@ class Launch:
         hosts the membership rule gives it (`supervision.membership`)."""
         opts, cluster = self.opts, r.cluster
         check_open_files(cluster, self.events)  # before anything is contacted: exit 2
-        self.run_id = new_run_id()
+        self.run_id = opts.run_id or new_run_id()
+        self._open_record(r)
         if opts.log_dir:
             self.log = RunLog(opts.log_dir, self.run_id, on_error=self._log_failed)
             self.events.add(self.log)
@@ -405,8 +429,9 @@ class Launch:
         devices = self._resolve_devices(members)
         plan = self._plan(r, members, devices, run_id=self.run_id)
         self._membership_event(selection, plan)
-        if self.log is not None:
-            self.log.write_cluster(plan_as_json(plan))
+        for log in (self.log, self.record):
+            if log is not None:
+                log.write_cluster(plan_as_json(plan))
         self.events(Name.LAUNCH, run_id=plan.run_id, world_size=plan.world_size,
                     ranks={h: [r.rank for r in plan.host_ranks(h)] for h in plan.hosts()})
         for name, data in plan_warnings(
@@ -558,6 +583,8 @@ class Launch:
         self.output.attempt(plan)
         if self.log is not None:
             self.log.attempt = attempt
+        if self.record is not None:
+            self.record.log.attempt = attempt
         coordinator = Coordinator(
             coordinator_spec(plan, r.scale), self.events,
             on_join=lambda rank: inbox.put(reports.Joined(rank)),
@@ -600,7 +627,8 @@ class Launch:
             cohort=coordinator, policy=Elastic(plan.world_size, r.max_failure),
             preflight=judge_host if self.opts.preflight else None,
             inbox=inbox, agent_timeout=cluster.agent_timeout * r.scale,
-            hang_timeout=cluster.hang_timeout, on_resume=self._resumed, lease=self.lease)
+            hang_timeout=cluster.hang_timeout, on_resume=self._resumed, lease=self.lease,
+            attempt=plan.attempt, stop_note=self._stop_note)
         self.signals.supervisor = supervisor
         if self.signals.received is not None:  # arrived while this attempt was set up
             supervisor.request_interrupt(self.signals.received)
@@ -721,6 +749,57 @@ class Launch:
         except ValueError as exc:
             raise FdlError(f"{r.cluster.file}: {exc}", EXIT_USAGE) from None
 
+    # -- the run's record on this controller ---------------------------------------------------
+    def _open_record(self, r: _Settings) -> None:
+        """The record ``attach``, ``logs``, ``stop``, ``wait`` and ``status`` read
+        (`runs.record`); old ones are pruned first. A record that cannot be written is
+        said, and the run goes on without one."""
+        assert self.run_id is not None
+        folder = "?"
+        try:
+            root = place.runs_root()
+            folder = str(root / self.run_id)
+            pruned = place.prune(is_live, root=root, spare=[self.run_id])
+            self.record = RunRecord(
+                root / self.run_id, self.run_id, detached=self.opts.detached,
+                verbosity=self.opts.verbosity,
+                about={"command": " ".join(shell.quote(w) for w in r.argv),
+                       "cluster": r.cluster.file, "kill_grace": r.cluster.kill_grace})
+        except OSError as exc:
+            self.events(Name.RECORD_FAILED, error=exc.strerror or str(exc), folder=folder)
+            return
+        self.events.add(self.record)
+        if pruned:
+            self.events(Name.RECORDS_PRUNED, runs=pruned)
+
+    def _stop_note(self) -> Optional[Mapping[str, object]]:
+        """Who sent the TERM, when ``fdl-fabric stop`` left its note addressed to this
+        launcher (`commands.stopping`); None for any other TERM."""
+        if self.record is None:
+            return None
+        note = read_json(self.record.folder / STOP_NOTE)
+        if note is None or note.get("to_pid") != os.getpid():
+            return None
+        return note
+
+    def _on_exit(self, final: RunResult) -> None:
+        """``--on-exit``: once, before the verdict line (which stays the last line); its
+        failure is said, and changes nothing of the verdict."""
+        command = self.opts.on_exit or (self.resolved.cluster.on_exit
+                                        if self.resolved is not None else None)
+        if not command or self.run_id is None:
+            return
+        folder = self.record.folder if self.record is not None else None
+        log = folder / ON_EXIT_LOG if folder is not None else None
+        outcome = run_hook(command, hook_env(self.run_id, final.verdict.value,
+                                             final.exit_code, folder), log)
+        if outcome.ok:
+            self.events(Name.ON_EXIT_RAN, seconds=round(outcome.seconds, 3))
+        else:
+            self.events(Name.ON_EXIT_FAILED, exit_code=outcome.exit_code,
+                        timed_out=outcome.timed_out, error=outcome.error,
+                        timeout=outcome.seconds, log=str(log) if log else "not kept")
+
     # -- the end -------------------------------------------------------------------------------
     def _log_failed(self, error: str, folder: str) -> None:
         self.events(Name.LOG_FAILED, error=error, folder=folder)
@@ -794,6 +873,7 @@ class Launch:
             self.events(Name.MAX_FAILURE_UNUSED)
         if self.folder is not None and self.log is not None:
             self.events(Name.LOGS_KEPT, **self.folder.data(), failed=self.log.failed)
+        self._on_exit(final)
         self.events(Name.VERDICT, cause=cause_data(final.cause), exit_code=final.exit_code,
                     verdict=final.verdict.value, attempts=len(self.results),
                     run_id=self.run_id, faults=dict(self.faulted))
@@ -891,8 +971,14 @@ def third_party_logs(events: EventBus, verbosity: int) -> Iterator[None]:
             lg.setLevel(level)
 
 
-def launch(opts: LaunchOptions, *, console: Optional[Console] = None) -> int:
-    """Run one launch and return its exit code (0 ok, 1 failure, 2 config, 130/143)."""
+def launch(opts: LaunchOptions, *, console: Optional[Console] = None,
+           binary: str = "fdl-fabric") -> int:
+    """Run one launch and return its exit code (0 ok, 1 failure, 2 config, 130/143);
+    with ``--detach``, until every rank runs under its detached supervisor (exit 0)."""
+    if opts.detach:
+        from .detach import launch_detached
+
+        return launch_detached(opts, binary)
     code = execute(opts, console=console).exit_code
     return EXIT_FAILURE if code is None else code
 

@@ -21,16 +21,26 @@ from ..supervision import reports
 from ..transport import resolve_cluster
 from ..transport.sshconfig import resolve_all_settings
 from .asking import ANSWER_TIMEOUT, asking_agents, collect
+from .runsview import controller_runs
 
 
 def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = None,
                every_run: bool = False, as_json: bool = False,
-               console: Optional[Console] = None) -> int:
-    """The live runs of the cluster (or, with ``every_run``, of any cluster) on its
-    hosts: 0 when every host answered, 1 when one could not, 2 on bad input.
+               console: Optional[Console] = None, ended_too: bool = False,
+               hosts: bool = True) -> int:
+    """This controller's runs (`runsview`; ended ones with ``ended_too``), then, with
+    ``hosts``, the live runs of the cluster (or, with ``every_run``, of any cluster) on
+    its hosts: 0 when every host answered, 1 when one could not, 2 on bad input.
     ``cluster``: hosts named on the command line (``--hosts``; ``cluster_file`` None)."""
     console = console or Console()
     events = EventBus(console)
+    mine = controller_runs(every_run=ended_too)
+    if not hosts:
+        if as_json:
+            console.json({"controller": mine})
+        else:
+            events(Name.RUNS_VIEW, **mine)
+        return 0
     try:
         cluster = resolve_cluster(cluster_file, cluster)
         settings = resolve_all_settings(cluster, events)
@@ -49,8 +59,9 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
                             "of": len(cluster.workers), "runs": runs,
                             "problems": dict(sorted(problems.items()))}
     if as_json:
-        console.json(data)
+        console.json({**data, "controller": mine})
     else:
+        events(Name.RUNS_VIEW, **mine)
         events(Name.STATUS_VIEW, **data)
     return EXIT_FAILURE if problems else 0
 

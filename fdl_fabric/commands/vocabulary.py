@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 #: The commands, in the order help lists them.
-COMMANDS = ("run", "launch", "cleanup", "prebuild-check", "stacks", "status", "plot-run")
+COMMANDS = ("run", "launch", "attach", "logs", "stop", "wait", "cleanup", "prebuild-check",
+            "stacks", "status", "plot-run")
 
 #: Commands that take hosts (a cluster file, or hosts on the command line).
 HOSTED = frozenset({"run", "launch", "cleanup", "prebuild-check", "stacks", "status"})
 #: Commands that start a run.
 LAUNCHING = frozenset({"run", "launch"})
+#: Commands that follow or act on one run of this controller, named by its id (RUN).
+OF_A_RUN = frozenset({"attach", "logs", "stop", "wait"})
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,13 @@ FLAGS: tuple[Flag, ...] = (
        default="fanout (64)"),
     _f("preflight", "check paths, program, ports and MASTER_ADDR on every host before any "
        "rank starts; --no-preflight skips it", _BOTH, on_by_default=True),
+    _f("detach", "once every rank runs, leave the run to a supervisor with no terminal and "
+       "exit 0: closing this terminal changes nothing (attach, logs, stop, wait follow it)",
+       _BOTH),
+    _f("on_exit", "a shell command run once when the run ends, with FDL_FABRIC_RUN_ID, "
+       "FDL_FABRIC_VERDICT, FDL_FABRIC_EXIT_CODE and FDL_FABRIC_RUN_DIR set; bounded (60 s), "
+       "it never changes the verdict", _BOTH, metavar="COMMAND",
+       default="on_exit of the cluster file"),
     # What it shows and keeps.
     _f("log_dir", "keep <dir>/<run_id>/attempt_<k>/r<rank>/{stdout,stderr}.log, "
        "events.jsonl and cluster.json", _BOTH, metavar="DIR",
@@ -155,10 +165,23 @@ FLAGS: tuple[Flag, ...] = (
        "verdict last; a report for the others", frozenset({"run", "launch", "status",
                                                            "prebuild-check"}), short="j"),
     # One command's own.
-    _f("run_id", "the run: cleanup stops only its ranks; stacks looks at it (default: the "
-       "newest live run)", frozenset({"cleanup", "stacks"}), metavar="RUN_ID"),
-    _f("all", "every recorded run of this user on those hosts, not only this cluster's",
-       frozenset({"cleanup", "status"})),
+    _f("run_id", "the run: its id or the id's unique start (also given as the word RUN); "
+       "cleanup stops only its ranks, the others look at it or act on it (default: the "
+       "newest run)", frozenset({"cleanup", "stacks"}) | OF_A_RUN, metavar="RUN_ID"),
+    _f("tail", "the last N lines of output first (attach: 20)", frozenset({"attach", "logs"}),
+       metavar="N", default="logs: all"),
+    _f("follow", "follow the output as it comes, across restarts, to the verdict",
+       frozenset({"logs"}), short="f"),
+    _f("rank", "only this rank's lines", frozenset({"logs"}), metavar="N"),
+    _f("host", "only the lines of this host's ranks", frozenset({"logs"}), metavar="HOST"),
+    _f("stop", "Ctrl-C stops the run (TERM, then KILL after the kill grace) instead of "
+       "leaving it running", frozenset({"attach"})),
+    _f("kill", "stop at once: KILL every rank's process group, no grace",
+       frozenset({"stop"})),
+    _f("timeout", "give up after SECONDS: exit 124 with the run still going",
+       frozenset({"wait"}), metavar="SECONDS", default="none: until the run ends"),
+    _f("all", "every recorded run of this user on those hosts, not only this cluster's "
+       "(status: this controller's ended runs too)", frozenset({"cleanup", "status"})),
     _f("pattern", "ALSO stop processes whose command line matches this regex, like "
        "`pkill -f` (TERM, 1 s, KILL); may hit processes fdl-fabric did not start",
        frozenset({"cleanup"}), metavar="REGEX"),
@@ -181,6 +204,27 @@ def flags_of(command: str) -> list[Flag]:
 def short_flags(command: str) -> dict[str, str]:
     """``{python name: letter}`` for an inv task (`tasks._ChosenShortFlags`)."""
     return {f.name: f.short for f in flags_of(command) if f.short}
+
+
+def named_run(words: list[str]) -> list[str]:
+    """``attach``, ``logs``, ``stop``, ``wait`` take their run as a word (``fdl-fabric logs
+    RUN``, as ``docker logs`` and ``sky logs``); invoke has no optional positional, so
+    the word is handed on as ``--run-id RUN``. Other commands' words are left alone."""
+    if not words or words[0].rpartition(".")[2] not in OF_A_RUN:
+        return words
+    valued = {w for f in flags_of(words[0].rpartition(".")[2]) if f.metavar
+              for w in f.spellings}
+    out, rest = [words[0]], iter(words[1:])
+    for word in rest:
+        if word == "--":
+            out += [word, *rest]
+        elif word in valued:
+            out += [word, *([v] if (v := next(rest, None)) is not None else [])]
+        elif word.startswith("-"):
+            out.append(word)
+        else:
+            out += ["--run-id", word]
+    return out
 
 
 def task_help(command: str) -> dict[str, str]:
@@ -208,7 +252,22 @@ USAGE = {
                "Show where every rank of a live run is (Python stacks, grouped); the run "
                "goes on untouched."),
     "status": ("fdl-fabric status [options]",
-               "List the live runs on the hosts: run id, launcher, uptime, ranks."),
+               "List this controller's runs (starting, running, stopping; ended ones with "
+               "--all), then the live runs on the hosts of the cluster file or --hosts: "
+               "run id, launcher, uptime, ranks."),
+    "attach": ("fdl-fabric attach [RUN] [options]",
+               "Show a run's output so far, then follow it live. Ctrl-C leaves the run "
+               "running (--stop: stops it). A run that has ended: its end and its "
+               "verdict, and its exit code."),
+    "logs": ("fdl-fabric logs [RUN] [options]",
+             "Print a run's output as its console showed it, every rank behind its "
+             "prefix; -f follows it across restarts to the verdict."),
+    "stop": ("fdl-fabric stop [RUN] [options]",
+             "Stop a run as a TERM to its launcher would: TERM to every rank, KILL after "
+             "the kill grace; the verdict names who stopped it (exit 143)."),
+    "wait": ("fdl-fabric wait [RUN] [options]",
+             "Wait until a run ends and exit with its exit code (0, 1, 128+N); 124 when "
+             "--timeout passes first."),
     "plot-run": ("fdl-fabric plot-run RUN_DIR [options]",
                  "Draw a run's timeline from RUN_DIR/events.jsonl (<log-dir>/<run_id>)."),
 }

@@ -31,6 +31,7 @@ from ..supervision.supervisor import Rank, RankState
 from .interrupted import Interrupted
 from .ranklines import cut_to_width, rank_block
 from .records import Attempts, record
+from .rotating import RotatingFile
 from .screen import ERR, OUT, Screen
 from .stacks import dump_text
 from .words import fit, render
@@ -393,12 +394,15 @@ class RunLog:
     """
 
     def __init__(self, root: str, run_id: str,
-                 on_error: Optional[Callable[[str, str], None]] = None) -> None:
+                 on_error: Optional[Callable[[str, str], None]] = None,
+                 max_bytes: Optional[int] = None) -> None:
         self.folder = Path(root) / run_id
+        #: Each rank log rotates past this size (`rotating`); None: no bound.
+        self.max_bytes = max_bytes
         Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one is kept
         _private_dir(self.folder)
         self._events = _private_file(self.folder / "events.jsonl")
-        self._ranks: dict[tuple[int, int, bool], IO[bytes]] = {}
+        self._ranks: dict[tuple[int, int, bool], RotatingFile] = {}
         self._lock = threading.Lock()
         #: The attempt whose rank output is being written (``--max-restarts``).
         self.attempt = 0
@@ -411,13 +415,14 @@ class RunLog:
     def rank_folder(self, rank: int) -> Path:
         return self.folder / f"attempt_{self.attempt}" / f"r{rank}"
 
-    def _rank_file(self, rank: int, stderr: bool) -> IO[bytes]:
+    def _rank_file(self, rank: int, stderr: bool) -> RotatingFile:
         fh = self._ranks.get((self.attempt, rank, stderr))
         if fh is None:
             folder = self.rank_folder(rank)
             _private_dir(folder.parent)
             _private_dir(folder)
-            fh = _private_file(folder / ("stderr.log" if stderr else "stdout.log"))
+            fh = RotatingFile(folder / ("stderr.log" if stderr else "stdout.log"),
+                              self.max_bytes)
             self._ranks[(self.attempt, rank, stderr)] = fh
         return fh
 
@@ -436,9 +441,7 @@ class RunLog:
     def _write(self, event: Event) -> None:
         if event.kind is Kind.OUTPUT:
             assert event.rank is not None
-            fh = self._rank_file(event.rank, bool(event.data["stderr"]))
-            fh.write(event.data["raw"])
-            fh.flush()
+            self._rank_file(event.rank, bool(event.data["stderr"])).write(event.data["raw"])
             return
         if event.kind is Kind.SPAWN and event.rank is not None:
             for stderr in (False, True):  # both exist from the start, as with torchrun
@@ -479,7 +482,9 @@ class RunLog:
 
     def close(self) -> None:
         with self._lock:
-            for fh in (self._events, *self._ranks.values()):
+            with contextlib.suppress(OSError):
+                self._events.close()
+            for fh in self._ranks.values():
                 with contextlib.suppress(OSError):
                     fh.close()
 

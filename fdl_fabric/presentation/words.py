@@ -27,10 +27,9 @@ from typing import Any, Callable, Optional
 
 from ..events import Event, Name
 from .dryrunwords import dry_run_text
+from .runwords import RUN_WORDS
+from .speakers import C, L
 from .stacks import stacks_text
-
-L = "cluster launcher: "
-C = "cluster coordinator: "
 
 
 def render(event: Event, width: Optional[int] = None) -> str:
@@ -355,6 +354,11 @@ def _connection_lost(e: Event, d: Mapping[str, Any]) -> str:
 # -- stopping ---------------------------------------------------------------------------------
 def _stopping_on_signal(e: Event, d: Mapping[str, Any]) -> str:
     how = f"INT, TERM after {d['int_grace']:g}s, " if d["signal"] == "SIGINT" else "TERM, "
+    by = d.get("by")
+    if by:  # `fdl-fabric stop`: nobody here to press Ctrl-C
+        return (f"{L}{by.get('command')} ({by.get('user')}@{by.get('host')}, pid "
+                f"{by.get('pid')}) — stopping {d['live']} running rank(s) ({how}KILL after "
+                f"{_s(d['kill_grace'])})")
     return (f"{L}{d['signal']} received — stopping {d['live']} running rank(s) ({how}KILL after "
             f"{_s(d['kill_grace'])}); press Ctrl-C again to kill now")
 
@@ -641,7 +645,8 @@ _WORDS: dict[Name, Words] = {
     Name.COORDINATOR_FAILED: lambda e, d: f"{L}coordinator failed: {d['error']}",
     # stopping, hangs, signals
     Name.STOPPING_ON_SIGNAL: _stopping_on_signal,
-    Name.KILLING_NOW: lambda e, d: f"{L}second interrupt — killing every rank's process group now",
+    Name.KILLING_NOW: lambda e, d: (f"{L}{'second interrupt' if not d.get('asked') else d['asked']}"
+                                    " — killing every rank's process group now"),
     Name.STOPPING_ON_FAILURE: lambda e, d: (f"{L}{'hung run' if d['hung'] else 'peer failure'} "
                                             "— terminating all still-running ranks"),
     Name.STOPPING_AFTER_SHUTDOWN: lambda e, d: (f"{L}{d['live']} rank(s) did not exit within "
@@ -690,6 +695,10 @@ _WORDS: dict[Name, Words] = {
     Name.INTERRUPTED: _interrupted,
     Name.STOPPED_BY_CLEANUP: lambda e, d: (f"{L}stopped by {stopper_words(d['by'], str(e.host))} "
                                            "— every rank was stopped"),
+    Name.STOPPED_BY_COMMAND: lambda e, d: (f"{L}stopped by {d['by'].get('command')} "
+                                           f"({d['by'].get('user')}@{d['by'].get('host')}, "
+                                           f"pid {d['by'].get('pid')}) — every rank was "
+                                           "stopped"),
     Name.INTERRUPTED_BY_FORWARD: lambda e, d: (
         f"{L}interrupted by {d['signal']}, which the launcher forwarded: {label(e)} has no "
         "handler for it — every rank was stopped"),
@@ -729,6 +738,7 @@ _WORDS: dict[Name, Words] = {
     Name.STATUS_VIEW: lambda e, d: status_text(d),
     Name.PLOT_FAILED: lambda e, d: f"plot-run: cannot draw {d['run_dir']}: {d['error']}",
     Name.PLOT_DRAWN: lambda e, d: str(d["path"]),
+    **RUN_WORDS,
 }
 
 

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from ..agent import wire
 from ..events import Event, EventBus, Name, event
@@ -305,8 +305,16 @@ class Supervisor:
         hang_timeout: Optional[float] = None,
         on_resume: Optional[Callable[[], None]] = None,
         lease: Optional[float] = None,
+        attempt: int = 0,
+        stop_note: Optional[Callable[[], Optional[Mapping[str, object]]]] = None,
     ) -> None:
         self.ranks = [Rank(p) for p in plans]
+        #: Which attempt this is (``--max-restarts``), for the events that name it.
+        self.attempt = attempt
+        #: Who asked for a TERM (``fdl-fabric stop`` leaves a note in the run's record):
+        #: read when the TERM arrives, so the verdict names the stopper.
+        self.stop_note = stop_note
+        self._running = 0
         self.ping_every = ping_interval(agent_timeout, lease)
         #: Hosts given up on or gone (the loop runs until all are), and those that said
         #: DONE (each may need abandoning): kept as they change, not walked every turn.
@@ -355,6 +363,8 @@ class Supervisor:
         self._stopped_by_forward: Optional[tuple[int, Rank]] = None
         #: A cleanup that stopped this run: its note (who, for the verdict).
         self._stopped_by: Optional[Mapping[str, object]] = None
+        #: ``fdl-fabric stop`` that stopped this run: its note (who, for the verdict).
+        self._stopped_by_command: Optional[Mapping[str, object]] = None
 
     # -- called from other threads (all go through the inbox) --------------------------------
     def post(self, report: reports.Report) -> None:
@@ -528,6 +538,10 @@ class Supervisor:
         r.started = self._last_activity = time.monotonic()
         self.events(Name.RANK_STARTED, host=r.host, rank=r.rank, pid=report.pid,
                     label=r.plan.label)
+        self._running += 1
+        if self._running == len(self.ranks):
+            self.events(Name.ALL_RANKS_RUNNING, attempt=self.attempt,
+                        world_size=len(self.ranks), hosts=len(self.hosts))
         if self._stop_started is not None and not r.stop_requested:
             r.stop_requested = True  # started while the run was being stopped
 
@@ -827,10 +841,17 @@ class Supervisor:
             signum = int(req.arg)
             self._interrupt = signum
             name = signal.Signals(signum).name
+            note = self.stop_note() if self.stop_note is not None \
+                and signum == signal.SIGTERM else None
+            self._stopped_by_command = note
+            said: dict[str, Any] = {"by": dict(note)} if note else {}
             self.events(Name.STOPPING_ON_SIGNAL, signal=name, live=len(self.live()),
                         int_grace=min(wire.INT_GRACE, self.kill_grace / 2),
-                        kill_grace=self.kill_grace)
+                        kill_grace=self.kill_grace, **said)
             self._stop_all("INT" if signum == signal.SIGINT else "TERM")
+            if note and note.get("kill"):  # `fdl-fabric stop --kill`: no grace
+                self.events(Name.KILLING_NOW, asked=f"{note.get('command')} --kill")
+                self._kill_all()
         elif req.kind == "kill" or req.kind == "interrupt":
             self.events(Name.KILLING_NOW)
             self._stop_all()
@@ -973,6 +994,10 @@ class Supervisor:
                 return RunResult(Verdict.INTERRUPTED, code,
                                  event(Name.STOPPED_BY_CLEANUP, host=self._interrupted_on,
                                        by=dict(self._stopped_by)), ranks)
+            if self._stopped_by_command is not None:
+                return RunResult(Verdict.INTERRUPTED, code,
+                                 event(Name.STOPPED_BY_COMMAND,
+                                       by=dict(self._stopped_by_command)), ranks)
             return RunResult(Verdict.INTERRUPTED, code,
                              event(Name.INTERRUPTED, host=self._interrupted_on, signal=name),
                              ranks)

@@ -1,0 +1,178 @@
+"""``fdl-fabric logs`` and ``fdl-fabric attach``: a run's console, from any terminal.
+
+Both read the run's record on this controller (`runs.record`): console.log is the
+console exactly as rendered (launcher lines, and every rank line behind its
+``[host:device:rN]`` prefix), so what one sees attached is what the launching terminal
+showed. ``logs`` prints it (``--rank``/``--host`` keep one rank's or one host's lines
+and the lines that name an attempt; ``-f`` follows, as ``kubectl logs -f`` and ``sky
+logs`` do, across restarts, and ends with the verdict); ``attach`` shows the last lines
+and follows live, and Ctrl-C leaves the run running (``--stop``: stops it). Several may
+follow one run at once: they only read.
+
+What a rank printed was made inert by the launcher before it reached the record
+(`inert`), so nothing in it moves this terminal's cursor either.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import IO, Optional
+
+from ..errors import EXIT_FAILURE, EXIT_USAGE
+from ..events import EventBus, Name
+from ..presentation.output import Console
+from ..runs import place
+from ..runs.reading import RunView, follow, last_lines, view
+from ..runs.record import CONSOLE, RunState
+from .stopping import ended, send_stop
+
+#: A rank's line in console.log: ``[host:device:rN] text`` (a host may hold colons: IPv6).
+RANK_LINE = re.compile(rb"\[(?P<host>.*):[^:\]]*:r(?P<rank>[0-9]+)\] ")
+#: Launcher lines a filtered view keeps: those that name an attempt (a restart).
+ATTEMPT_LINE = re.compile(rb"cluster launcher: (attempt [0-9]+|run [0-9-a-f]+: )")
+#: ``attach`` shows this many lines of what came before.
+ATTACH_TAIL = 20
+
+
+class LineFilter:
+    """``--rank`` / ``--host``: one rank's or one host's lines, and the attempt lines."""
+
+    def __init__(self, rank: Optional[int], host: Optional[str]) -> None:
+        self.rank = rank
+        self.host = host.encode("utf-8", "surrogateescape") if host is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self.rank is not None or self.host is not None
+
+    def keep(self, line: bytes) -> bool:
+        if not self.active:
+            return True
+        found = RANK_LINE.match(line)
+        if found is None:
+            return ATTEMPT_LINE.match(line) is not None
+        if self.rank is not None and int(found.group("rank")) != self.rank:
+            return False
+        return self.host is None or found.group("host") == self.host
+
+    def lines(self, data: bytes) -> bytes:
+        if not self.active:
+            return data
+        return b"".join(line for line in data.splitlines(keepends=True) if self.keep(line))
+
+
+def find_run(spec: Optional[str], command: str, events: EventBus) -> Optional[Path]:
+    """The record ``spec`` names, or None after saying why (a RUN that names none is
+    bad input: exit 2)."""
+    try:
+        return place.find(spec)
+    except (LookupError, OSError) as exc:
+        events(Name.RUN_NOT_FOUND, command=command, error=str(exc))
+        return None
+
+
+def _write(out: IO[bytes], data: bytes) -> None:
+    if data:
+        out.write(data)
+        out.flush()
+
+
+def _end(run: RunView, events: EventBus) -> int:
+    """The exit code of a run that ended; its verdict line is the last of its console
+    (already shown), the launcher's loss is said here."""
+    if run.phase is RunState.LOST:
+        return ended(run, events)
+    return run.exit_code if run.exit_code is not None else EXIT_FAILURE
+
+
+def run_logs(spec: Optional[str], *, follow_on: bool = False, rank: Optional[int] = None,
+             host: Optional[str] = None, tail: Optional[int] = None,
+             console: Optional[Console] = None, out: Optional[IO[bytes]] = None) -> int:
+    """Print a run's console (filtered, the last ``tail`` lines); with ``follow_on``,
+    follow it to the run's end. 0, or 2 when no run is named."""
+    console = console or Console()
+    events = EventBus(console)
+    folder = find_run(spec, "logs", events)
+    if folder is None:
+        return EXIT_USAGE
+    out = out or sys.stdout.buffer
+    keep = LineFilter(rank, host)
+    path = folder / CONSOLE
+    data, offset = last_lines(path, None)
+    data = keep.lines(data)
+    if tail is not None:
+        data = b"".join(data.splitlines(keepends=True)[-tail:]) if tail else b""
+    _write(out, data)
+    if not follow_on:
+        return 0
+    for chunk in follow(path, offset, done=lambda: view(folder).ended):
+        _write(out, keep.lines(chunk))
+    run = view(folder)
+    if run.phase is RunState.LOST or keep.active:
+        # the launcher's own last line was not in what was shown: say the end here
+        ended(run, events)
+    return 0
+
+
+class _Interrupt:
+    """Ctrl-C while attached: noted, and the follow loop sees it at its next look."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.count += 1
+
+
+def run_attach(spec: Optional[str], *, tail: Optional[int] = None, stop: bool = False,
+               console: Optional[Console] = None, out: Optional[IO[bytes]] = None) -> int:
+    """Follow a run's console live. Ctrl-C detaches (0) or, with ``stop``, stops the run
+    and follows it to its verdict; a run that ended: its last lines and its exit code."""
+    console = console or Console()
+    events = EventBus(console)
+    folder = find_run(spec, "attach", events)
+    if folder is None:
+        return EXIT_USAGE
+    out = out or sys.stdout.buffer
+    path = folder / CONSOLE
+    count = ATTACH_TAIL if tail is None else tail
+    data, offset = last_lines(path, count)
+    run = view(folder)
+    if run.ended:
+        _write(out, data)
+        return _end(run, events)
+    events(Name.ATTACHED, run_id=run.run_id, state=_state_words(run), stop=stop)
+    _write(out, data)
+    interrupt = _Interrupt()
+    previous = signal.signal(signal.SIGINT, interrupt)
+    stopping = False
+    try:
+        while True:
+            for chunk in follow(path, offset, done=lambda: view(folder).ended,
+                                stop=lambda: interrupt.count > 0):
+                _write(out, chunk)
+                offset += len(chunk)
+            if view(folder).ended:
+                return _end(view(folder), events)
+            if not stop or stopping:  # a second Ctrl-C while it stops: leave it to stop
+                events(Name.ATTACH_LEFT, run_id=run.run_id)
+                return 0
+            stopping = True  # --stop: the run is stopped, and followed to its verdict
+            send_stop(folder, kill=False, events=events)
+            interrupt.count = 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _state_words(run: RunView) -> str:
+    phase: RunState = run.phase
+    if phase is RunState.RUNNING:
+        return f"running, attempt {run.state.get('attempt', 0)}"
+    return str(phase.value)
+
+
+__all__ = ["ATTACH_TAIL", "LineFilter", "find_run", "run_attach", "run_logs"]

@@ -1,0 +1,197 @@
+"""Reading a run's record from any terminal: its state, whether its launcher lives, its
+result, and its files as they grow (``attach``, ``logs -f``, ``wait``, ``status``).
+
+A record only says what its launcher wrote (`record`). Whether that launcher is still
+there is asked of the process table here, by pid *and* start time, so a pid reused by
+another process never makes a dead run look alive; a record with no result whose
+launcher is gone is LOST. Every wait here is a poll with a bound: nothing blocks on a
+file that stopped growing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from .record import CONSOLE, RESULT, STATE, RunState, process_started
+
+#: Seconds between two looks at a file that is followed: a line shows within this (plus
+#: the launcher's own write), and an idle follower costs ~20 stat calls a second.
+POLL = 0.05
+#: A pid's start time as psutil reads it, and as the record wrote it, may differ by the
+#: clock tick's rounding.
+START_SLACK = 1.0
+
+
+def read_json(path: Path) -> Optional[dict[str, Any]]:
+    """A record's JSON file, or None when it is missing or (being replaced) unreadable."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def launcher_alive(state: dict[str, Any]) -> bool:
+    """Whether the process that wrote ``state`` still runs: same host, same pid, same
+    start time."""
+    launcher = state.get("launcher") or {}
+    if launcher.get("host") != socket.gethostname():
+        return False
+    pid, started = launcher.get("pid"), launcher.get("pid_started")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    now_started = process_started(pid)
+    if now_started is None:
+        return False
+    return not isinstance(started, (int, float)) or abs(now_started - started) <= START_SLACK
+
+
+@dataclass(frozen=True)
+class RunView:
+    """One record as read now."""
+
+    folder: Path
+    state: dict[str, Any]
+    result: Optional[dict[str, Any]]
+    alive: bool
+
+    @property
+    def run_id(self) -> str:
+        return self.folder.name
+
+    @property
+    def phase(self) -> RunState:
+        """ENDED once a result is written; LOST when the launcher is gone without one;
+        else what the launcher last wrote."""
+        if self.result is not None:
+            return RunState.ENDED
+        if not self.alive:
+            return RunState.LOST
+        try:
+            return RunState(self.state.get("state", "starting"))
+        except ValueError:
+            return RunState.STARTING
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in (RunState.ENDED, RunState.LOST)
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        if self.result is None:
+            return None
+        code = self.result.get("exit_code")
+        return code if isinstance(code, int) else 1
+
+    @property
+    def launcher(self) -> dict[str, Any]:
+        return dict(self.state.get("launcher") or {})
+
+    def row(self) -> dict[str, Any]:
+        """What ``status`` shows of it (and ``--json`` prints)."""
+        state = self.state
+        result = self.result or {}
+        return {"run_id": self.run_id, "state": self.phase.value,
+                "attempt": state.get("attempt", 0), "detached": bool(state.get("detached")),
+                "started": state.get("started"), "ended": result.get("ended"),
+                "verdict": result.get("verdict"), "exit_code": result.get("exit_code"),
+                "world_size": state.get("world_size"), "hosts": state.get("hosts") or [],
+                "launcher": self.launcher, "command": state.get("command"),
+                "cwd": state.get("cwd"), "folder": str(self.folder)}
+
+
+def view(folder: Path) -> RunView:
+    """The record in ``folder`` as it is now (the result is read before the state, so a
+    run that ends meanwhile is never LOST)."""
+    result = read_json(folder / RESULT)
+    state = read_json(folder / STATE) or {}
+    alive = result is None and launcher_alive(state)
+    if result is None and not alive:  # it may have written its result and gone meanwhile
+        result = read_json(folder / RESULT)
+    return RunView(folder, state, result, alive)
+
+
+def is_live(folder: Path) -> bool:
+    """A record that must not be pruned: no result yet and its launcher runs."""
+    return view(folder).phase not in (RunState.ENDED, RunState.LOST)
+
+
+def last_lines(path: Path, count: Optional[int]) -> tuple[bytes, int]:
+    """The last ``count`` lines of ``path`` (all of them when None) with the rotated
+    ``<path>.1`` before it when more are needed, and the offset in ``path`` they end at."""
+    data = b""
+    size = 0
+    with contextlib.suppress(OSError), open(path, "rb") as fh:
+        data = fh.read()
+        size = len(data)
+    rotated = path.with_name(path.name + ".1")
+    if (count is None or data.count(b"\n") < count) and rotated.exists():
+        with contextlib.suppress(OSError):
+            data = rotated.read_bytes() + data
+    if count is not None:
+        lines = data.splitlines(keepends=True)
+        data = b"".join(lines[-count:]) if count else b""
+    return data, size
+
+
+def follow(path: Path, offset: int, *, done: Callable[[], bool],
+           poll: float = POLL, stop: Optional[Callable[[], bool]] = None
+           ) -> Iterator[bytes]:
+    """The bytes written to ``path`` after ``offset``, as they come, whole lines only;
+    across a rotation (the file renamed and started afresh) too. Ends once ``done()``
+    (checked before the last read, so nothing written before the end is missed) or
+    ``stop()``."""
+    inode = _inode(path)
+    partial = b""
+    while True:
+        finished = done()
+        current = _inode(path)
+        if current is not None and inode is not None and current != inode:
+            # rotated: what was left of the old file, then the new one from its start
+            with contextlib.suppress(OSError), \
+                    open(path.with_name(path.name + ".1"), "rb") as old:
+                old.seek(offset)
+                partial += old.read()
+            inode, offset = current, 0
+        elif inode is None:
+            inode = current
+        chunk = b""
+        with contextlib.suppress(OSError), open(path, "rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+        offset += len(chunk)
+        data = partial + chunk
+        cut = data.rfind(b"\n") + 1
+        if finished:
+            cut = len(data)
+        partial = data[cut:]
+        if cut:
+            yield data[:cut]
+        if finished or (stop is not None and stop()):
+            return
+        if not chunk:
+            time.sleep(poll)
+
+
+def _inode(path: Path) -> Optional[int]:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def console_path(folder: Path) -> Path:
+    return folder / CONSOLE
+
+
+__all__ = ["POLL", "RunView", "console_path", "follow", "is_live", "last_lines",
+           "launcher_alive", "read_json", "view"]

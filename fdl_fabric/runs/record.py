@@ -1,0 +1,196 @@
+"""One run's record on the controller, written by its launcher: the one writer.
+
+Layout of ``<runs>/<run_id>/`` (`place`), folders 0700 and files 0600::
+
+    state.json      who runs it (host, user, pid and its start time) and where it is:
+                    starting, running (attempt k), stopping, ended; replaced atomically
+    console.log     the console as rendered: launcher lines and every rank line behind
+                    its ``[host:device:rN]`` prefix, plain (no colour, no live table)
+    events.jsonl    every event, one v1 record a line (docs/events.md)
+    cluster.json    the resolved plan, secrets redacted
+    attempt_<k>/r<rank>/{stdout,stderr}.log   each rank's output, byte for byte
+    stop.json       who asked ``fdl-fabric stop`` to stop it (`stopping`)
+    supervisor.log  a detached supervisor's own stderr (a crash's traceback)
+    on_exit.log     what the ``--on-exit`` hook printed
+    result.json     verdict, exit code, attempts, root cause: written last, atomically
+
+console.log and every rank log rotate past `limits.RECORD_LOG_BYTES` (`rotating`). The
+state is derived from the events the launch emits, so nothing else has to remember to
+update it: ``attach``, ``logs``, ``wait`` and ``status`` read it (`reading`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import socket
+import threading
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from ..events import Event, Kind, Name
+from ..limits import RECORD_LOG_BYTES
+from ..presentation.output import Console, RunLog
+from ..presentation.rotating import RotatingFile, TextLog, open_private
+from ..presentation.words import render
+
+STATE = "state.json"
+RESULT = "result.json"
+CONSOLE = "console.log"
+STOP_NOTE = "stop.json"
+SUPERVISOR_LOG = "supervisor.log"
+ON_EXIT_LOG = "on_exit.log"
+
+
+class RunState(str, Enum):
+    """Where a run is, as its record says: STARTING -> RUNNING -> STOPPING -> ENDED (a
+    restart goes back to STARTING with the next attempt). LOST is never written: a reader
+    says it of a record whose launcher is gone without a result (`reading`)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    ENDED = "ended"
+    LOST = "lost"
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """``path`` replaced atomically (a reader sees the old one or the new one), 0600."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    fd = open_private(temporary, truncate=True)
+    try:
+        os.write(fd, (json.dumps(data, indent=1, default=str, ensure_ascii=False)
+                      + "\n").encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+
+
+def process_started(pid: int) -> Optional[float]:
+    """When process ``pid`` started (seconds since the epoch), or None when it is gone:
+    with the pid, what tells a launcher from a later process given the same pid."""
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+def who() -> dict[str, Any]:
+    """This process as the records name it: user, host, pid and its start time."""
+    pid = os.getpid()
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return {"user": user, "host": socket.gethostname(), "pid": pid,
+            "pid_started": process_started(pid)}
+
+
+#: Events that move the state, and where to (one table, read by `RunRecord._advance`).
+_STATE_OF: dict[Name, RunState] = {
+    Name.ALL_RANKS_RUNNING: RunState.RUNNING,
+    Name.RESTARTING: RunState.STARTING,
+    Name.VERDICT: RunState.ENDED,
+}
+
+
+class RunRecord:
+    """The event sink that writes one run's record. Created by the launch once its run
+    id is known; `close` after the verdict."""
+
+    def __init__(self, folder: Path, run_id: str, *, detached: bool, verbosity: int,
+                 about: dict[str, Any]) -> None:
+        self.folder = folder
+        self.run_id = run_id
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
+        self.log = RunLog(str(folder.parent), run_id, max_bytes=RECORD_LOG_BYTES)
+        self._console_file = RotatingFile(folder / CONSOLE, RECORD_LOG_BYTES)
+        stream = TextLog(self._console_file)
+        self.console = Console(stream, stream, verbosity=verbosity,  # type: ignore[arg-type]
+                               color=False)
+        self._lock = threading.Lock()
+        #: What the result keeps of the end's events: the ranks' rows, the attempts.
+        self._kept: dict[str, Any] = {"ranks": [], "attempt_list": [],
+                                      "root_cause_rank": None}
+        self._state: dict[str, Any] = {
+            "run_id": run_id, "state": RunState.STARTING.value, "attempt": 0,
+            "launcher": who(), "detached": detached, "started": time.time(),
+            "cwd": os.getcwd(), **about}
+        self._save()
+
+    def emit(self, event: Event) -> None:
+        with contextlib.suppress(OSError):
+            self.console.emit(event)
+        self.log.emit(event)
+        if event.kind is Kind.OUTPUT:
+            return
+        with self._lock:
+            if event.name is Name.ROOT_CAUSE:
+                self.root_cause = render(event)
+                self._kept["root_cause_rank"] = event.rank
+            elif event.name is Name.SUMMARY:
+                self._kept["ranks"] = event.data.get("ranks") or []
+            elif event.name is Name.ATTEMPTS:
+                self._kept["attempt_list"] = event.data.get("attempts") or []
+            self._advance(event)
+
+    def _advance(self, event: Event) -> None:
+        state = _STATE_OF.get(event.name)
+        if state is None and event.kind is Kind.STOPPING:
+            state = RunState.STOPPING
+        if event.name is Name.LAUNCH:
+            self._state.update(world_size=event.data.get("world_size"),
+                               hosts=sorted(event.data.get("ranks") or {}))
+        if state is None:
+            return
+        if state is RunState.STOPPING and self._state["state"] == RunState.ENDED.value:
+            return
+        if "attempt" in event.data and isinstance(event.data["attempt"], int):
+            self._state["attempt"] = event.data["attempt"]
+        self._state["state"] = state.value
+        if state is RunState.ENDED:
+            self._state["ended"] = time.time()
+        self._save()
+        if event.name is Name.VERDICT:
+            self._result(event)
+
+    def _save(self) -> None:
+        self._state["updated"] = time.time()
+        with contextlib.suppress(OSError):
+            write_json(self.folder / STATE, self._state)
+
+    def _result(self, event: Event) -> None:
+        data = event.data
+        result = {"run_id": self.run_id, "verdict": data.get("verdict"),
+                  "exit_code": data.get("exit_code"), "message": render(event),
+                  "attempts": data.get("attempts"), "cause": data.get("cause"),
+                  "faults": data.get("faults") or {}, "root_cause": self.root_cause,
+                  "started": self._state["started"], "ended": self._state.get("ended"),
+                  "launcher": self._state["launcher"], "hosts": self._state.get("hosts"),
+                  **self._kept}
+        with contextlib.suppress(OSError):
+            write_json(self.folder / RESULT, result)
+
+    #: The root cause as said (its words), seen before the verdict.
+    root_cause: Optional[str] = None
+
+    def write_cluster(self, data: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            self.log.write_cluster(data)
+
+    def close(self) -> None:
+        self.log.close()
+        with contextlib.suppress(OSError):
+            self._console_file.close()
+
+
+__all__ = ["CONSOLE", "ON_EXIT_LOG", "RESULT", "STATE", "STOP_NOTE", "SUPERVISOR_LOG",
+           "RunRecord", "RunState", "process_started", "who", "write_json"]
