@@ -64,6 +64,7 @@ from ..presentation.output import Console, JsonConsole, RunLog
 from ..presentation.rankoutput import RankOutput
 from ..presentation.words import cause_data, unreachable
 from ..runs import place
+from ..runs.hook import bound as hook_bound
 from ..runs.hook import hook_env, run_hook
 from ..runs.reading import is_live, read_json
 from ..runs.record import ON_EXIT_LOG, STOP_NOTE, RunRecord
@@ -798,7 +799,7 @@ class Launch:
         else:
             self.events(Name.ON_EXIT_FAILED, exit_code=outcome.exit_code,
                         timed_out=outcome.timed_out, error=outcome.error,
-                        timeout=outcome.seconds, log=str(log) if log else "not kept")
+                        timeout=hook_bound(), log=str(log) if log else "not kept")
 
     # -- the end -------------------------------------------------------------------------------
     def _log_failed(self, error: str, folder: str) -> None:
