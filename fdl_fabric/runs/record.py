@@ -77,7 +77,10 @@ def process_started(pid: int) -> Optional[float]:
     import psutil
 
     try:
-        return float(psutil.Process(pid).create_time())
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:  # dead, not yet reaped by its parent
+            return None
+        return float(proc.create_time())
     except psutil.Error:
         return None
 
