@@ -114,7 +114,39 @@ def launch(c: Context, **given: Any) -> None:
                               settings=_settings(c))
     except FdlError as exc:
         raise _refused(exc, "launch", bool(given.get("json"))) from None
-    code = run_launch(opts, binary=_binary())
+    if given.get("on"):
+        code = _launch_on(c, given, opts.cluster_file)
+    else:
+        code = run_launch(opts, binary=_binary())
+    if code:
+        raise Exit(code=code)
+
+
+def _launch_on(c: Context, given: dict[str, Any], cluster_file: Optional[str]) -> int:
+    """``launch --detach --on HOST``: checked here first (exit 2), started there."""
+    from .commands.onhost import launch_there
+
+    if not given.get("detach"):
+        raise _refused(FdlError("--on: only with --detach: a foreground launch belongs to "
+                                "this terminal (add --detach)", 2), "launch")
+    if cluster_file is not None and not os.path.isfile(cluster_file):
+        raise _refused(FdlError(f"{cluster_file}: no such cluster file", 2), "launch")
+    try:
+        return launch_there(given["on"], given, _remainder(), cluster_file)
+    except FdlError as exc:
+        Console().message(str(exc))
+        return exc.exit_code
+
+
+def _there(command: str, given: dict[str, Any]) -> None:
+    """``--on HOST`` for a command on a run: the same command there."""
+    from .commands.onhost import run_there
+
+    try:
+        code = run_there(given["on"], command, given, pty=command == "attach")
+    except FdlError as exc:
+        Console().message(str(exc))
+        raise Exit(code=exc.exit_code) from None
     if code:
         raise Exit(code=code)
 
@@ -262,6 +294,9 @@ def status(c: Context, **given: Any) -> None:
     Read from the records this machine and each host keep; the runs are never touched.
     Exit 0, or 1 when a host could not be asked, 2 on bad input.
     """
+    if given.get("on"):
+        _there("status", given)
+        return
     file, from_hosts = _hosts(c, "status", given)
     # The hosts' view when hosts are named, or the default cluster file is there: this
     # controller's runs need neither.
@@ -276,7 +311,10 @@ def status(c: Context, **given: Any) -> None:
 
 def _of_a_run(command: str, given: dict[str, Any], call: Callable[[], int]) -> None:
     """A command on one run of this controller: its flags were checked by ``call``'s
-    arguments; a bad one is exit 2 naming it."""
+    arguments; a bad one is exit 2 naming it. With ``--on HOST``, the same there."""
+    if given.get("on"):
+        _there(command, given)
+        return
     try:
         code = call()
     except FdlError as exc:

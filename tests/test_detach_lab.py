@@ -257,3 +257,53 @@ def test_logs_follow_shows_both_attempts_of_a_restart_and_ends_with_the_verdict(
     assert any(line.endswith("done r1") for line in lines[restart[0]:])
     assert out.stderr.splitlines()[-1] == "cluster launcher: run completed — all 2 ranks exited 0"
     nothing_left(run_id)
+
+
+def test_detach_on_a_host_that_stays_up_runs_there_and_is_followed_from_here(
+        sshd_lab, runs: Path, steady: Path, tmp_path: Path) -> None:
+    there = tmp_path / "runs-on-node1"  # the head's records, as its sessions see them
+    lab = sshd_lab(n_hosts=3, session_env={"FDL_FABRIC_RUNS_DIR": str(there),
+                                           "PATH": os.environ["PATH"]})
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    lab.write_ssh_config(home / ".ssh" / "config")  # node1, node2, node3
+    cluster = lab.write_cluster([lab.worker(h, nproc=1) for h in lab.hosts[1:]],
+                                command=f"{sys.executable} -u {steady} 30 0.1")
+    env = {**os.environ, "HOME": str(home)}
+    out = subprocess.run([*FDL, "launch", "--detach", "--on", "node1", "-c", str(cluster)],
+                         capture_output=True, text=True, timeout=120, env=env,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run_id,) = [p.name for p in there.iterdir()]
+    assert f"fdl-fabric wait {run_id} --on node1" in out.stdout
+    assert not runs.exists() or not list(runs.iterdir()), "nothing of it runs here"
+    waited = subprocess.run([*FDL, "wait", run_id, "--on", "node1"], capture_output=True,
+                            text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    assert "cluster launcher: run completed — all 2 ranks exited 0" in waited.stderr
+    logs = subprocess.run([*FDL, "logs", run_id, "--on", "node1", "--rank", "1"],
+                          capture_output=True, text=True, timeout=60, env=env,
+                          stdin=subprocess.DEVNULL)
+    assert logs.returncode == 0
+    assert logs.stdout.splitlines()[-1].endswith(":r1] done r1"), logs.stdout
+    nothing_left(run_id)
+
+
+def test_on_a_host_with_another_version_is_refused_with_how_to_install(
+        sshd_lab, tmp_path: Path) -> None:
+    fake = tmp_path / "fake"
+    (fake / "fdl_fabric").mkdir(parents=True)
+    (fake / "fdl_fabric" / "__init__.py").write_text("")
+    (fake / "fdl_fabric" / "__main__.py").write_text("print('fdl-fabric 0.0.1')\n")
+    lab = sshd_lab(n_hosts=1, session_env={"PYTHONPATH": str(fake),
+                                           "PATH": os.environ["PATH"]})
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    lab.write_ssh_config(home / ".ssh" / "config")
+    out = subprocess.run([*FDL, "wait", "--on", "node1"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "HOME": str(home)},
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        "--on node1: fdl-fabric 0.0.1 is installed there, this is 0.1.0: install the same "
+        "there: ssh node1 python3 -m pip install fdl-fabric==0.1.0")

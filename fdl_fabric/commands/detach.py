@@ -96,7 +96,8 @@ def detach(opts: LaunchOptions) -> Detached | int:
     return _exit_code(proc)
 
 
-def launch_detached(opts: LaunchOptions, binary: str = "fdl-fabric") -> int:
+def launch_detached(opts: LaunchOptions, binary: str = "fdl-fabric",
+                    on: Optional[str] = None) -> int:
     """``--detach`` on the command line: the run id and how to follow it once every rank
     runs (exit 0), or the launch's own refusal or verdict, relayed, and its exit code."""
     from ..events import EventBus, Name
@@ -107,7 +108,8 @@ def launch_detached(opts: LaunchOptions, binary: str = "fdl-fabric") -> int:
         return outcome
     console = JsonConsole() if opts.json else Console()
     EventBus(console)(Name.DETACHED, run_id=outcome.run_id, pid=outcome.pid,
-                      host=socket.gethostname(), folder=str(outcome.folder), binary=binary)
+                      host=socket.gethostname(), folder=str(outcome.folder), binary=binary,
+                      on=on)
     return 0
 
 

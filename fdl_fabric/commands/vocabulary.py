@@ -147,6 +147,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("detach", "once every rank runs, leave the run to a supervisor with no terminal and "
        "exit 0: closing this terminal changes nothing (attach, logs, stop, wait follow it)",
        _BOTH),
+    _f("on", "run it on HOST over SSH, where the same fdl-fabric is installed: launch "
+       "--detach starts the run's supervisor there (a head node that stays up: closing "
+       "this laptop changes nothing); the others follow that run from here",
+       frozenset({"launch"}) | OF_A_RUN | frozenset({"status"}), metavar="HOST"),
     _f("on_exit", "a shell command run once when the run ends, with FDL_FABRIC_RUN_ID, "
        "FDL_FABRIC_VERDICT, FDL_FABRIC_EXIT_CODE and FDL_FABRIC_RUN_DIR set; bounded (60 s), "
        "it never changes the verdict", _BOTH, metavar="COMMAND",

@@ -16,6 +16,8 @@ Words = Callable[[Event, Mapping[str, Any]], str]
 
 def _detached(e: Event, d: Mapping[str, Any]) -> str:
     run, binary = d["run_id"], d.get("binary") or "fdl-fabric"
+    if d.get("on"):  # said on the host that stays up, read on the laptop
+        run = f"{run} --on {d['on']}"
     return "\n".join([
         f"{L}run {run} goes on detached: its supervisor is pid {d['pid']} on {e.host}, "
         "with no terminal; closing this one changes nothing",

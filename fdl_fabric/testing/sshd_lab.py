@@ -18,7 +18,7 @@ import random
 import re
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -89,6 +89,7 @@ class SshdLab:
         private_registry: bool = False,
         client_alive_interval: int = 5,
         client_alive_count_max: int = 3,
+        session_env: Optional[Mapping[str, str]] = None,
     ) -> None:
         """Prepare (but do not start) a lab; see ``start()``.
 
@@ -120,6 +121,9 @@ class SshdLab:
             )
         self.base_addr = base_addr
         self.extra_sshd_config = tuple(extra_sshd_config)
+        #: ``NAME=value`` every session gets (sshd ``SetEnv``): a test's own records
+        #: folder for an fdl-fabric run there, for one.
+        self.session_env = dict(session_env or {})
         self.startup_timeout = startup_timeout
         self.kill_grace = kill_grace
         self.private_registry = private_registry
@@ -171,6 +175,7 @@ class SshdLab:
         session_env: tuple[str, ...] = ()
         if self.login_shell_rc is not None:
             session_env = _write_login_rc(self.root, self.login_shell_rc, self._home)
+        session_env += tuple(f"{k}={v}" for k, v in self.session_env.items())
         settings = _SshdSettings(
             sshd=sshd,
             root=self.root,
