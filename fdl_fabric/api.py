@@ -22,8 +22,8 @@ from .clusterfile import ClusterSpec
 from .commands.launch import execute
 from .commands.options import launch_options
 from .errors import EXIT_USAGE, FdlError
-from .events import Event
-from .presentation.words import render
+from .events import Event, Name, event
+from .presentation.words import cause_data, render
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -94,7 +94,8 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
            quiet: bool = False, verbosity: int = 0, preflight: bool = True,
            dry_run: bool = False, json: bool = False,
            on_event: Optional[Callable[[Event], None]] = None,
-           on_exit: Optional[str] = None, detach: bool = False) -> Any:
+           on_exit: Optional[str] = None, detach: bool = False,
+           on: Optional[str] = None) -> Any:
     """Launch the job of ``cluster`` (a cluster file, or a `ClusterSpec` built in code),
     or of ``hosts``/``hostfile`` (then pass ``cluster=None``), and supervise it to its
     verdict.
@@ -107,7 +108,9 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
     ``detach=True``: returns a `handle.RunHandle` once every rank runs under a detached
     supervisor (the run outlives this process); a launch that fails before that raises
     `FdlError` with its exit code, its verdict said on the console. ``on_event`` then
-    sees nothing (the supervisor's events are in the run's record).
+    sees nothing (the supervisor's events are in the run's record). With ``on=HOST``
+    too, the supervisor runs on HOST (`commands.onhost`), and a `handle.RemoteRunHandle`
+    follows it from here.
     """
     values: dict[str, Any] = {
         "cluster": None if cluster is None or isinstance(cluster, ClusterSpec)
@@ -130,6 +133,8 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
     if isinstance(cluster, ClusterSpec):
         opts.cluster, opts.cluster_file = cluster, None
     opts.on_event = on_event
+    if on is not None:
+        return _detached_on(on, values, words, opts)
     if opts.detach:
         return _detached(opts)
     launch_ = execute(opts)
@@ -154,6 +159,22 @@ def _detached(opts: Any) -> Any:
     return RunHandle(outcome.run_id, outcome.folder)
 
 
+def _detached_on(on: str, values: dict[str, Any], words: Sequence[str], opts: Any) -> Any:
+    """``detach=True, on=HOST``: the run's supervisor on HOST; its remote handle."""
+    from .commands.onhost import launch_there
+    from .handle import RemoteRunHandle
+
+    if not opts.detach or opts.cluster is not None and opts.cluster_file is None \
+            and not (values.get("hosts") or values.get("hostfile")):
+        raise FdlError("on: only with detach=True, and a cluster file or hosts (a "
+                       "ClusterSpec built here does not travel)", EXIT_USAGE)
+    code, run_id = launch_there(on, values, words, opts.cluster_file)
+    if code or run_id is None:
+        raise FdlError(f"on: the launch on {on} ended before every rank ran (exit {code})",
+                       code or 1)
+    return RemoteRunHandle(run_id, on)
+
+
 def _path(value: Optional[PathLike]) -> Optional[str]:
     return None if value is None else os.fspath(value)
 
@@ -166,8 +187,10 @@ def result_of(results: Sequence[Any], hosts_of: Sequence[tuple[str, ...]],
     final = results[-1]
     shown = next((r for r in reversed(results) if r.started_any), final)
     hosts = [*hosts_of, *[()] * (len(results) - len(hosts_of))]
+    line = render(event(Name.VERDICT, cause=cause_data(final.cause), verdict=final.verdict.value,
+                        exit_code=final.exit_code))
     return LaunchResult(
-        verdict=final.verdict.value, exit_code=final.exit_code, message=render(final.cause),
+        verdict=final.verdict.value, exit_code=final.exit_code, message=line,
         run_id=run_id, ranks=tuple(_outcome(r) for r in shown.ranks),
         attempts=tuple(Attempt(r.verdict.value, r.exit_code, render(r.cause), tuple(h))
                        for r, h in zip(results, hosts)),

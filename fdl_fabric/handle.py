@@ -10,6 +10,7 @@ made again at any time.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,13 +19,14 @@ from typing import Any, Optional
 
 from .api import Attempt, LaunchResult, RankOutcome
 from .commands.follow import LineFilter
-from .commands.stopping import WAIT_POLL, send_stop
+from .commands.onhost import there
+from .commands.stopping import EXIT_TIMED_OUT, WAIT_POLL, send_stop
 from .errors import EXIT_USAGE, FdlError
 from .events import EventBus
 from .presentation.words import cause_event, render
 from .runs import place
 from .runs.reading import follow, last_lines, view
-from .runs.record import CONSOLE, RunState
+from .runs.record import CONSOLE, RESULT, RunState
 
 
 class _Quiet:
@@ -72,6 +74,43 @@ class RunHandle:
                 raise TimeoutError(f"run {self.run_id} is still {run.phase.value} after "
                                    f"{timeout:g}s")
             time.sleep(WAIT_POLL)
+
+
+@dataclass(frozen=True)
+class RemoteRunHandle:
+    """A run whose controller is another host (``launch(..., detach=True, on=HOST)``):
+    each call is the same command there, over SSH (`commands.onhost`)."""
+
+    run_id: str
+    on: str
+
+    def status(self) -> dict[str, Any]:
+        code, out, _ = there(self.on, ["status", "--all", "--json"], hide=True)
+        rows = json.loads(out)["controller"]["runs"] if code == 0 else []
+        for row in rows:
+            if row["run_id"] == self.run_id:
+                return dict(row)
+        raise FdlError(f"run {self.run_id} is not recorded on {self.on}")
+
+    def logs(self, *, follow_on: bool = False, rank: Optional[int] = None,
+             host: Optional[str] = None) -> Iterator[str]:
+        words = ["logs", self.run_id, *(["-f"] if follow_on else []),
+                 *(["--rank", str(rank)] if rank is not None else []),
+                 *(["--host", host] if host is not None else [])]
+        yield from there(self.on, words, hide=True)[1].splitlines()
+
+    def stop(self, *, kill: bool = False) -> None:
+        there(self.on, ["stop", self.run_id, *(["--kill"] if kill else [])], hide=True)
+
+    def wait(self, timeout: Optional[float] = None) -> LaunchResult:
+        words = ["wait", self.run_id, *(["--timeout", f"{timeout:g}"] if timeout else [])]
+        folder = self.status()["folder"]
+        code, _, data = there(self.on, words, hide=True, read=f"{folder}/{RESULT}")
+        if code == EXIT_TIMED_OUT:
+            raise TimeoutError(f"run {self.run_id} on {self.on} is still going after "
+                               f"{timeout:g}s")
+        result = json.loads(data) if data else None
+        return result_of_record(self.run_id, result, result is None)
 
 
 def _lines(data: bytes) -> Iterator[str]:
@@ -122,4 +161,4 @@ def _outcome(row: dict[str, Any]) -> RankOutcome:
                        lost=exit_.get("lost"), duration=row.get("duration", 0.0))
 
 
-__all__ = ["RunHandle", "attach", "result_of_record"]
+__all__ = ["RemoteRunHandle", "RunHandle", "attach", "result_of_record"]

@@ -132,7 +132,7 @@ def _launch_on(c: Context, given: dict[str, Any], cluster_file: Optional[str]) -
     if cluster_file is not None and not os.path.isfile(cluster_file):
         raise _refused(FdlError(f"{cluster_file}: no such cluster file", 2), "launch")
     try:
-        return launch_there(given["on"], given, _remainder(), cluster_file)
+        return launch_there(given["on"], given, _remainder(), cluster_file)[0]
     except FdlError as exc:
         Console().message(str(exc))
         return exc.exit_code

@@ -307,3 +307,25 @@ def test_on_a_host_with_another_version_is_refused_with_how_to_install(
     assert out.stderr.strip() == (
         "--on node1: fdl-fabric 0.0.1 is installed there, this is 0.1.0: install the same "
         "there: ssh node1 python3 -m pip install fdl-fabric==0.1.0")
+
+
+def test_the_api_detaches_on_a_host_and_its_remote_handle_waits_for_the_result(
+        sshd_lab, steady: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fdl_fabric
+
+    there = tmp_path / "runs-on-node1"
+    lab = sshd_lab(n_hosts=2, session_env={"FDL_FABRIC_RUNS_DIR": str(there),
+                                           "PATH": os.environ["PATH"]})
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    lab.write_ssh_config(home / ".ssh" / "config")
+    monkeypatch.setenv("HOME", str(home))
+    cluster = lab.write_cluster([lab.worker(lab.hosts[1], nproc=2)],
+                                command=f"{sys.executable} -u {steady} 20 0.05")
+    handle = fdl_fabric.launch(cluster, detach=True, on="node1")
+    assert handle.on == "node1" and (there / handle.run_id).is_dir()
+    result = handle.wait(timeout=60)
+    assert (result.verdict, result.exit_code, result.run_id) == ("ok", 0, handle.run_id)
+    assert [r.rank for r in result.ranks] == [0, 1]
+    assert handle.status()["state"] == "ended"
+    assert list(handle.logs(rank=0))[-1].endswith(":r0] done r0")

@@ -756,7 +756,7 @@ class Launch:
         (`runs.record`); old ones are pruned first. A record that cannot be written is
         said, and the run goes on without one."""
         assert self.run_id is not None
-        folder = "?"
+        folder = str(place.runs_path() / self.run_id)
         try:
             root = place.runs_root()
             folder = str(root / self.run_id)
@@ -847,7 +847,10 @@ class Launch:
                 self.events(Name.SWEEP_STOPPED, host=host, run_id=self.run_id, pids=pids)
 
     def _stderr_log(self, rank: int) -> Optional[str]:
-        return str(self.log.rank_folder(rank) / "stderr.log") if self.log is not None else None
+        """Where a rank's whole stderr is kept: --log-dir's copy, else the run's record."""
+        log = self.log if self.log is not None else (
+            self.record.log if self.record is not None else None)
+        return str(log.rank_folder(rank) / "stderr.log") if log is not None else None
 
     def _conclude(self) -> int:
         """The summary, the attempts, the root cause, and the verdict as the last line."""

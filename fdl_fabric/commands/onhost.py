@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import sys
 from collections.abc import Mapping, Sequence
@@ -101,23 +102,39 @@ def words_of(command: str, given: Mapping[str, Any], drop: Sequence[str] = ("on"
 
 def run_there(on: str, command: str, given: Mapping[str, Any], *, pty: bool = False) -> int:
     """``fdl-fabric COMMAND`` with the same flags on ``on``: its output here, its code."""
+    return there(on, [command, *words_of(command, given)], pty=pty)[0]
+
+
+def there(on: str, words: Sequence[str], *, pty: bool = False, hide: bool = False,
+          read: Optional[str] = None) -> tuple[int, str, Optional[bytes]]:
+    """``fdl-fabric WORDS`` on ``on`` (its exit code and stdout; shown here unless
+    ``hide``), then the file ``read`` there, when asked (its bytes, None if missing)."""
     transport = connect(on)
     try:
         check_version(transport, on)
-        argv = [REMOTE_PYTHON, "-m", "fdl_fabric", command, *words_of(command, given)]
+        argv = [REMOTE_PYTHON, "-m", "fdl_fabric", *words]
         conn = transport.connection
         assert conn is not None
         done = conn.run(" ".join(shell.quote(w) for w in argv), warn=True, pty=pty,
-                        hide=False, in_stream=None if pty else False)
-        return int(done.exited)
+                        hide=hide, in_stream=None if pty else False)
+        data = None
+        if read is not None:
+            with conn.sftp() as sftp:
+                try:
+                    with sftp.open(read, "rb") as fh:
+                        data = fh.read()
+                except OSError:
+                    data = None
+        return int(done.exited), str(done.stdout), data
     finally:
         transport.close()
 
 
 def launch_there(on: str, given: Mapping[str, Any], argv: Sequence[str],
-                 cluster_file: Optional[str]) -> int:
+                 cluster_file: Optional[str]) -> tuple[int, Optional[str]]:
     """``launch --detach --on HOST``: the cluster file and the flags to ``on``, the
-    supervisor started there; what it says, and its exit code (0 once every rank runs)."""
+    supervisor started there; what it says, its exit code (0 once every rank runs) and
+    the run's id."""
     transport = connect(on)
     try:
         check_version(transport, on)
@@ -143,7 +160,8 @@ def launch_there(on: str, given: Mapping[str, Any], argv: Sequence[str],
         done = conn.run(f"cd {shell.quote(str(folder))} && "
                         + " ".join(shell.quote(w) for w in start),
                         warn=True, hide=False, in_stream=False)
-        return int(done.exited)
+        said = re.search(r"run (\S+) goes on detached", str(done.stdout))
+        return int(done.exited), said.group(1) if said else None
     finally:
         transport.close()
 

@@ -16,15 +16,15 @@ Words = Callable[[Event, Mapping[str, Any]], str]
 
 def _detached(e: Event, d: Mapping[str, Any]) -> str:
     run, binary = d["run_id"], d.get("binary") or "fdl-fabric"
-    if d.get("on"):  # said on the host that stays up, read on the laptop
-        run = f"{run} --on {d['on']}"
+    # said on the host that stays up, read on the laptop: the commands name that host
+    it = f"{run} --on {d['on']}" if d.get("on") else run
     return "\n".join([
         f"{L}run {run} goes on detached: its supervisor is pid {d['pid']} on {e.host}, "
         "with no terminal; closing this one changes nothing",
-        f"  {binary} attach {run}     follow it live (Ctrl-C leaves it running)",
-        f"  {binary} logs {run} -f    its output (--rank N, --tail N)",
-        f"  {binary} stop {run}       stop it (TERM, then KILL after the kill grace)",
-        f"  {binary} wait {run}       wait for it and exit with its exit code",
+        f"  {binary} attach {it}     follow it live (Ctrl-C leaves it running)",
+        f"  {binary} logs {it} -f    its output (--rank N, --tail N)",
+        f"  {binary} stop {it}       stop it (TERM, then KILL after the kill grace)",
+        f"  {binary} wait {it}       wait for it and exit with its exit code",
         f"  its record: {d['folder']}"])
 
 

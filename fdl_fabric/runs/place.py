@@ -9,9 +9,11 @@ The folder follows the run registry's rules (`agent.registry`): a folder only th
 can write, never one taken first by someone else, 0700 whatever the umask:
 
 1. ``$FDL_FABRIC_RUNS_DIR``, when set;
-2. ``$XDG_STATE_HOME/fdl-fabric/runs``, else ``~/.local/state/fdl-fabric/runs`` (the XDG
-   place for state that outlives a login, unlike ``$XDG_RUNTIME_DIR``, a tmpfs emptied
-   at logout: a record must outlive the terminal that started the run).
+2. ``$XDG_STATE_HOME/fdl-fabric/runs/<host>``, else
+   ``~/.local/state/fdl-fabric/runs/<host>`` (the XDG place for state that outlives a
+   login, unlike ``$XDG_RUNTIME_DIR``, a tmpfs emptied at logout: a record must outlive
+   the terminal that started the run). Per host name, because a home is often shared
+   over NFS and only this host can tell whether its launchers live.
 
 Pruning keeps the newest `limits.RECORDS_KEPT` ended runs within
 `limits.RECORDS_BYTES_MAX` bytes; a record whose launcher is alive is never pruned.
@@ -23,6 +25,7 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Optional
@@ -37,17 +40,22 @@ ENV_RUNS_DIR = "FDL_FABRIC_RUNS_DIR"
 RUN_ID_RE = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{8}")
 
 
+def runs_path() -> Path:
+    """Where this user's records folder is (neither made nor checked here)."""
+    override = os.environ.get(ENV_RUNS_DIR, "")
+    if override:
+        return Path(os.path.abspath(os.path.expanduser(override)))
+    state = os.environ.get("XDG_STATE_HOME", "")
+    base = state if os.path.isabs(state) else os.path.join(
+        os.path.expanduser("~"), ".local", "state")
+    host = "".join(c if c.isalnum() or c in "._-" else "_" for c in socket.gethostname())
+    return Path(base, "fdl-fabric", "runs", host or "localhost")
+
+
 def runs_root(*, create: bool = True) -> Path:
     """This user's records folder, made private (0700) when ``create``. A folder that is
     not this user's is refused (`RegistryError`, an OSError), naming its owner."""
-    override = os.environ.get(ENV_RUNS_DIR, "")
-    if override:
-        path = os.path.abspath(os.path.expanduser(override))
-    else:
-        state = os.environ.get("XDG_STATE_HOME", "")
-        base = state if os.path.isabs(state) else os.path.join(
-            os.path.expanduser("~"), ".local", "state")
-        path = os.path.join(base, "fdl-fabric", "runs")
+    path = str(runs_path())
     if create:
         make_private(path)
     else:
@@ -127,4 +135,4 @@ def prune(is_live: Callable[[Path], bool], *, keep: int = RECORDS_KEPT,
 
 
 __all__ = ["ENV_RUNS_DIR", "RUN_ID_RE", "find", "prune", "record_folder", "records",
-           "runs_root", "size_of"]
+           "runs_path", "runs_root", "size_of"]

@@ -121,8 +121,12 @@ def view(folder: Path) -> RunView:
 
 
 def is_live(folder: Path) -> bool:
-    """A record that must not be pruned: no result yet and its launcher runs."""
-    return view(folder).phase not in (RunState.ENDED, RunState.LOST)
+    """A record that must not be pruned: no result yet and its launcher runs, or runs on
+    another host (a records folder shared over NFS: only that host can tell)."""
+    run = view(folder)
+    if run.result is None and run.launcher.get("host") not in (None, socket.gethostname()):
+        return True
+    return run.phase not in (RunState.ENDED, RunState.LOST)
 
 
 def last_lines(path: Path, count: Optional[int]) -> tuple[bytes, int]:
@@ -154,18 +158,18 @@ def follow(path: Path, offset: int, *, done: Callable[[], bool],
     partial = b""
     while True:
         finished = done()
-        current = _inode(path)
-        if current is not None and inode is not None and current != inode:
-            # rotated: what was left of the old file, then the new one from its start
-            with contextlib.suppress(OSError), \
-                    open(path.with_name(path.name + ".1"), "rb") as old:
-                old.seek(offset)
-                partial += old.read()
-            inode, offset = current, 0
-        elif inode is None:
-            inode = current
         chunk = b""
         with contextlib.suppress(OSError), open(path, "rb") as fh:
+            current = os.fstat(fh.fileno()).st_ino  # the file read, whatever the path is now
+            if inode is not None and current != inode:
+                # rotated: what was left of the old file, then the new one from its start
+                with contextlib.suppress(OSError), \
+                        open(path.with_name(path.name + ".1"), "rb") as old:
+                    if os.fstat(old.fileno()).st_ino == inode:
+                        old.seek(offset)
+                        partial += old.read()
+                offset = 0
+            inode = current
             fh.seek(offset)
             chunk = fh.read()
         offset += len(chunk)

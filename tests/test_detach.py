@@ -1,0 +1,155 @@
+"""Runs outlive the terminal (issue 30), on this machine: the API's detached launch and
+its handle, ``inv launch --detach``, a run started under ``nohup``, ``stop`` of a
+foreground run, ``attach`` to a run that has ended, and ``status`` of a live foreground
+run. Real launchers, real ranks, real signals; the lab tests (test_detach_lab.py) do the
+same against sshd hosts and a real terminal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fdl_fabric
+from fdl_fabric.testing.launches import LiveProcess, processes_of_run, wait_for
+from labutil import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+FDL = (sys.executable, "-m", "fdl_fabric")
+STEADY = """\
+import os, sys, time
+count, tick = int(sys.argv[1]), float(sys.argv[2])
+code = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+rank = os.environ["RANK"]
+for i in range(count):
+    print(f"r{rank} line {i}", flush=True)
+    time.sleep(tick)
+print(f"done r{rank}", flush=True)
+sys.exit(code)
+"""
+
+
+@pytest.fixture
+def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "runs"
+    monkeypatch.setenv("FDL_FABRIC_RUNS_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def steady(tmp_path: Path) -> Path:
+    path = tmp_path / "steady.py"
+    path.write_text(STEADY)
+    return path
+
+
+def fdl(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*FDL, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=str(cwd), stdin=subprocess.DEVNULL)
+
+
+def test_the_api_detaches_and_its_handle_follows_waits_and_reads_the_result(
+        runs: Path, steady: Path) -> None:
+    handle = fdl_fabric.launch(None, [sys.executable, "-u", str(steady), "20", "0.05"],
+                               hosts="localhost", nproc_per_node=2, detach=True, quiet=True)
+    assert isinstance(handle, fdl_fabric.RunHandle)
+    assert handle.status()["state"] in ("starting", "running")
+    lines = list(handle.logs(follow_on=True, rank=1))
+    assert lines[-1].endswith(":r1] done r1") and all(":r0]" not in line for line in lines)
+    result = handle.wait(timeout=60)
+    assert (result.verdict, result.exit_code, result.run_id) == ("ok", 0, handle.run_id)
+    assert [r.rank for r in result.ranks] == [0, 1]
+    assert {r.state for r in result.ranks} == {"succeeded"}
+    again = fdl_fabric.attach(handle.run_id[:20])
+    assert again.wait() == result
+    assert fdl_fabric.attach().run_id == handle.run_id, "None is the newest run"
+
+
+def test_a_handle_stops_its_run_and_the_result_says_so(runs: Path, steady: Path) -> None:
+    handle = fdl_fabric.launch(None, [sys.executable, "-u", str(steady), "2000", "0.05"],
+                               hosts="localhost", detach=True, quiet=True, kill_grace=5)
+    handle.stop()
+    result = handle.wait(timeout=60)
+    assert (result.verdict, result.exit_code) == ("interrupted", 143)
+    assert result.message.startswith("cluster launcher: stopped by fdl-fabric stop (")
+    wait_for(lambda: not processes_of_run(handle.run_id), 20, "the ranks to be gone")
+
+
+def test_attach_to_a_run_that_failed_prints_its_end_and_exits_with_its_code(
+        runs: Path, steady: Path, tmp_path: Path) -> None:
+    out = fdl("run", str(steady), "2", "0.01", "7", cwd=tmp_path)
+    assert out.returncode == 1
+    attach = fdl("attach", cwd=tmp_path)
+    assert attach.returncode == 1, attach.stderr
+    assert attach.stdout.splitlines()[-1] == out.stderr.splitlines()[-1]
+    assert attach.stdout.splitlines()[-1].startswith("cluster launcher: failed: ")
+    wait = fdl("wait", cwd=tmp_path)
+    assert wait.returncode == 1 and wait.stderr.splitlines()[-1] == out.stderr.splitlines()[-1]
+
+
+def test_a_run_that_is_not_recorded_is_refused_with_exit_2(runs: Path, tmp_path: Path) -> None:
+    for command in ("attach", "logs", "stop", "wait"):
+        out = fdl(command, "20990101-000000-00000000", cwd=tmp_path)
+        assert out.returncode == 2, (command, out.stderr)
+        assert out.stderr.startswith(f"{command}: no run recorded in ")
+
+
+def test_stop_of_a_foreground_run_names_the_stopper_and_exits_143(
+        runs: Path, steady: Path, tmp_path: Path) -> None:
+    launch = LiveProcess([*FDL, "run", str(steady), "2000", "0.05"], cwd=str(tmp_path))
+    try:
+        launch.wait_line("r0 line 3")
+        status = fdl("status", cwd=tmp_path)
+        assert "running (attempt 0)" in status.stdout and "foreground" in status.stdout
+        stop = fdl("stop", cwd=tmp_path)
+        assert stop.returncode == 0, stop.stderr
+        assert launch.finish(60) == 143
+        last = launch.err_lines()[-1]
+        assert last.startswith("cluster launcher: stopped by fdl-fabric stop (")
+        assert stop.stderr.splitlines()[-1] == last
+    finally:
+        launch.kill()
+
+
+def test_a_run_started_under_nohup_keeps_sighup_ignored_and_says_so_once(
+        runs: Path, steady: Path, tmp_path: Path) -> None:
+    def ignore_hangup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    proc = subprocess.Popen([*FDL, "run", str(steady), "30", "0.05"], cwd=str(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ignore_hangup)
+    try:
+        wait_for(lambda: (runs.exists() and any(runs.iterdir())), 30, "the run's record")
+        (record,) = list(runs.iterdir())
+        wait_for(lambda: "line 2" in (record / "console.log").read_text(), 30, "output")
+        proc.send_signal(signal.SIGHUP)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert err.count("SIGHUP is ignored (started under nohup or alike)") == 1
+    assert err.splitlines()[-1] == "cluster launcher: run completed — all 1 ranks exited 0"
+
+
+def test_inv_launch_detach_says_the_inv_commands_and_they_follow_the_run(
+        runs: Path, steady: Path, tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(f"command: {sys.executable} -u {steady} 10 0.05\nkill_grace: 2\n"
+                       f"workers:\n  - host: localhost\n    nproc: 2\n    path: {tmp_path}\n")
+    inv = (sys.executable, "-m", "invoke", "--search-root", str(ROOT))
+    out = subprocess.run([*inv, "launch", "--detach", "-c", str(cluster)], cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    (run_id,) = [p.name for p in runs.iterdir()]
+    assert f"inv wait {run_id}" in out.stdout
+    waited = subprocess.run([*inv, "wait", run_id], cwd=str(tmp_path), capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert waited.returncode == 0, waited.stderr
+    assert os.path.exists(runs / run_id / "result.json")
