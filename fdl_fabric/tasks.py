@@ -326,7 +326,7 @@ def _of_a_run(command: str, given: dict[str, Any], call: Callable[[], int]) -> N
 @_task("attach")
 def attach(c: Context, **given: Any) -> None:
     """Show a run's output so far, then follow it live; Ctrl-C leaves it running."""
-    from .commands.follow import run_attach
+    from .commands.attach import run_attach
 
     _of_a_run("attach", given, lambda: run_attach(
         given.get("run_id"), tail=flags.whole("--tail", given.get("tail"), TAIL_MAX),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,6 +143,11 @@ def test_attach_follows_live_and_ctrl_c_leaves_the_run_running(
     seen = max(int(line.rsplit(" ", 1)[1]) for line in pane.lines() if ":r0] r0 line " in line)
     wait_for(lambda: any(line.endswith(f"r0 line {seen + 5}") for line in pane.lines()), 10,
              "lines printed after attach to show live")
+    table = re.compile(r"host +rank +device +pid +state +uptime +last output")
+    wait_for(lambda: any(table.search(line) for line in pane.lines()), 10,
+             "the live table below the output, as on the launching terminal")
+    rows = [line for line in pane.lines() if re.match(r"lab1 +[01] +cpu +\d+ +running ", line)]
+    assert len(rows) == 2 and all(" r" in row and " line " in row for row in rows), rows
     pane.key("C-c")
     wait_for(lambda: f"detached from run {run_id}: it goes on" in pane.text(), 10,
              "Ctrl-C to leave the run running")

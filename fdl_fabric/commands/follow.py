@@ -1,4 +1,5 @@
-"""``fdl-fabric logs`` and ``fdl-fabric attach``: a run's console, from any terminal.
+"""``fdl-fabric logs``: a run's console, from any terminal (``attach`` follows it live:
+`attach`).
 
 Both read the run's record on this controller (`runs.record`): console.log is the
 console exactly as rendered (launcher lines, and every rank line behind its
@@ -16,26 +17,21 @@ What a rank printed was made inert by the launcher before it reached the record
 from __future__ import annotations
 
 import re
-import signal
 import sys
 from pathlib import Path
-from types import FrameType
 from typing import IO, Optional
 
-from ..errors import EXIT_FAILURE, EXIT_USAGE
+from ..errors import EXIT_USAGE
 from ..events import EventBus, Name
 from ..presentation.output import Console
 from ..runs import place
-from ..runs.reading import RunView, follow, last_lines, view
+from ..runs.ranktable import RANK_LINE
+from ..runs.reading import follow, last_lines, view
 from ..runs.record import CONSOLE, RunState
-from .stopping import ended, send_stop
+from .stopping import ended
 
-#: A rank's line in console.log: ``[host:device:rN] text`` (a host may hold colons: IPv6).
-RANK_LINE = re.compile(rb"\[(?P<host>.*):[^:\]]*:r(?P<rank>[0-9]+)\] ")
 #: Launcher lines a filtered view keeps: those that name an attempt (a restart).
 ATTEMPT_LINE = re.compile(rb"cluster launcher: (attempt [0-9]+|run [0-9-a-f]+: )")
-#: ``attach`` shows this many lines of what came before.
-ATTACH_TAIL = 20
 
 
 class LineFilter:
@@ -75,18 +71,10 @@ def find_run(spec: Optional[str], command: str, events: EventBus) -> Optional[Pa
         return None
 
 
-def _write(out: IO[bytes], data: bytes) -> None:
+def write(out: IO[bytes], data: bytes) -> None:
     if data:
         out.write(data)
         out.flush()
-
-
-def _end(run: RunView, events: EventBus) -> int:
-    """The exit code of a run that ended; its verdict line is the last of its console
-    (already shown), the launcher's loss is said here."""
-    if run.phase is RunState.LOST:
-        return ended(run, events)
-    return run.exit_code if run.exit_code is not None else EXIT_FAILURE
 
 
 def run_logs(spec: Optional[str], *, follow_on: bool = False, rank: Optional[int] = None,
@@ -106,11 +94,11 @@ def run_logs(spec: Optional[str], *, follow_on: bool = False, rank: Optional[int
     data = keep.lines(data)
     if tail is not None:
         data = b"".join(data.splitlines(keepends=True)[-tail:]) if tail else b""
-    _write(out, data)
+    write(out, data)
     if not follow_on:
         return 0
     for chunk in follow(path, offset, done=lambda: view(folder).ended):
-        _write(out, keep.lines(chunk))
+        write(out, keep.lines(chunk))
     run = view(folder)
     if run.phase is RunState.LOST or keep.active:
         # the launcher's own last line was not in what was shown: say the end here
@@ -118,61 +106,4 @@ def run_logs(spec: Optional[str], *, follow_on: bool = False, rank: Optional[int
     return 0
 
 
-class _Interrupt:
-    """Ctrl-C while attached: noted, and the follow loop sees it at its next look."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
-        self.count += 1
-
-
-def run_attach(spec: Optional[str], *, tail: Optional[int] = None, stop: bool = False,
-               console: Optional[Console] = None, out: Optional[IO[bytes]] = None) -> int:
-    """Follow a run's console live. Ctrl-C detaches (0) or, with ``stop``, stops the run
-    and follows it to its verdict; a run that ended: its last lines and its exit code."""
-    console = console or Console()
-    events = EventBus(console)
-    folder = find_run(spec, "attach", events)
-    if folder is None:
-        return EXIT_USAGE
-    out = out or sys.stdout.buffer
-    path = folder / CONSOLE
-    count = ATTACH_TAIL if tail is None else tail
-    data, offset = last_lines(path, count)
-    run = view(folder)
-    if run.ended:
-        _write(out, data)
-        return _end(run, events)
-    events(Name.ATTACHED, run_id=run.run_id, state=_state_words(run), stop=stop)
-    _write(out, data)
-    interrupt = _Interrupt()
-    previous = signal.signal(signal.SIGINT, interrupt)
-    stopping = False
-    try:
-        while True:
-            for chunk in follow(path, offset, done=lambda: view(folder).ended,
-                                stop=lambda: interrupt.count > 0):
-                _write(out, chunk)
-                offset += len(chunk)
-            if view(folder).ended:
-                return _end(view(folder), events)
-            if not stop or stopping:  # a second Ctrl-C while it stops: leave it to stop
-                events(Name.ATTACH_LEFT, run_id=run.run_id)
-                return 0
-            stopping = True  # --stop: the run is stopped, and followed to its verdict
-            send_stop(folder, kill=False, events=events)
-            interrupt.count = 0
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _state_words(run: RunView) -> str:
-    phase: RunState = run.phase
-    if phase is RunState.RUNNING:
-        return f"running, attempt {run.state.get('attempt', 0)}"
-    return str(phase.value)
-
-
-__all__ = ["ATTACH_TAIL", "LineFilter", "find_run", "run_attach", "run_logs"]
+__all__ = ["LineFilter", "find_run", "run_logs", "write"]

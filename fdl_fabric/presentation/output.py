@@ -23,11 +23,11 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Callable, Optional, TextIO
+from typing import IO, Any, Callable, Optional, Protocol, TextIO
 
 from ..events import Event, Kind, Name
 from ..inert import clean, json_inert, neutralize, shown_lines
-from ..supervision.supervisor import Rank, RankState
+from ..supervision.supervisor import RankState
 from .interrupted import Interrupted
 from .ranklines import cut_to_width, rank_block
 from .records import Attempts, record
@@ -244,7 +244,7 @@ class Console:
         """The ``--json`` form of a command's result."""
         self.result(json.dumps(data, indent=2, ensure_ascii=False))
 
-    def start_status(self, rows: Callable[[], Sequence[Rank]]) -> None:
+    def start_status(self, rows: Callable[[], Sequence[RankLike]]) -> None:
         """On a terminal, the live table (host, rank, pid, state, last line) below the
         output; plain consoles have none, the event lines tell the story."""
         if self.live and self.screen is not None:
@@ -267,7 +267,7 @@ class Console:
             self.screen.close()
 
 
-def render_status(ranks: Sequence[Rank], width: int, height: int, color: bool) -> str:
+def render_status(ranks: Sequence[RankLike], width: int, height: int, color: bool) -> str:
     """The live table as terminal text: at most ``height - 1`` lines (the ranks that do
     not fit are counted), and the empty line below them.
 
@@ -294,7 +294,7 @@ def render_status(ranks: Sequence[Rank], width: int, height: int, color: bool) -
     return text + "\n"
 
 
-def _uptime(rank: Rank) -> str:
+def _uptime(rank: RankLike) -> str:
     seconds = int(rank.duration)
     return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
@@ -339,7 +339,33 @@ def check_table(checks: Sequence[Mapping[str, str]]) -> str:
 NARROW_WIDTH = 100
 
 
-def status_table(ranks: Sequence[Rank], width: int) -> Any:
+class RankLike(Protocol):
+    """What the live table shows of a rank: the supervisor's `Rank`, or a row rebuilt
+    from a run's record by a follower (`runs.ranktable`)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def pid(self) -> Optional[int]: ...
+
+    @property
+    def state(self) -> RankState: ...
+
+    @property
+    def last_line(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def device_name(self) -> str: ...
+
+    @property
+    def duration(self) -> float: ...
+
+
+def status_table(ranks: Sequence[RankLike], width: int) -> Any:
     """The live view: one line per rank, fitted to ``width`` columns.
 
     Every column but the last output keeps its full values (a host, pid or state cut to
@@ -354,7 +380,7 @@ def status_table(ranks: Sequence[Rank], width: int) -> Any:
     for r in ranks:
         row: list[Any] = [Text(r.host), str(r.rank)]
         if not narrow:
-            row.append("cpu" if r.plan.device is None else str(r.plan.device))
+            row.append(r.device_name)
         row += [str(r.pid or "-"), Text(r.state.value, style=_STATE_STYLES.get(r.state, ""))]
         if not narrow:
             row.append(_uptime(r))

@@ -154,6 +154,11 @@ class Rank:
     def label(self) -> str:
         return f"rank {self.rank} of {self.host}"
 
+    @property
+    def device_name(self) -> str:
+        """Its device as the live table shows it."""
+        return "cpu" if self.plan.device is None else str(self.plan.device)
+
     def summary(self) -> dict[str, object]:
         """The rank's row of the end-of-run summary, as data (`words.cause_cell`)."""
         return {"rank": self.rank, "host": self.host, "state": self.state.value,
