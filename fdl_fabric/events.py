@@ -244,9 +244,14 @@ class EventBus:
         self._handlers = list(handlers)
         self._lock = threading.Lock()
 
-    def add(self, handler: EventSink) -> None:
+    def add(self, handler: EventSink, *, first: bool = False) -> None:
+        """A sink; ``first``: before the others (a record that callers read as soon as
+        they hear of an event, such as the run's state when ``--detach`` returns)."""
         with self._lock:
-            self._handlers.append(handler)
+            if first:
+                self._handlers.insert(0, handler)
+            else:
+                self._handlers.append(handler)
 
     def emit(self, event: Event) -> None:
         with self._lock:

@@ -25,7 +25,8 @@ from .errors import EXIT_USAGE, FdlError
 from .events import EventBus
 from .presentation.words import cause_event, render
 from .runs import place
-from .runs.reading import follow, last_lines, view
+from .runs.reading import follow as follow_file
+from .runs.reading import last_lines, view
 from .runs.record import CONSOLE, RESULT, RunState
 
 
@@ -46,16 +47,16 @@ class RunHandle:
         ``attempt``, ``verdict`` and ``exit_code`` once it ended, its hosts, its launcher."""
         return view(self.folder).row()
 
-    def logs(self, *, follow_on: bool = False, rank: Optional[int] = None,
+    def logs(self, *, follow: bool = False, rank: Optional[int] = None,
              host: Optional[str] = None) -> Iterator[str]:
-        """Its console's lines (``rank``/``host``: theirs only); ``follow_on``: as they
+        """Its console's lines (``rank``/``host``: theirs only); ``follow``: as they
         come, until the run ends."""
         keep = LineFilter(rank, host)
         path = self.folder / CONSOLE
         data, offset = last_lines(path, None)
         yield from _lines(keep.lines(data))
-        if follow_on:
-            for chunk in follow(path, offset, done=lambda: view(self.folder).ended):
+        if follow:
+            for chunk in follow_file(path, offset, done=lambda: view(self.folder).ended):
                 yield from _lines(keep.lines(chunk))
 
     def stop(self, *, kill: bool = False) -> None:
@@ -92,9 +93,9 @@ class RemoteRunHandle:
                 return dict(row)
         raise FdlError(f"run {self.run_id} is not recorded on {self.on}")
 
-    def logs(self, *, follow_on: bool = False, rank: Optional[int] = None,
+    def logs(self, *, follow: bool = False, rank: Optional[int] = None,
              host: Optional[str] = None) -> Iterator[str]:
-        words = ["logs", self.run_id, *(["-f"] if follow_on else []),
+        words = ["logs", self.run_id, *(["-f"] if follow else []),
                  *(["--rank", str(rank)] if rank is not None else []),
                  *(["--host", host] if host is not None else [])]
         yield from there(self.on, words, hide=True)[1].splitlines()

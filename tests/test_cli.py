@@ -245,8 +245,8 @@ def test_fdl_fabric_help_lists_every_command_in_one_line_each_and_no_invoke_inte
     out = fdl_fabric("--help")
     assert out.returncode == 0
     listed = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
-    assert listed == ["run", "launch", "cleanup", "prebuild-check", "stacks", "status",
-                      "plot-run"]
+    assert listed == ["run", "launch", "attach", "logs", "stop", "wait", "cleanup",
+                      "prebuild-check", "stacks", "status", "plot-run"]
     assert "--prompt-for-sudo-password" not in out.stdout and "core-opts" not in out.stdout
     run_help = fdl_fabric("--help", "run")
     assert run_help.returncode == 0 and run_help.stdout.startswith("usage: fdl-fabric run")

@@ -59,7 +59,7 @@ def test_the_api_detaches_and_its_handle_follows_waits_and_reads_the_result(
                                hosts="localhost", nproc_per_node=2, detach=True, quiet=True)
     assert isinstance(handle, fdl_fabric.RunHandle)
     assert handle.status()["state"] in ("starting", "running")
-    lines = list(handle.logs(follow_on=True, rank=1))
+    lines = list(handle.logs(follow=True, rank=1))
     assert lines[-1].endswith(":r1] done r1") and all(":r0]" not in line for line in lines)
     result = handle.wait(timeout=60)
     assert (result.verdict, result.exit_code, result.run_id) == ("ok", 0, handle.run_id)

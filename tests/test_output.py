@@ -215,7 +215,7 @@ def test_the_live_tables_last_output_is_inert() -> None:
     from fdl_fabric.presentation.output import render_status
     from fdl_fabric.supervision.supervisor import RankState
 
-    rank = SimpleNamespace(host="h", rank=0, plan=SimpleNamespace(device=None), pid=7,
+    rank = SimpleNamespace(host="h", rank=0, device_name="cpu", pid=7,
                            state=RankState.RUNNING, duration=1.0,
                            last_line="\r 10%\r\x1b[2J 50%")
     text = render_status([rank], 100, 10, False)  # type: ignore[list-item]

@@ -216,7 +216,7 @@ def test_a_launch_whose_records_folder_is_foreign_says_so_runs_and_writes_nothin
     out = fdl_run(tmp_path, "rank.py", "0")
     assert out.returncode == 0, out.stderr
     assert f"the run's record in {folder}" in out.stderr and owner in out.stderr
-    assert "it goes on" in out.stderr
+    assert "the run goes on" in out.stderr
     assert out.stderr.splitlines()[-1].startswith("cluster launcher: run completed")
     assert sorted(os.listdir(folder)) == before
 

@@ -213,7 +213,9 @@ def test_a_failure_without_an_error_file_quotes_the_ranks_stderr_and_says_how_to
     head = lines.index("root cause: rank 0 of localhost (localhost:cpu:r0) exited with status 1 "
                        "(no error file: decorate the entry point with torch's @record to see "
                        "the exception here)")
-    assert lines[head + 1].startswith("  its last ") and "add --log-dir" in lines[head + 1]
+    # the run's record on this controller keeps all of it
+    assert lines[head + 1].startswith("  its last ") and "all of it in " in lines[head + 1]
+    assert lines[head + 1].endswith("/attempt_0/r0/stderr.log):")
     assert "  | ValueError: boom, undecorated" in lines[head + 2:]
     assert lines[-1] == ("cluster launcher: failed: rank 0 of localhost exited with status 1")
     # argparse's usage error (status 2) is no exception for @record: no hint, the lines.

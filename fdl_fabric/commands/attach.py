@@ -149,7 +149,7 @@ def run_attach(spec: Optional[str], *, tail: Optional[int] = None, stop: bool = 
                 events(Name.ATTACH_LEFT, run_id=run.run_id)
                 return 0
             stopping = True  # --stop: the run is stopped, and followed to its verdict
-            send_stop(folder, kill=False, events=events)
+            send_stop(folder, kill=False, events=events, command="fdl-fabric attach --stop")
             interrupt.count = 0
     finally:
         signal.signal(signal.SIGINT, previous)

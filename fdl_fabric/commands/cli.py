@@ -168,12 +168,17 @@ Launch and supervise multi-host training jobs over SSH or Slurm.
 commands:
   run             torchrun's command line: fdl-fabric run --nproc-per-node 2 train.py
   launch          launch the job of a cluster file (or --hosts) and supervise it to a verdict
+  attach          follow a run of this machine live (Ctrl-C leaves it running)
+  logs            print a run's output; -f follows it to its verdict
+  stop            stop a run: TERM to every rank, KILL after the kill grace
+  wait            wait for a run to end; exit with its exit code
   cleanup         stop leftover ranks on every host, then verify none remains
   prebuild-check  check every host before launching: ssh, paths, program, GPUs, port
   stacks          show where each rank of a live run is (Python stacks), untouched
-  status          list the live runs on the hosts: run id, launcher, uptime, ranks
+  status          this machine's runs, then the live runs on the hosts
   plot-run        draw a run's timeline from its events.jsonl
 
+--detach on run or launch: the run outlives this terminal (docs/long-runs.md).
 fdl-fabric COMMAND --help shows a command's options. Exit codes: 0 ok, 1 the run or a
 host failed, 2 bad input (nothing started), 128+N interrupted by signal N.
 Shell completion: eval "$(fdl-fabric --completion bash)" (or zsh).

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Optional
 
+from ..errors import EXIT_USAGE, FdlError
 from ..planning.envelope import new_run_id
 from ..runs import place
 from .launch import LaunchOptions
@@ -70,6 +71,11 @@ def detach(opts: LaunchOptions) -> Detached | int:
     """Start the supervisor and relay it until every rank runs (`Detached`) or the launch
     ended before (its exit code: 2 for bad input, 1 for a failure, 128+N)."""
     handed = supervisor_options(opts)
+    try:  # a detached run is followed through its record: none, no detached run
+        place.runs_root()
+    except OSError as exc:
+        raise FdlError(f"--detach: no folder for the run's record: {exc.strerror or exc}; "
+                       f"set {place.ENV_RUNS_DIR} to a folder of yours", EXIT_USAGE) from None
     ready_r, ready_w = os.pipe()
     env = dict(os.environ)
     env[READY_FD] = str(ready_w)
@@ -103,7 +109,13 @@ def launch_detached(opts: LaunchOptions, binary: str = "fdl-fabric",
     from ..events import EventBus, Name
     from ..presentation.output import Console, JsonConsole
 
-    outcome = detach(opts)
+    try:
+        outcome = detach(opts)
+    except FdlError as exc:
+        from .options import refuse
+
+        refuse(exc, None, as_json=opts.json)
+        return exc.exit_code
     if isinstance(outcome, int):
         return outcome
     console = JsonConsole() if opts.json else Console()

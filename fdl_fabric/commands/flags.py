@@ -30,7 +30,7 @@ from ..clusterfile.hosts import (
     read_hostfile,
 )
 from ..clusterfile.model import FANOUT_MAX
-from ..clusterfile.names import host_name_problem, user_name_problem
+from ..clusterfile.names import command_problem, host_name_problem, user_name_problem
 from ..errors import EXIT_USAGE, FdlError, usage
 from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
 from ..supervision.policy import MaxFailure
@@ -161,6 +161,15 @@ def command(text: Optional[str], flag: str = "--cmd") -> Optional[str]:
         raise usage(flag, "the command contains a NUL character")
     if len(text.encode("utf-8", "surrogatepass")) > COMMAND_MAX_BYTES:
         raise usage(flag, f"the command is longer than {COMMAND_MAX_BYTES} bytes")
+    return text
+
+
+def on_exit(text: Optional[str]) -> Optional[str]:
+    """``--on-exit``: a shell command, held to the rule of the file's ``on_exit:``."""
+    command(text, "--on-exit")
+    problem = command_problem(text) if text is not None else None
+    if problem is not None:
+        raise usage("--on-exit", f"the command {problem}")
     return text
 
 

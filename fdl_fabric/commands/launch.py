@@ -765,13 +765,17 @@ class Launch:
                 root / self.run_id, self.run_id, detached=self.opts.detached,
                 verbosity=self.opts.verbosity,
                 about={"command": " ".join(shell.quote(w) for w in r.argv),
-                       "cluster": r.cluster.file, "kill_grace": r.cluster.kill_grace})
+                       "cluster": r.cluster.file, "kill_grace": r.cluster.kill_grace},
+                on_error=self._record_failed)
         except OSError as exc:
             self.events(Name.RECORD_FAILED, error=exc.strerror or str(exc), folder=folder)
             return
-        self.events.add(self.record)
+        self.events.add(self.record, first=True)
         if pruned:
             self.events(Name.RECORDS_PRUNED, runs=pruned)
+
+    def _record_failed(self, error: str, folder: str) -> None:
+        self.events(Name.RECORD_FAILED, error=error, folder=folder)
 
     def _stop_note(self) -> Optional[Mapping[str, object]]:
         """Who sent the TERM, when ``fdl-fabric stop`` left its note addressed to this

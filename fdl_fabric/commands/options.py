@@ -55,7 +55,7 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
         hang_timeout=flags.seconds("--hang-timeout", v.get("hang_timeout")),
         fanout=flags.fanout(v.get("fanout")), json=bool(v.get("json")),
         env_overrides=dict(v.get("env") or {}),
-        on_exit=flags.command(v.get("on_exit"), "--on-exit"), detach=bool(v.get("detach")))
+        on_exit=flags.on_exit(v.get("on_exit")), detach=bool(v.get("detach")))
     if common["detach"] and common["dry_run"]:
         raise usage("--detach", "a dry run starts nothing to detach from: drop one")
     from_hosts = hosts_cluster(values, command=command, nproc_per_node=per_node,

@@ -35,9 +35,10 @@ WAIT_POLL = 0.1
 EXIT_TIMED_OUT = 124
 
 
-def send_stop(folder: Path, *, kill: bool, events: EventBus) -> Optional[RunView]:
-    """Leave the note, then TERM the run's launcher; the run as it was, or None when it
-    had already ended (said)."""
+def send_stop(folder: Path, *, kill: bool, events: EventBus,
+              command: str = "fdl-fabric stop") -> Optional[RunView]:
+    """Leave the note (``command`` is who asks), then TERM the run's launcher; the run as
+    it was, or None when it had already ended (said)."""
     run = view(folder)
     if run.ended:
         ended(run, events)
@@ -45,7 +46,7 @@ def send_stop(folder: Path, *, kill: bool, events: EventBus) -> Optional[RunView
     launcher = run.launcher
     pid = int(launcher["pid"])
     me = who()
-    write_json(folder / STOP_NOTE, {"command": "fdl-fabric stop", "user": me["user"],
+    write_json(folder / STOP_NOTE, {"command": command, "user": me["user"],
                                     "host": me["host"], "pid": me["pid"], "kill": kill,
                                     "to_pid": pid, "at": time.time()})
     try:

@@ -39,8 +39,8 @@ def _on_exit_failed(e: Event, d: Mapping[str, Any]) -> str:
 def _lost(e: Event, d: Mapping[str, Any]) -> str:
     return (f"{L}failed: run {d['run_id']}: its launcher (pid {d.get('pid')} on "
             f"{d.get('on')}) is gone without a verdict ({d.get('state')} when last "
-            "recorded); its agents stopped every rank when its lease ran out "
-            "(`fdl-fabric cleanup --run-id` verifies the hosts)")
+            "recorded); its agents stop every rank once its connection closes, or its lease "
+            "runs out (`fdl-fabric cleanup --run-id` verifies the hosts)")
 
 
 def _stop_sent(e: Event, d: Mapping[str, Any]) -> str:
@@ -69,8 +69,12 @@ def run_row(run: Mapping[str, Any], now: float) -> str:
     elif state == "lost":
         state = "lost: its launcher is gone without a verdict"
     started = run.get("started") or now
-    when = (f"ended {_ago(now - run['ended'])} ago" if run.get("ended")
-            else f"up {_ago(now - started)}")
+    if run.get("ended"):
+        when = f"ended {_ago(now - run['ended'])} ago"
+    elif run["state"] == "lost":
+        when = f"last recorded {_ago(now - (run.get('updated') or started))} ago"
+    else:
+        when = f"up {_ago(now - started)}"
     mode = "detached" if run.get("detached") else "foreground"
     hosts = run.get("hosts") or []
     where = f"{run.get('world_size', '?')} rank(s) on {len(hosts)} host(s)" if hosts else ""
@@ -95,8 +99,8 @@ RUN_WORDS: dict[Name, Words] = {
     Name.HANGUP_IGNORED: lambda e, d: (f"{L}SIGHUP is ignored (started under nohup or "
                                        "alike): closing the terminal will not stop this run"),
     Name.RECORD_FAILED: lambda e, d: (f"{L}the run's record in {d['folder']} could not be "
-                                      f"written ({d['error']}): attach, logs and wait will not "
-                                      "see this run; it goes on"),
+                                      f"written ({d['error']}): what follows is missing from "
+                                      "it (attach, logs, wait read it); the run goes on"),
     Name.RECORDS_PRUNED: lambda e, d: (f"{L}pruned {len(d['runs'])} old run record(s): "
                                        f"{', '.join(d['runs'])}"),
     Name.SUPERVISOR_LOST: _lost,

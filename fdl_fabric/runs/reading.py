@@ -103,6 +103,7 @@ class RunView:
         return {"run_id": self.run_id, "state": self.phase.value,
                 "attempt": state.get("attempt", 0), "detached": bool(state.get("detached")),
                 "started": state.get("started"), "ended": result.get("ended"),
+                "updated": state.get("updated"),
                 "verdict": result.get("verdict"), "exit_code": result.get("exit_code"),
                 "world_size": state.get("world_size"), "hosts": state.get("hosts") or [],
                 "launcher": self.launcher, "command": state.get("command"),

@@ -30,7 +30,7 @@ import threading
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..events import Event, Kind, Name
 from ..limits import RECORD_LOG_BYTES
@@ -109,12 +109,19 @@ class RunRecord:
     id is known; `close` after the verdict."""
 
     def __init__(self, folder: Path, run_id: str, *, detached: bool, verbosity: int,
-                 about: dict[str, Any]) -> None:
+                 about: dict[str, Any],
+                 on_error: Optional[Callable[[str, str], None]] = None) -> None:
         self.folder = folder
         self.run_id = run_id
+        #: Told once (the error, the folder) when a write fails: a full disk, an I/O
+        #: error. The run goes on; what could not be written is missing from the record.
+        self.on_error = on_error
+        #: Why the record stopped being written, once it did.
+        self.failed: Optional[str] = None
         folder.mkdir(mode=0o700, exist_ok=True)
         os.chmod(folder, 0o700)
-        self.log = RunLog(str(folder.parent), run_id, max_bytes=RECORD_LOG_BYTES)
+        self.log = RunLog(str(folder.parent), run_id, max_bytes=RECORD_LOG_BYTES,
+                          on_error=self._log_failed)
         self._console_file = RotatingFile(folder / CONSOLE, RECORD_LOG_BYTES)
         stream = TextLog(self._console_file)
         self.console = Console(stream, stream, verbosity=verbosity,  # type: ignore[arg-type]
@@ -130,20 +137,41 @@ class RunRecord:
         self._save()
 
     def emit(self, event: Event) -> None:
-        with contextlib.suppress(OSError):
+        try:
             self.console.emit(event)
+        except OSError as exc:
+            self._failure(exc)
         self.log.emit(event)
-        if event.kind is Kind.OUTPUT:
-            return
-        with self._lock:
-            if event.name is Name.ROOT_CAUSE:
-                self.root_cause = render(event)
-                self._kept["root_cause_rank"] = event.rank
-            elif event.name is Name.SUMMARY:
-                self._kept["ranks"] = event.data.get("ranks") or []
-            elif event.name is Name.ATTEMPTS:
-                self._kept["attempt_list"] = event.data.get("attempts") or []
-            self._advance(event)
+        if event.kind is not Kind.OUTPUT:
+            with self._lock:
+                self._see(event)
+        self._report()
+
+    def _failure(self, exc: OSError) -> None:
+        if self.failed is None:
+            self.failed = exc.strerror or str(exc)
+
+    def _log_failed(self, error: str, folder: str) -> None:
+        if self.failed is None:
+            self.failed = error
+
+    def _report(self) -> None:
+        """Say the first failed write, once, outside every lock (saying it is an event
+        that comes back here)."""
+        if self.failed is not None and self.on_error is not None:
+            tell, self.on_error = self.on_error, None
+            tell(self.failed, str(self.folder))
+
+    def _see(self, event: Event) -> None:
+        """What the result keeps of the end's events, and the state they move to."""
+        if event.name is Name.ROOT_CAUSE:
+            self.root_cause = render(event)
+            self._kept["root_cause_rank"] = event.rank
+        elif event.name is Name.SUMMARY:
+            self._kept["ranks"] = event.data.get("ranks") or []
+        elif event.name is Name.ATTEMPTS:
+            self._kept["attempt_list"] = event.data.get("attempts") or []
+        self._advance(event)
 
     def _advance(self, event: Event) -> None:
         state = _STATE_OF.get(event.name)
@@ -167,8 +195,10 @@ class RunRecord:
 
     def _save(self) -> None:
         self._state["updated"] = time.time()
-        with contextlib.suppress(OSError):
+        try:
             write_json(self.folder / STATE, self._state)
+        except OSError as exc:
+            self._failure(exc)
 
     def _result(self, event: Event) -> None:
         data = event.data
@@ -179,8 +209,10 @@ class RunRecord:
                   "started": self._state["started"], "ended": self._state.get("ended"),
                   "launcher": self._state["launcher"], "hosts": self._state.get("hosts"),
                   **self._kept}
-        with contextlib.suppress(OSError):
+        try:
             write_json(self.folder / RESULT, result)
+        except OSError as exc:
+            self._failure(exc)
 
     #: The root cause as said (its words), seen before the verdict.
     root_cause: Optional[str] = None
