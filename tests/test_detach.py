@@ -153,3 +153,45 @@ def test_inv_launch_detach_says_the_inv_commands_and_they_follow_the_run(
                             text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert waited.returncode == 0, waited.stderr
     assert os.path.exists(runs / run_id / "result.json")
+
+
+def test_stop_kill_stops_at_once_and_wait_timeout_exits_124_while_it_runs(
+        runs: Path, steady: Path, tmp_path: Path) -> None:
+    handler = tmp_path / "stubborn.py"  # a rank that shrugs TERM off: only KILL ends it
+    handler.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                       "print('up', flush=True)\ntime.sleep(600)\n")
+    out = fdl("run", "--detach", "--kill-grace", "300", str(handler), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run_id,) = [p.name for p in runs.iterdir()]
+    waited = fdl("wait", run_id, "--timeout", "0.5", cwd=tmp_path)
+    assert waited.returncode == 124
+    assert waited.stderr.strip() == (f"wait: run {run_id} is still running after 0.5s "
+                                     "(exit 124)")
+    stop = fdl("stop", run_id, "--kill", cwd=tmp_path)  # no 300 s grace: at once
+    assert stop.returncode == 0, stop.stderr
+    assert "KILL now (--kill)" in stop.stderr
+    assert stop.stderr.splitlines()[-1].startswith(
+        "cluster launcher: stopped by fdl-fabric stop (")
+    log = (runs / run_id / "console.log").read_text()
+    assert "fdl-fabric stop --kill — killing every rank's process group now" in log
+    assert fdl("wait", run_id, cwd=tmp_path).returncode == 143
+    wait_for(lambda: not processes_of_run(run_id), 20, "the ranks to be gone")
+
+
+def test_several_followers_read_one_run_at_once(runs: Path, steady: Path,
+                                                 tmp_path: Path) -> None:
+    out = fdl("run", "--detach", "--nproc-per-node", "2", str(steady), "40", "0.02",
+              cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    followers = [subprocess.Popen([*FDL, *words], cwd=str(tmp_path), text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL)
+                 for words in (["logs", "-f"], ["logs", "-f", "--rank", "0"], ["attach"])]
+    outputs = [p.communicate(timeout=60) for p in followers]
+    assert [p.returncode for p in followers] == [0, 0, 0], outputs
+    whole, rank0, attached = (o[0].splitlines() for o in outputs)
+    assert whole[-1] == attached[-1] == "cluster launcher: run completed — all 2 ranks exited 0"
+    assert "[localhost:cpu:r0] done r0" in whole and "[localhost:cpu:r1] done r1" in whole
+    assert rank0[-1] == "[localhost:cpu:r0] done r0"
+    assert rank0 == [line for line in whole if line.startswith("[localhost:cpu:r0] ")
+                     or line.startswith("cluster launcher: run ") and line != whole[-1]]
