@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,6 +42,36 @@ def _no_inherited_verbosity(monkeypatch: pytest.MonkeyPatch) -> None:
                 "FDL_FABRIC_STATE_DIR", "XDG_RUNTIME_DIR"):
         monkeypatch.delenv(key, raising=False)
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+
+
+@pytest.fixture
+def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's run records folder (`fdl_fabric.runs`): the launchers, supervisors and
+    followers it starts inherit it."""
+    folder = tmp_path / "runs"
+    monkeypatch.setenv("FDL_FABRIC_RUNS_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def umask_0() -> Iterator[None]:
+    """The loosest umask there is: modes must come from the code, not from the umask."""
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+@pytest.fixture
+def steady(tmp_path: Path) -> Path:
+    """A rank that prints a numbered line every TICK seconds COUNT times, then ``done rN``
+    (`labutil.STEADY`)."""
+    from labutil import STEADY
+
+    path = tmp_path / "steady.py"
+    path.write_text(STEADY)
+    return path
 
 
 @pytest.fixture

@@ -47,3 +47,22 @@ class LiveLaunch(_LiveLaunch):
     def __init__(self, cluster: PathLike, *args: str,
                  env: Optional[dict[str, str]] = None) -> None:
         super().__init__(cluster, *args, env=env, cwd=ROOT, command=INV_LAUNCH)
+
+
+#: A rank: ``steady.py COUNT TICK [CODE | fail-first]`` prints ``rN line I`` every TICK
+#: seconds COUNT times, then ``done rN``, and exits CODE (0); ``fail-first`` fails
+#: attempt 0 at once instead (exit 3), for restarts.
+STEADY = """\
+import os, sys, time
+count, tick = int(sys.argv[1]), float(sys.argv[2])
+last = sys.argv[3] if len(sys.argv) > 3 else "0"
+rank = os.environ["RANK"]
+if last == "fail-first" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    print(f"r{rank} fails on attempt 0", flush=True)
+    sys.exit(3)
+for i in range(count):
+    print(f"r{rank} line {i}", flush=True)
+    time.sleep(tick)
+print(f"done r{rank}", flush=True)
+sys.exit(0 if last == "fail-first" else int(last))
+"""

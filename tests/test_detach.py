@@ -21,31 +21,6 @@ from labutil import ROOT
 pytestmark = pytest.mark.timeout(120)
 
 FDL = (sys.executable, "-m", "fdl_fabric")
-STEADY = """\
-import os, sys, time
-count, tick = int(sys.argv[1]), float(sys.argv[2])
-code = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-rank = os.environ["RANK"]
-for i in range(count):
-    print(f"r{rank} line {i}", flush=True)
-    time.sleep(tick)
-print(f"done r{rank}", flush=True)
-sys.exit(code)
-"""
-
-
-@pytest.fixture
-def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "runs"
-    monkeypatch.setenv("FDL_FABRIC_RUNS_DIR", str(folder))
-    return folder
-
-
-@pytest.fixture
-def steady(tmp_path: Path) -> Path:
-    path = tmp_path / "steady.py"
-    path.write_text(STEADY)
-    return path
 
 
 def fdl(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:

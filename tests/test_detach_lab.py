@@ -31,34 +31,6 @@ pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
 FDL = (sys.executable, "-m", "fdl_fabric")
 DDP = str(ROOT / "examples" / "ddp_torch.py")
 
-#: A rank that prints a numbered line every ``tick`` seconds, ``count`` times, then
-#: ``done rN``; on attempt 0 it may fail instead (``fail_first``), for restarts.
-STEADY = """\
-import os, sys, time
-count, tick = int(sys.argv[1]), float(sys.argv[2])
-rank = os.environ["RANK"]
-if len(sys.argv) > 3 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-    print(f"r{rank} fails on attempt 0", flush=True)
-    sys.exit(3)
-for i in range(count):
-    print(f"r{rank} line {i}", flush=True)
-    time.sleep(tick)
-print(f"done r{rank}", flush=True)
-"""
-
-
-@pytest.fixture
-def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "runs"
-    monkeypatch.setenv("FDL_FABRIC_RUNS_DIR", str(folder))
-    return folder
-
-
-@pytest.fixture
-def steady(tmp_path: Path) -> Path:
-    path = tmp_path / "steady.py"
-    path.write_text(STEADY)
-    return path
 
 
 @pytest.fixture
@@ -97,6 +69,24 @@ def supervisors(runs: Path) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+def detached(lab: Any, runs: Path, rank: str, *, nproc: int, **top: Any) -> str:
+    """``launch --detach`` of ``python -u RANK`` on every lab host; the run's id."""
+    cluster = lab.write_cluster([lab.worker(h, nproc=nproc) for h in lab.hosts],
+                                command=f"{sys.executable} -u {rank}", **top)
+    out = fdl("launch", "--detach", "-c", str(cluster))
+    assert out.returncode == 0, out.stderr
+    return only_run(runs)
+
+
+def ssh_home(lab: Any, tmp_path: Path) -> Path:
+    """A HOME whose ~/.ssh/config names the lab's hosts node1, node2...: how a user
+    reaches the host that stays up (``--on node1``)."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    lab.write_ssh_config(home / ".ssh" / "config")
+    return home
 
 
 def nothing_left(run_id: str, timeout: float = 30) -> None:
@@ -161,10 +151,7 @@ def test_attach_follows_live_and_ctrl_c_leaves_the_run_running(
 def test_stop_ends_a_detached_run_with_143_naming_who_stopped_it(
         sshd_lab, runs: Path, steady: Path) -> None:
     lab = sshd_lab(n_hosts=2)
-    cluster = lab.write_cluster([lab.worker(h, nproc=2) for h in lab.hosts],
-                                command=f"{sys.executable} -u {steady} 2000 0.05")
-    assert fdl("launch", "--detach", "-c", str(cluster)).returncode == 0
-    run_id = only_run(runs)
+    run_id = detached(lab, runs, f"{steady} 2000 0.05", nproc=2)
     stop = fdl("stop", run_id[:17])  # the id's unique start is enough
     assert stop.returncode == 0, stop.stderr
     said = stop.stderr.splitlines()
@@ -183,11 +170,7 @@ def test_stop_ends_a_detached_run_with_143_naming_who_stopped_it(
 def test_a_killed_supervisor_leaves_nothing_and_status_says_its_launcher_was_lost(
         sshd_lab, runs: Path, steady: Path) -> None:
     lab = sshd_lab(n_hosts=2)
-    cluster = lab.write_cluster([lab.worker(h, nproc=1) for h in lab.hosts],
-                                command=f"{sys.executable} -u {steady} 2000 0.05",
-                                elastic={"heartbeat_timeout": 6})
-    assert fdl("launch", "--detach", "-c", str(cluster)).returncode == 0
-    run_id = only_run(runs)
+    run_id = detached(lab, runs, f"{steady} 2000 0.05", nproc=1, elastic={"heartbeat_timeout": 6})
     assert processes_of_run(run_id)
     os.kill(state(runs, run_id)["launcher"]["pid"], signal.SIGKILL)
     nothing_left(run_id, timeout=60)  # the agents' lease runs out: they stop every rank
@@ -248,20 +231,22 @@ def test_two_detached_runs_from_one_folder_are_addressed_one_at_a_time(
 def test_logs_follow_shows_both_attempts_of_a_restart_and_ends_with_the_verdict(
         sshd_lab, runs: Path, steady: Path) -> None:
     lab = sshd_lab(n_hosts=2)
-    cluster = lab.write_cluster([lab.worker(h, nproc=1) for h in lab.hosts],
-                                command=f"{sys.executable} -u {steady} 20 0.1 fail-first",
-                                elastic={"max_restarts": 1})
-    assert fdl("launch", "--detach", "-c", str(cluster)).returncode == 0
-    run_id = only_run(runs)
-    out = fdl("logs", run_id, "-f", "--rank", "1")
+    run_id = detached(lab, runs, f"{steady} 20 0.1 fail-first", nproc=1,
+                      elastic={"max_restarts": 1})
+    out = fdl("logs", run_id, "-f")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert any(line.endswith("r1 fails on attempt 0") for line in lines), lines
+    # the first rank to fail ends attempt 0 (the other may be stopped before it prints)
+    failed = [i for i, line in enumerate(lines) if line.endswith("fails on attempt 0")]
     restart = [i for i, line in enumerate(lines) if "restarting every rank (restart 1 of 1)"
                in line]
-    assert restart, "the restart is named"
-    assert any(line.endswith("done r1") for line in lines[restart[0]:])
-    assert out.stderr.splitlines()[-1] == "cluster launcher: run completed — all 2 ranks exited 0"
+    assert failed and restart and failed[0] < restart[0], lines
+    after = lines[restart[0]:]
+    assert "[lab1:cpu:r0] done r0" in after and "[lab2:cpu:r1] done r1" in after, after
+    assert lines[-1] == "cluster launcher: run completed — all 2 ranks exited 0"
+    one = fdl("logs", run_id, "--rank", "1").stdout.splitlines()  # the attempts are named
+    assert any("restarting every rank" in line for line in one)
+    assert one[-1] == "[lab2:cpu:r1] done r1"
     nothing_left(run_id)
 
 
@@ -270,9 +255,7 @@ def test_detach_on_a_host_that_stays_up_runs_there_and_is_followed_from_here(
     there = tmp_path / "runs-on-node1"  # the head's records, as its sessions see them
     lab = sshd_lab(n_hosts=3, session_env={"FDL_FABRIC_RUNS_DIR": str(there),
                                            "PATH": os.environ["PATH"]})
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    lab.write_ssh_config(home / ".ssh" / "config")  # node1, node2, node3
+    home = ssh_home(lab, tmp_path)  # node1, node2, node3
     cluster = lab.write_cluster([lab.worker(h, nproc=1) for h in lab.hosts[1:]],
                                 command=f"{sys.executable} -u {steady} 30 0.1")
     env = {**os.environ, "HOME": str(home)}
@@ -303,9 +286,7 @@ def test_on_a_host_with_another_version_is_refused_with_how_to_install(
     (fake / "fdl_fabric" / "__main__.py").write_text("print('fdl-fabric 0.0.1')\n")
     lab = sshd_lab(n_hosts=1, session_env={"PYTHONPATH": str(fake),
                                            "PATH": os.environ["PATH"]})
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    lab.write_ssh_config(home / ".ssh" / "config")
+    home = ssh_home(lab, tmp_path)
     out = subprocess.run([*FDL, "wait", "--on", "node1"], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "HOME": str(home)},
                          stdin=subprocess.DEVNULL)
@@ -322,9 +303,7 @@ def test_the_api_detaches_on_a_host_and_its_remote_handle_waits_for_the_result(
     there = tmp_path / "runs-on-node1"
     lab = sshd_lab(n_hosts=2, session_env={"FDL_FABRIC_RUNS_DIR": str(there),
                                            "PATH": os.environ["PATH"]})
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    lab.write_ssh_config(home / ".ssh" / "config")
+    home = ssh_home(lab, tmp_path)
     monkeypatch.setenv("HOME", str(home))
     cluster = lab.write_cluster([lab.worker(lab.hosts[1], nproc=2)],
                                 command=f"{sys.executable} -u {steady} 20 0.05")

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import re
 import shlex
-import shutil
-import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_terminal_lab import STEADY, _tmux
+from test_terminal_lab import STEADY
 
 from fdl_fabric.events import Event, Name, event
 from fdl_fabric.presentation.output import Console
 from fdl_fabric.presentation.words import HANG, cause_data, render
+from fdl_fabric.testing import panes
 from labutil import INV_LAUNCH, ROOT, run_launch, wait_for
 
 WIDTH = 80
@@ -38,22 +36,11 @@ TABLES = {
 }
 
 
-class Pane:
+class Pane(panes.Pane):
     """bash in an 80-column tmux pane, on a tmux server of its own (killed by its socket)."""
 
     def __init__(self, folder: Path) -> None:
-        if not shutil.which("tmux"):
-            pytest.fail("tmux is needed (scripts/bootstrap.sh --test installs it)")
-        self.folder = folder
-        self.socket = f"fdl-narrow-{uuid.uuid4().hex[:8]}"
-        # No COLUMNS or LINES from the test's environment: the pane's size is the truth.
-        self.tmux("-f", "/dev/null", "new-session", "-d", "-s", "narrow", "-x", str(WIDTH),
-                  "-y", "60", "-c", str(folder), "env", "-u", "COLUMNS", "-u", "LINES",
-                  f"PS1={PROMPT} ", "bash", "--norc", "--noprofile")
-        wait_for(lambda: self.lines() == [PROMPT], 10, "the shell's prompt")
-
-    def tmux(self, *args: str) -> str:
-        return _tmux("-L", self.socket, *args)
+        super().__init__(folder, width=WIDTH, height=60, name="narrow", prompt=PROMPT)
 
     def start(self, *launch: str, prefix: str = "", redirect: str = "") -> Path:
         """Type ``bash job.sh``, a script that runs ``inv launch`` with ``launch`` and
@@ -72,17 +59,7 @@ class Pane:
         return int(done.read_text())
 
     def lines(self, joined: bool = False) -> list[str]:
-        """Every line of the pane and its scrollback, trailing blanks dropped."""
-        text = self.tmux("capture-pane", "-p", "-t", "narrow", "-S", "-", "-E", "-",
-                         *(["-J"] if joined else []))
-        lines = [line.rstrip() for line in text.split("\n")]
-        while lines and not lines[-1]:
-            lines.pop()
-        return lines
-
-    def close(self) -> None:
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True,
-                       timeout=10)
+        return super().lines(joined)
 
 
 @pytest.fixture

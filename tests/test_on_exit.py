@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,11 +39,9 @@ RANK = textwrap.dedent("""\
 
 
 @pytest.fixture
-def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """This test's records folder (the launchers it starts inherit it)."""
-    folder = tmp_path / "runs"
-    monkeypatch.setenv(place.ENV_RUNS_DIR, str(folder))
-    return folder
+def root(runs: Path) -> Path:
+    """This test's records folder (`conftest.runs`)."""
+    return runs
 
 
 @pytest.fixture
@@ -55,14 +52,6 @@ def work(tmp_path: Path) -> Path:
     (folder / "rank.py").write_text(RANK)
     return folder
 
-
-@pytest.fixture
-def umask_0() -> Iterator[None]:
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
 
 
 def hook(calls: Path, then: str = "") -> str:

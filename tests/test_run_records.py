@@ -16,7 +16,6 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,21 +41,10 @@ FDL = (sys.executable, "-m", "fdl_fabric")
 # -- helpers -------------------------------------------------------------------------------
 
 @pytest.fixture
-def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """This test's records folder (launchers started as processes inherit it)."""
-    folder = tmp_path / "runs"
-    monkeypatch.setenv(place.ENV_RUNS_DIR, str(folder))
-    return folder
+def root(runs: Path) -> Path:
+    """This test's records folder (`conftest.runs`)."""
+    return runs
 
-
-@pytest.fixture
-def umask_0() -> Iterator[None]:
-    """The loosest umask there is: modes must come from the code, not from the umask."""
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
 
 
 def run_id(n: int) -> str:

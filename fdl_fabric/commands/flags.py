@@ -90,12 +90,7 @@ def agent_timeout(text: Optional[str]) -> Optional[float]:
 
 
 def restarts(flag: str, text: Union[None, str, int]) -> Optional[int]:
-    if text is None:
-        return None
-    raw = str(text).strip()
-    if not (raw.isascii() and raw.isdigit()) or int(raw) > RESTARTS_MAX:
-        raise usage(flag, f"expected a whole number from 0 to {RESTARTS_MAX}, got {text!r}")
-    return int(raw)
+    return whole(flag, text, RESTARTS_MAX)
 
 
 def whole(flag: str, text: Union[None, str, int], maximum: int) -> Optional[int]:
