@@ -170,3 +170,15 @@ def test_several_followers_read_one_run_at_once(runs: Path, steady: Path,
     assert rank0[-1] == "[localhost:cpu:r0] done r0"
     assert rank0 == [line for line in whole if line.startswith("[localhost:cpu:r0] ")
                      or line.startswith("cluster launcher: run ") and line != whole[-1]]
+
+
+def test_detach_without_a_records_folder_is_refused_before_anything_starts(
+        steady: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FDL_FABRIC_RUNS_DIR", str(blocker / "runs"))
+    out = fdl("run", "--detach", str(steady), "1", "0.01", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("--detach: no folder for the run's record: ")
+    assert "set FDL_FABRIC_RUNS_DIR to a folder of yours" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
