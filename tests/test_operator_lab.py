@@ -195,7 +195,9 @@ def test_the_python_api_gives_an_ops_repos_task_a_result_and_raises_on_bad_confi
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["ok"] == ["ok", 0, "cluster launcher: run completed — all 4 ranks exited 0", 4]
-    assert got["bad"] == ["failed", 1, "cluster launcher: rank 2 of lab2 exited with status 4",
+    # the message is the verdict line, as the command line's last line and the record's
+    assert got["bad"] == ["failed", 1,
+                          "cluster launcher: failed: rank 2 of lab2 exited with status 4",
                           2, 2, 4, [["lab1", "lab2"], ["lab1", "lab2"]]]
     assert got["refused"] == ["ConfigError", 2, f"{ops / 'missing.yml'}: file not found"]
 
