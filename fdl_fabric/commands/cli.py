@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 import sys
 from collections.abc import Container, Sequence
@@ -17,6 +18,7 @@ from invoke.program import Program
 
 from .. import __version__
 from ..errors import EXIT_USAGE, FdlError
+from . import prestart
 from .vocabulary import COMMANDS as COMMANDS
 from .vocabulary import write_page
 
@@ -189,6 +191,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     """``fdl-fabric run ...`` is torchrun's command line; everything else is a task."""
     args = list(sys.argv if argv is None else argv)
     rest = args[1:]
+    if prestart.asked(rest):
+        prestart.prestart()  # its imports beside ours (`prestart`)
+    try:
+        _main(args, rest)
+    except SystemExit as exc:
+        if not prestart.Started.handed_over:
+            raise
+        # Detached: the run is its supervisor's; nothing here is left to tear down, and
+        # the interpreter's own teardown would only hold the prompt back.
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _main(args: list[str], rest: list[str]) -> None:
     if rest in (["-h"], ["--help"], ["help"]):
         write_page(HELP)
         sys.exit(0)

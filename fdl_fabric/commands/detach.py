@@ -1,7 +1,8 @@
 """``--detach``: the run goes on under a supervisor that outlives this terminal.
 
 A fork after threads and paramiko connections exist is unsafe, so the supervisor is a
-fresh interpreter (`commands.supervise`) started before anything is contacted, in a
+fresh interpreter (`commands.supervise`; started early by `prestart` when the command
+line allows) started before anything is contacted, in a
 session of its own (no controlling terminal: closing this one sends it no SIGHUP). It
 is handed the options exactly as the one builder made them (`options.launch_options`),
 pickled on its stdin, never in argv or a file; its stdin is /dev/null from then on.
@@ -35,10 +36,10 @@ from typing import IO, Optional
 from ..errors import EXIT_USAGE, FdlError
 from ..planning.envelope import new_run_id
 from ..runs import place
+from . import prestart
 from .launch import LaunchOptions
+from .prestart import READY_FD
 
-#: The environment variable naming the supervisor's ``ready`` pipe.
-READY_FD = "FDL_FABRIC_READY_FD"
 #: What the supervisor writes on that pipe once every rank of the first attempt runs.
 READY = b"ready\n"
 #: Seconds to read what the supervisor relayed after it said ready (its pipes may stay
@@ -61,12 +62,6 @@ def supervisor_options(opts: LaunchOptions) -> LaunchOptions:
                                run_id=opts.run_id or new_run_id())
 
 
-def _package_parent() -> str:
-    """The folder that holds ``fdl_fabric``: the supervisor imports the same code, whether
-    it is installed or run from a checkout."""
-    return str(Path(__file__).resolve().parents[2])
-
-
 def detach(opts: LaunchOptions) -> Detached | int:
     """Start the supervisor and relay it until every rank runs (`Detached`) or the launch
     ended before (its exit code: 2 for bad input, 1 for a failure, 128+N)."""
@@ -76,18 +71,8 @@ def detach(opts: LaunchOptions) -> Detached | int:
     except OSError as exc:
         raise FdlError(f"--detach: no folder for the run's record: {exc.strerror or exc}; "
                        f"set {place.ENV_RUNS_DIR} to a folder of yours", EXIT_USAGE) from None
-    ready_r, ready_w = os.pipe()
-    env = dict(os.environ)
-    env[READY_FD] = str(ready_w)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_package_parent(), env.get("PYTHONPATH", "")) if p)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fdl_fabric.commands.supervise"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(ready_w,), start_new_session=True, env=env)
-    finally:
-        os.close(ready_w)
+    started = prestart.take() or prestart.spawn()
+    proc, ready_r = started.proc, started.ready_fd
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     with _passed_on(proc.pid):
         try:
@@ -118,6 +103,7 @@ def launch_detached(opts: LaunchOptions, binary: str = "fdl-fabric",
         return exc.exit_code
     if isinstance(outcome, int):
         return outcome
+    prestart.Started.handed_over = True
     console = JsonConsole() if opts.json else Console()
     EventBus(console)(Name.DETACHED, run_id=outcome.run_id, pid=outcome.pid,
                       host=socket.gethostname(), folder=str(outcome.folder), binary=binary,

@@ -90,15 +90,21 @@ def run_logs(spec: Optional[str], *, follow_on: bool = False, rank: Optional[int
     out = out or sys.stdout.buffer
     keep = LineFilter(rank, host)
     path = folder / CONSOLE
-    data, offset = last_lines(path, None)
-    data = keep.lines(data)
-    if tail is not None:
-        data = b"".join(data.splitlines(keepends=True)[-tail:]) if tail else b""
-    write(out, data)
+    if tail is None:  # all of it, a chunk at a time (the rotated part first)
+        rotated = path.with_name(path.name + ".1")
+        if rotated.exists():
+            for chunk in follow(rotated, 0, done=lambda: True):
+                write(out, keep.lines(chunk))
+        offset = 0
+    else:
+        data, offset = last_lines(path, None if keep.active else tail)
+        lines = keep.lines(data).splitlines(keepends=True)
+        write(out, b"".join(lines[-tail:]) if tail else b"")
+    finished = (lambda: view(folder).ended) if follow_on else (lambda: True)
+    for chunk in follow(path, offset, done=finished):
+        write(out, keep.lines(chunk))
     if not follow_on:
         return 0
-    for chunk in follow(path, offset, done=lambda: view(folder).ended):
-        write(out, keep.lines(chunk))
     run = view(folder)
     if run.phase is RunState.LOST or keep.active:
         # the launcher's own last line was not in what was shown: say the end here

@@ -29,8 +29,9 @@ from ..presentation.output import Console, JsonConsole
 from ..presentation.rotating import open_private
 from ..runs import place
 from ..runs.record import SUPERVISOR_LOG
-from .detach import READY, READY_FD
+from .detach import READY
 from .launch import LaunchOptions, execute
+from .prestart import READY_FD
 
 
 class Relay:
@@ -95,7 +96,10 @@ class Ready:
 def main() -> int:
     ready_fd = int(os.environ.pop(READY_FD))
     os.set_inheritable(ready_fd, False)
-    opts: LaunchOptions = pickle.loads(sys.stdin.buffer.read())
+    handed = sys.stdin.buffer.read()
+    if not handed:  # started early (`prestart`), and the command ended without a launch
+        return 0
+    opts: LaunchOptions = pickle.loads(handed)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

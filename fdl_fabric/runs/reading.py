@@ -23,8 +23,11 @@ from typing import Any, Optional
 from .record import CONSOLE, RESULT, STATE, RunState, process_started
 
 #: Seconds between two looks at a file that is followed: a line shows within this (plus
-#: the launcher's own write), and an idle follower costs ~20 stat calls a second.
-POLL = 0.05
+#: the launcher's own write), and an idle follower costs ~50 opens a second.
+POLL = 0.02
+#: Bytes read at a time: a follower's memory and its latency to the first line are
+#: bounded by it, whatever the backlog (bench/detach_follow.py).
+CHUNK = 1 << 20
 #: A pid's start time as psutil reads it, and as the record wrote it, may differ by the
 #: clock tick's rounding.
 START_SLACK = 1.0
@@ -132,59 +135,92 @@ def is_live(folder: Path) -> bool:
 
 def last_lines(path: Path, count: Optional[int]) -> tuple[bytes, int]:
     """The last ``count`` lines of ``path`` (all of them when None) with the rotated
-    ``<path>.1`` before it when more are needed, and the offset in ``path`` they end at."""
-    data = b""
-    size = 0
-    with contextlib.suppress(OSError), open(path, "rb") as fh:
-        data = fh.read()
-        size = len(data)
+    ``<path>.1`` before it when more are needed, and the offset in ``path`` they end at.
+    With a count, only the blocks at the end that hold those lines are read."""
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0
+    data = _tail_blocks(path, size, count)
     rotated = path.with_name(path.name + ".1")
     if (count is None or data.count(b"\n") < count) and rotated.exists():
         with contextlib.suppress(OSError):
-            data = rotated.read_bytes() + data
+            data = _tail_blocks(rotated, os.stat(rotated).st_size,
+                                None if count is None else count + 1) + data
     if count is not None:
         lines = data.splitlines(keepends=True)
         data = b"".join(lines[-count:]) if count else b""
     return data, size
 
 
+def _tail_blocks(path: Path, size: int, count: Optional[int]) -> bytes:
+    """The end of ``path`` (its first ``size`` bytes) holding at least ``count`` lines
+    (all when None), read backwards a block at a time."""
+    data = b""
+    with contextlib.suppress(OSError), open(path, "rb") as fh:
+        if count is None:
+            return fh.read(size)
+        end = size
+        while end > 0 and data.count(b"\n") <= count:
+            start = max(0, end - CHUNK)
+            fh.seek(start)
+            data = fh.read(end - start) + data
+            end = start
+    return data
+
+
 def follow(path: Path, offset: int, *, done: Callable[[], bool],
            poll: float = POLL, stop: Optional[Callable[[], bool]] = None
            ) -> Iterator[bytes]:
-    """The bytes written to ``path`` after ``offset``, as they come, whole lines only;
-    across a rotation (the file renamed and started afresh) too. Ends once ``done()``
-    (checked before the last read, so nothing written before the end is missed) or
-    ``stop()``."""
+    """The bytes written to ``path`` after ``offset``, as they come, whole lines only, a
+    chunk at a time (a backlog is never held whole); across a rotation (the file renamed
+    and started afresh) too. Ends once ``done()`` (checked before the last reads, so
+    nothing written before the end is missed) or ``stop()``."""
     inode = _inode(path)
     partial = b""
     while True:
         finished = done()
-        chunk = b""
-        with contextlib.suppress(OSError), open(path, "rb") as fh:
-            current = os.fstat(fh.fileno()).st_ino  # the file read, whatever the path is now
-            if inode is not None and current != inode:
-                # rotated: what was left of the old file, then the new one from its start
-                with contextlib.suppress(OSError), \
-                        open(path.with_name(path.name + ".1"), "rb") as old:
-                    if os.fstat(old.fileno()).st_ino == inode:
-                        old.seek(offset)
-                        partial += old.read()
-                offset = 0
-            inode = current
-            fh.seek(offset)
-            chunk = fh.read()
-        offset += len(chunk)
-        data = partial + chunk
-        cut = data.rfind(b"\n") + 1
+        got = 0
+        while True:  # what is there now, a chunk at a time
+            old, chunk, inode, offset = _next_chunk(path, inode, offset)
+            got += len(old) + len(chunk)
+            data = partial + old + chunk
+            cut = data.rfind(b"\n") + 1
+            partial = data[cut:]
+            if cut:
+                yield data[:cut]
+            if len(chunk) < CHUNK:
+                break
         if finished:
-            cut = len(data)
-        partial = data[cut:]
-        if cut:
-            yield data[:cut]
-        if finished or (stop is not None and stop()):
+            if partial:
+                yield partial
             return
-        if not chunk:
+        if stop is not None and stop():
+            return
+        if not got:
             time.sleep(poll)
+
+
+def _next_chunk(path: Path, inode: Optional[int], offset: int
+                ) -> tuple[bytes, bytes, Optional[int], int]:
+    """What the old file still held after a rotation, the next chunk of ``path`` from
+    ``offset``, the inode read and the new offset."""
+    old_rest = b""
+    chunk = b""
+    with contextlib.suppress(OSError), open(path, "rb") as fh:
+        current = os.fstat(fh.fileno()).st_ino  # the file read, whatever the path is now
+        if inode is not None and current != inode:
+            # rotated: what was left of the old file, then the new one from its start
+            with contextlib.suppress(OSError), \
+                    open(path.with_name(path.name + ".1"), "rb") as old:
+                if os.fstat(old.fileno()).st_ino == inode:
+                    old.seek(offset)
+                    old_rest = old.read()
+            offset = 0
+        inode = current
+        fh.seek(offset)
+        chunk = fh.read(CHUNK)
+    return old_rest, chunk, inode, offset + len(chunk)
 
 
 def _inode(path: Path) -> Optional[int]:
