@@ -1,3 +1,5 @@
-from .commands.cli import main
+"""``python -m fdl_fabric``: the ``fdl-fabric`` command (`commands.prestart.main`)."""
+
+from .commands.prestart import main
 
 main()

@@ -25,8 +25,8 @@ from .errors import EXIT_USAGE, FdlError
 from .events import EventBus
 from .presentation.words import cause_event, render
 from .runs import place
+from .runs.reading import ended_check, last_lines, view
 from .runs.reading import follow as follow_file
-from .runs.reading import last_lines, view
 from .runs.record import CONSOLE, RESULT, RunState
 
 
@@ -56,7 +56,7 @@ class RunHandle:
         data, offset = last_lines(path, None)
         yield from _lines(keep.lines(data))
         if follow:
-            for chunk in follow_file(path, offset, done=lambda: view(self.folder).ended):
+            for chunk in follow_file(path, offset, done=ended_check(self.folder)):
                 yield from _lines(keep.lines(chunk))
 
     def stop(self, *, kill: bool = False) -> None:

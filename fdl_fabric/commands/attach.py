@@ -25,7 +25,7 @@ from ..events import EventBus, Name
 from ..presentation.output import Console, is_terminal
 from ..presentation.screen import OUT
 from ..runs.ranktable import RankTable
-from ..runs.reading import RunView, follow, last_lines, view
+from ..runs.reading import RunView, ended_check, follow, last_lines, view
 from ..runs.record import CONSOLE, RunState
 from .follow import find_run, write
 from .stopping import ended, send_stop
@@ -139,7 +139,7 @@ def run_attach(spec: Optional[str], *, tail: Optional[int] = None, stop: bool = 
     stopping = False
     try:
         while True:
-            for chunk in follow(path, offset, done=lambda: view(folder).ended,
+            for chunk in follow(path, offset, done=ended_check(folder),
                                 stop=lambda: interrupt.count > 0):
                 screen.write(chunk)
                 offset += len(chunk)

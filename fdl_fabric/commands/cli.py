@@ -195,12 +195,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         prestart.prestart()  # its imports beside ours (`prestart`)
     try:
         _main(args, rest)
+        code = 0
     except SystemExit as exc:
         if not prestart.Started.handed_over:
             raise
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    if prestart.Started.handed_over:
         # Detached: the run is its supervisor's; nothing here is left to tear down, and
         # the interpreter's own teardown would only hold the prompt back.
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -26,7 +26,7 @@ from ..events import EventBus, Name
 from ..presentation.output import Console
 from ..runs import place
 from ..runs.ranktable import RANK_LINE
-from ..runs.reading import follow, last_lines, view
+from ..runs.reading import ended_check, follow, last_lines, view
 from ..runs.record import CONSOLE, RunState
 from .stopping import ended
 
@@ -100,7 +100,7 @@ def run_logs(spec: Optional[str], *, follow_on: bool = False, rank: Optional[int
         data, offset = last_lines(path, None if keep.active else tail)
         lines = keep.lines(data).splitlines(keepends=True)
         write(out, b"".join(lines[-tail:]) if tail else b"")
-    finished = (lambda: view(folder).ended) if follow_on else (lambda: True)
+    finished = ended_check(folder) if follow_on else (lambda: True)
     for chunk in follow(path, offset, done=finished):
         write(out, keep.lines(chunk))
     if not follow_on:

@@ -124,6 +124,25 @@ def view(folder: Path) -> RunView:
     return RunView(folder, state, result, alive)
 
 
+def ended_check(folder: Path, every: float = 0.25) -> Callable[[], bool]:
+    """``view(folder).ended`` for a follower's ``done``, cheap enough to ask after every
+    chunk: a result file is one stat; the launcher's life (a process lookup) is asked at
+    most every ``every`` seconds."""
+    result = folder / RESULT
+    asked = [0.0]
+
+    def ended() -> bool:
+        if result.exists():
+            return True
+        now = time.monotonic()
+        if now - asked[0] < every:
+            return False
+        asked[0] = now
+        return view(folder).ended
+
+    return ended
+
+
 def is_live(folder: Path) -> bool:
     """A record that must not be pruned: no result yet and its launcher runs, or runs on
     another host (a records folder shared over NFS: only that host can tell)."""
@@ -184,11 +203,11 @@ def follow(path: Path, offset: int, *, done: Callable[[], bool],
         while True:  # what is there now, a chunk at a time
             old, chunk, inode, offset = _next_chunk(path, inode, offset)
             got += len(old) + len(chunk)
-            data = partial + old + chunk
+            data = partial + old + chunk if partial or old else chunk
             cut = data.rfind(b"\n") + 1
             partial = data[cut:]
             if cut:
-                yield data[:cut]
+                yield data if cut == len(data) else data[:cut]
             if len(chunk) < CHUNK:
                 break
         if finished:
@@ -234,5 +253,5 @@ def console_path(folder: Path) -> Path:
     return folder / CONSOLE
 
 
-__all__ = ["POLL", "RunView", "console_path", "follow", "is_live", "last_lines",
+__all__ = ["POLL", "RunView", "console_path", "ended_check", "follow", "is_live", "last_lines",
            "launcher_alive", "read_json", "view"]
