@@ -1,5 +1,8 @@
 """The Invoke task collection: ``inv launch`` and friends.
 
+Each task imports what it runs when it runs: the collection itself stays light, so a
+``--detach`` front or ``--help`` never pays for the launcher's imports.
+
 Import it into another repo's tasks.py with
 ``ns.add_collection(fdl_fabric.tasks.ns, "fdl")``; the root ``tasks.py`` of
 this repo and the ``fdl-fabric`` console script use the same collection.
@@ -19,17 +22,10 @@ from invoke.tasks import Task, task
 
 from .clusterfile import ClusterSpec
 from .commands import flags, vocabulary
-from .commands.cleanup import run_cleanup
-from .commands.launch import launch as run_launch
 from .commands.options import hosts_cluster, launch_options, refuse
-from .commands.stacks import run_stacks
-from .commands.status import run_status
 from .errors import FdlError
 from .events import EventBus, Name
 from .limits import RANKS_MAX
-from .preflight import check_cluster
-from .presentation.output import Console
-from .presentation.plot import plot_run as draw
 
 
 class _ChosenShortFlags(Task[Any]):
@@ -117,6 +113,8 @@ def launch(c: Context, **given: Any) -> None:
     if given.get("on"):
         code = _launch_on(c, given, opts.cluster_file)
     else:
+        from .commands.launch import launch as run_launch
+
         code = run_launch(opts, binary=_binary())
     if code:
         raise Exit(code=code)
@@ -134,6 +132,8 @@ def _launch_on(c: Context, given: dict[str, Any], cluster_file: Optional[str]) -
     try:
         return launch_there(given["on"], given, _remainder(), cluster_file)[0]
     except FdlError as exc:
+        from .presentation.output import Console
+
         Console().message(str(exc))
         return exc.exit_code
 
@@ -145,6 +145,8 @@ def _there(command: str, given: dict[str, Any]) -> None:
     try:
         code = run_there(given["on"], command, given, pty=command == "attach")
     except FdlError as exc:
+        from .presentation.output import Console
+
         Console().message(str(exc))
         raise Exit(code=exc.exit_code) from None
     if code:
@@ -180,6 +182,8 @@ def cleanup(c: Context, **given: Any) -> None:
         pattern = flags.pattern(given.get("pattern"))
     except FdlError as exc:
         raise _refused(exc, "cleanup") from None
+    from .commands.cleanup import run_cleanup
+
     code = run_cleanup(file, cluster=from_hosts, run_id=given.get("run_id"),
                        all_runs=bool(given.get("all")) or from_hosts is not None,
                        pattern=pattern, slurm=bool(given.get("slurm")),
@@ -197,6 +201,8 @@ def stacks(c: Context, **given: Any) -> None:
     thread's Python stack; without it, what /proc says.
     """
     file, from_hosts = _hosts(c, "stacks", given)
+    from .commands.stacks import run_stacks
+
     code = run_stacks(file, cluster=from_hosts, run_id=given.get("run_id"),
                       every_run=from_hosts is not None)
     if code:
@@ -212,6 +218,8 @@ def prebuild_check(c: Context, **given: Any) -> None:
     Exit 0 when nothing FAILs, 1 otherwise, 2 on a config error.
     """
     file, from_hosts = _hosts(c, "prebuild-check", given)
+    from .preflight import check_cluster
+
     code = check_cluster(file, cluster=from_hosts, cmd=given.get("cmd"), words=_remainder(),
                          as_json=bool(given.get("json")), fast=bool(given.get("fast")))
     if code:
@@ -225,6 +233,9 @@ def plot_run(c: Context, run_dir: str, output: str = "") -> None:
     if run_dir in ("-h", "--help"):  # invoke hands a positional the next word, --help too
         vocabulary.write_page(vocabulary.help_page("plot-run", binary=_binary()))
         return
+    from .presentation.output import Console
+    from .presentation.plot import plot_run as draw
+
     events = EventBus(Console())
     try:
         drawn = draw(run_dir, output)
@@ -301,6 +312,8 @@ def status(c: Context, **given: Any) -> None:
     # The hosts' view when hosts are named, or the default cluster file is there: this
     # controller's runs need neither.
     named = from_hosts is not None or given.get("cluster") is not None
+    from .commands.status import run_status
+
     code = run_status(file, cluster=from_hosts,
                       every_run=bool(given.get("all")) or from_hosts is not None,
                       as_json=bool(given.get("json")), ended_too=bool(given.get("all")),

@@ -37,7 +37,7 @@ from ..errors import EXIT_USAGE, FdlError
 from ..planning.envelope import new_run_id
 from ..runs import place
 from . import prestart
-from .launch import LaunchOptions
+from .launchoptions import LaunchOptions
 from .prestart import READY_FD
 
 #: What the supervisor writes on that pipe once every rank of the first attempt runs.

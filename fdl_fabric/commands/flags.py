@@ -33,8 +33,7 @@ from ..clusterfile.model import FANOUT_MAX
 from ..clusterfile.names import command_problem, host_name_problem, user_name_problem
 from ..errors import EXIT_USAGE, FdlError, usage
 from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
-from ..supervision.policy import MaxFailure
-from ..transport.base import launcher_address
+from .launchoptions import MaxFailure
 from .trusted import untrusted
 
 
@@ -319,6 +318,8 @@ def controller_toward(first_addr: str) -> Optional[str]:
     if is_this_machine(first_addr):
         return None
     try:
+        from ..transport.base import launcher_address  # only for --hosts
+
         return launcher_address(first_addr)
     except UnicodeError:  # a name the IDNA codec refuses: as for a name that does not resolve
         return socket.gethostname()

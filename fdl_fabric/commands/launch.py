@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Optional, Union
 
@@ -81,6 +81,7 @@ from ..transport.session import AgentSession
 from ..transport.sshconfig import SshSettings, resolve_all_settings, with_dialable_addrs
 from ..transport.tunnel import check_open_files, open_tunnel
 from .cleanup import sweep_request, sweep_with_agents
+from .launchoptions import LaunchOptions
 from .planwarnings import plan_warnings
 
 #: Seconds to wait for every agent's answer to a device probe.
@@ -89,49 +90,6 @@ PROBE_TIMEOUT = 60.0
 SWEEP_TIMEOUT = 30.0
 
 MaxFailure = Union[int, float, None]
-
-
-@dataclass
-class LaunchOptions:
-    cluster_file: Optional[str] = "cluster.yml"
-    command: Optional[str] = None
-    argv: Sequence[str] = ()
-    kill_grace: Optional[float] = None
-    verbosity: int = 1
-    quiet: bool = False
-    #: ``--max-failure``, parsed (`flags.max_failure`); None: the cluster file's applies.
-    max_failure: MaxFailure = None
-    log_dir: Optional[str] = None
-    dry_run: bool = False
-    env_overrides: dict[str, str] = field(default_factory=dict)
-    preflight: bool = True
-    max_restarts: Optional[int] = None
-    #: A cluster built in code (``fdl-fabric run``) instead of ``cluster_file``.
-    cluster: Optional[ClusterSpec] = None
-    #: ``--slurm``: the workers are the nodes of the allocation this runs in. Without a
-    #: ``cluster_file`` no file is read: the flags say everything.
-    slurm: bool = False
-    #: ``--nproc-per-node``: ranks on each Slurm node (wins over the file's).
-    nproc_per_node: Optional[int] = None
-    #: ``--json``: every event as a JSON line on stdout (`output.JsonConsole`).
-    json: bool = False
-    #: Called with every event (the Python API's ``on_event``); must not raise.
-    on_event: Optional[Callable[[Event], None]] = None
-    #: ``--agent-timeout``: seconds of silence after which a host is unresponsive.
-    agent_timeout: Optional[float] = None
-    #: ``--hang-timeout``: seconds without output or progress after which the run is
-    #: hung (0: never).
-    hang_timeout: Optional[float] = None
-    #: ``--fanout``: hosts reached directly; beyond it, a gateway tree (wins over the file's).
-    fanout: Optional[int] = None
-    #: ``--on-exit``: a shell command run once when the run ends (wins over the file's).
-    on_exit: Optional[str] = None
-    #: ``--detach``: asked for (`commands.detach` starts the supervisor that runs it).
-    detach: bool = False
-    #: This process is the detached supervisor of the run (`commands.supervise`).
-    detached: bool = False
-    #: The run id, when chosen before the launch (``--detach`` names it at once).
-    run_id: Optional[str] = None
 
 
 def load_for(opts: LaunchOptions) -> ClusterSpec:

@@ -20,7 +20,7 @@ from ..clusterfile import ClusterSpec, ControllerSpec, ElasticSpec, SshSpec, Wor
 from ..clusterfile.hosts import HostsError, HostSlot, cluster_from_hosts
 from ..errors import EXIT_USAGE, FdlError, usage
 from . import flags
-from .launch import LaunchOptions
+from .launchoptions import LaunchOptions
 
 #: MASTER_PORT when ranks span hosts and none is given: torchrun's.
 MASTER_PORT_DEFAULT = 29500

@@ -24,7 +24,6 @@ from typing import NoReturn, Optional
 
 from ..errors import EXIT_USAGE, FdlError, usage
 from . import vocabulary
-from .launch import launch
 from .options import launch_options, refuse
 
 #: torchrun flags that do not apply to one host, and what to use instead.
@@ -159,6 +158,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         words = args_list[:args_list.index("--")] if "--" in args_list else args_list
         refuse(exc, "fdl-fabric run", as_json="--json" in words or "-j" in words)
         return exc.exit_code
+    from .launch import launch  # the launcher's imports, once the flags are good
+
     return launch(opts)
 
 
