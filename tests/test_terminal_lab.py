@@ -204,8 +204,12 @@ def test_ctrl_z_then_fg_after_longer_than_the_lease_leaves_the_run_running(
         wait_for(lambda: "[lab1:cpu:r1] step" in _tmux("capture-pane", "-p", "-t", name),
                  30, "rank output in the tmux pane")
         _tmux("send-keys", "-t", name, "C-z")
-        wait_for(lambda: "Stopped" in _tmux("capture-pane", "-p", "-t", name), 10,
-                 "the shell to report the job stopped")
+        try:
+            wait_for(lambda: "Stopped" in _tmux("capture-pane", "-p", "-t", name), 10,
+                     "the shell to report the job stopped")
+        except AssertionError as exc:  # what the terminal showed, to tell why
+            raise AssertionError(f"{exc}\n{_tmux('capture-pane', '-p', '-t', name)}") \
+                from None
         time.sleep(15)  # 2.5 times the lease
         _tmux("send-keys", "-t", name, "fg", "Enter")
         wait_for(done.exists, 60, "the launch to end")
