@@ -38,7 +38,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from .. import shell
 from ..clusterfile import ClusterSpec
@@ -81,7 +81,7 @@ from ..transport.session import AgentSession
 from ..transport.sshconfig import SshSettings, resolve_all_settings, with_dialable_addrs
 from ..transport.tunnel import check_open_files, open_tunnel
 from .cleanup import sweep_request, sweep_with_agents
-from .launchoptions import LaunchOptions
+from .launchoptions import LaunchOptions, MaxFailure
 from .planwarnings import plan_warnings
 
 #: Seconds to wait for every agent's answer to a device probe.
@@ -89,7 +89,6 @@ PROBE_TIMEOUT = 60.0
 #: Seconds the final sweep of lost hosts may take (it runs only after a fault).
 SWEEP_TIMEOUT = 30.0
 
-MaxFailure = Union[int, float, None]
 
 
 def load_for(opts: LaunchOptions) -> ClusterSpec:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 from ..clusterfile import ClusterSpec
 from ..events import Event
-
-#: ``--max-failure``, parsed: a count, a fraction, or None (the cluster file's applies).
-MaxFailure = Union[int, float, None]
+from ..supervision.policy import MaxFailure
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .record import CONSOLE, RESULT, STATE, RunState, process_started
+from .record import RESULT, STATE, RunState, process_started
 
 #: Seconds between two looks at a file that is followed: a line shows within this (plus
 #: the launcher's own write), and an idle follower costs ~50 opens a second.
@@ -249,9 +249,5 @@ def _inode(path: Path) -> Optional[int]:
         return None
 
 
-def console_path(folder: Path) -> Path:
-    return folder / CONSOLE
-
-
-__all__ = ["POLL", "RunView", "console_path", "ended_check", "follow", "is_live", "last_lines",
+__all__ = ["POLL", "RunView", "ended_check", "follow", "is_live", "last_lines",
            "launcher_alive", "read_json", "view"]
