@@ -12,6 +12,8 @@ import fnmatch
 import functools
 import hashlib
 import os
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -40,6 +42,13 @@ ROLE_NAME = "default"
 #: otherwise each rank starts a thread per core and they fight for them (torchrun does
 #: the same, with a notice: `Name.OMP_DEFAULTED`).
 OMP_DEFAULT = {"OMP_NUM_THREADS": "1"}
+
+
+#: The first words a ``python:`` interpreter replaces, by their basename: ``python``,
+#: ``python3``, ``python3.N``. A path counts too (``/usr/bin/python3``): `fdl-fabric run`
+#: writes the launcher's own interpreter as a path, and ``python:`` exists so that every
+#: host runs the one interpreter it names, whatever each command happens to spell.
+_INTERPRETER_RE = re.compile(r"python(?:3(?:\.[0-9]+)?)?")
 
 
 @dataclass(frozen=True)
@@ -339,13 +348,48 @@ def _worker_envelope(
     )
 
 
+def is_interpreter(word: str) -> bool:
+    """Whether a command's first word is the Python interpreter ``python:`` replaces: its
+    basename is ``python``, ``python3`` or ``python3.N``, or it is the launcher's own
+    interpreter (what ``fdl-fabric run`` writes, whatever its name: ``pypy3``...)."""
+    return bool(_INTERPRETER_RE.fullmatch(os.path.basename(word))) or (
+        bool(sys.executable) and word == sys.executable)
+
+
+def interpreter(cluster: ClusterSpec, worker: WorkerSpec) -> Optional[str]:
+    """The ``python:`` of a worker's ranks: its own, else the cluster's, else None (the
+    command's own first word stays)."""
+    return worker.python or cluster.python
+
+
+def with_interpreter(argv: Sequence[str], python: Optional[str]) -> tuple[str, ...]:
+    """``argv`` with its interpreter replaced by ``python`` when it starts with one
+    (`is_interpreter`); any other command is left as it is. A relative ``python`` with a
+    slash (``.venv/bin/python``) is kept relative: the agent execs it after entering the
+    ranks' folder, so it names the same file on every host, relative to that folder."""
+    if python is None or not argv or not is_interpreter(argv[0]):
+        return tuple(argv)
+    return (python, *argv[1:])
+
+
+def interpreted_argv(cluster: ClusterSpec, worker: WorkerSpec,
+                     argv: Sequence[str]) -> tuple[str, ...]:
+    """What a worker's ranks run, before any prebuilt binary: ``argv`` with the worker's
+    interpreter. The pre-flight checks this same command (the file it resolves to, the
+    script or module it runs), so it checks what will run."""
+    return with_interpreter(argv, interpreter(cluster, worker))
+
+
 def _worker_command(
-    worker: WorkerSpec, entry: Optional[PrebuiltBinary], argv: Sequence[str]
+    cluster: ClusterSpec, worker: WorkerSpec, entry: Optional[PrebuiltBinary],
+    argv: Sequence[str]
 ) -> tuple[str, tuple[str, ...]]:
     """The cwd and argv of a worker's ranks: a prebuilt binary replaces the program (keeping
-    its arguments) and may move the cwd; without one the ranks run ``argv`` in ``path``."""
+    its arguments) and may move the cwd; without one the ranks run ``argv`` in ``path``,
+    through the worker's ``python:`` when the command starts with an interpreter."""
     cwd = entry.cwd(worker.path) if entry else worker.path
-    rank_argv = (entry.program(worker.path), *argv[1:]) if entry else tuple(argv)
+    rank_argv = (entry.program(worker.path), *argv[1:]) if entry else \
+        interpreted_argv(cluster, worker, argv)
     return cwd, rank_argv
 
 
@@ -359,7 +403,7 @@ def _worker_rank_plans(
 ) -> list[RankPlan]:
     """One worker's ranks, in local-rank order: they share the command, and differ only in
     their rank numbers and device, hence in their environment."""
-    cwd, rank_argv = _worker_command(worker, entry, argv)
+    cwd, rank_argv = _worker_command(run.cluster, worker, entry, argv)
     return [
         RankPlan(
             rank=rank,
