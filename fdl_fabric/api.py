@@ -95,7 +95,7 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
            dry_run: bool = False, json: bool = False,
            on_event: Optional[Callable[[Event], None]] = None,
            on_exit: Optional[str] = None, detach: bool = False,
-           on: Optional[str] = None) -> Any:
+           on: Optional[str] = None, sync: Optional[bool] = None) -> Any:
     """Launch the job of ``cluster`` (a cluster file, or a `ClusterSpec` built in code),
     or of ``hosts``/``hostfile`` (then pass ``cluster=None``), and supervise it to its
     verdict.
@@ -104,6 +104,9 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
     the file's ``command:``. Every other argument is the command line's flag of the same
     name (`commands.vocabulary`), checked by the same code (`commands.options`). Raises
     `FdlError` (exit_code 2) for a configuration mistake, before anything starts.
+
+    ``sync``: True sends the code first (``--sync``), False runs what the hosts have
+    (``--no-sync``); None: as the cluster file says.
 
     ``detach=True``: returns a `handle.RunHandle` once every rank runs under a detached
     supervisor (the run outlives this process); a launch that fails before that raises
@@ -125,7 +128,8 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
         "agent_timeout": agent_timeout, "hang_timeout": hang_timeout, "fanout": fanout,
         "preflight": preflight, "log_dir": _path(log_dir), "dry_run": dry_run,
         "quiet": quiet, "verbose": str(verbosity) if verbosity else None, "json": json,
-        "env": dict(env or {}), "on_exit": on_exit, "detach": detach}
+        "env": dict(env or {}), "on_exit": on_exit, "detach": detach,
+        "sync": sync is True, "no_sync": sync is False}
     if isinstance(cluster, ClusterSpec) and (hosts or hostfile):
         raise FdlError("hosts: give a ClusterSpec or hosts, not both", EXIT_USAGE)
     words = () if command is None or isinstance(command, str) else list(command)

@@ -80,6 +80,12 @@ class Name(str, Enum):
     LOG_FAILED = ("log_failed", Kind.WARNING)
     #: ``--log-dir``: where this run's logs go, said as it starts (and its ``latest`` link).
     LOG_FOLDER = ("log_folder", Kind.LAUNCH)
+    #: ``sync``: the code this run runs (its code id), said before any host is contacted.
+    CODE = ("code", Kind.LAUNCH)
+    #: One host's tree is in place (what it was sent).
+    CODE_SYNCED = ("code_synced", Kind.CONNECT)
+    #: Every host's tree is in place.
+    CODE_IN_PLACE = ("code_in_place", Kind.LAUNCH)
     FAILURE_DETAIL = ("failure_detail", Kind.WARNING)
     RESTARTING = ("restarting", Kind.RESTART)
     #: The membership of an attempt: its hosts, world size, who is left out and why.

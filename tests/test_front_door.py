@@ -245,7 +245,7 @@ def test_a_host_flag_that_cannot_apply_is_refused_naming_it(
 
 def test_the_api_offers_every_option_the_command_line_has() -> None:
     params = set(inspect.signature(fdl_fabric.launch).parameters)
-    spelled = {"cmd": "command", "verbose": "verbosity"}
+    spelled = {"cmd": "command", "verbose": "verbosity", "no_sync": "sync"}
     for flag in vocabulary.flags_of("launch"):
         assert spelled.get(flag.name, flag.name) in params, flag.name
 

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from fdl_fabric.agent import children, lines, procs, registry, stacks, watchdog, wire
+from fdl_fabric.agent import children, codestore, lines, procs, registry, stacks, watchdog, wire
 from fdl_fabric.rank import ENV_CLUSTER_JSON, ENV_ERROR_FILE
 
 #: Frames waiting for the launcher beyond this many bytes pause reading rank output,
@@ -130,6 +130,8 @@ class Agent:
         self.collectors: Dict[int, Any] = {}
         self.watchdog: Optional[watchdog.Watchdog] = None
         self.exit_code = EXIT_OK
+        #: The synced code's store during a sync, and after it (its tree's lock).
+        self.store: Optional[codestore.Store] = None
         self._wake_r, self._wake_w = os.pipe()
 
     # -- setup ----------------------------------------------------------------------------
@@ -403,10 +405,50 @@ class Agent:
             self.suspended = False  # reading it renewed the lease
         elif kind == wire.STACKS:
             self._on_stacks(wire.parse_json(body))
+        elif kind == wire.SYNC:
+            self._on_sync(wire.parse_json(body))
+        elif kind == wire.SYNC_DATA:
+            self._on_sync_data(body)
         elif kind == wire.LIST:
             request = wire.parse_json(body)
             cluster = request.get("cluster")
             self.send(wire.RUNS, procs.list_runs(str(cluster) if cluster else None))
+
+    # -- the synced code (`codestore`) ----------------------------------------------------
+    def _on_sync(self, request: Dict[str, Any]) -> None:
+        self.store = codestore.Store(str(request.get("path") or "."))
+        try:
+            answer = self.store.begin(request)
+        except codestore.StoreError as exc:
+            self._sync_failed(str(exc), wire.SYNC_NEED)
+            return
+        self.send(wire.SYNC_NEED, answer)
+        if self.store.complete:
+            self._sync_done()
+
+    def _on_sync_data(self, body: bytes) -> None:
+        if self.store is None:
+            return  # the sync failed already (said once); what was in flight is dropped
+        if time.monotonic() - self.last_sent >= wire.HEARTBEAT_INTERVAL:
+            self.send(wire.HEARTBEAT)  # a long transfer: the launcher hears it is alive
+        try:
+            done = self.store.receive(body)
+        except codestore.StoreError as exc:
+            self._sync_failed(str(exc), wire.SYNCED)
+            return
+        if done:
+            self._sync_done()
+
+    def _sync_done(self) -> None:
+        assert self.store is not None
+        try:
+            self.send(wire.SYNCED, self.store.finish())
+        except (codestore.StoreError, OSError) as exc:
+            self._sync_failed(str(exc), wire.SYNCED)
+
+    def _sync_failed(self, reason: str, kind: int) -> None:
+        self.store = None
+        self.send(kind, {"error": reason})
 
     def _on_stop(self, request: Dict[str, Any]) -> None:
         name = request.get("signal") or "TERM"

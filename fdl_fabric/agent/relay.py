@@ -42,6 +42,7 @@ import time
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from fdl_fabric.agent import wire
+from fdl_fabric.agent.feeder import FEED_LOW, Feeder, FrameCut
 
 #: Version of the mux protocol, carried by the handshake.
 VERSION = 1
@@ -61,6 +62,9 @@ EOF = 3  #: leaf u32: close the leaf's stdin once what came before it is written
 KILL = 4  #: leaf u32: SIGKILL the leaf's ssh (and its process group)
 BLOB = 5  #: bytes: the agent payload, kept for PAYLOAD (sent once per relay)
 PAYLOAD = 6  #: leaf u32: write the kept payload to the leaf's stdin
+#: leaf u32 | {"items": [[entry, path], ...]}: feed the leaf a sync's objects from this
+#: host's store (`fdl_fabric.agent.feeder`)
+SERVE = 7
 
 # -- frame types, relay -> launcher ----------------------------------------------------------
 HELLO = 64  #: {"version", "pid", "python"}: the relay runs
@@ -68,7 +72,7 @@ BATCH = 65  #: entries, each leaf u32 | stream u8 (1 stdout, 2 stderr) | length 
 CLOSED = 66  #: leaf u32 | {"code": int|null, "signal": int|null, "error": str}
 ERROR = 67  #: {"message"}: what the relay has to say before it exits (a protocol error)
 
-DOWN_TYPES: FrozenSet[int] = frozenset({OPEN, DATA, EOF, KILL, BLOB, PAYLOAD})
+DOWN_TYPES: FrozenSet[int] = frozenset({OPEN, DATA, EOF, KILL, BLOB, PAYLOAD, SERVE})
 UP_TYPES: FrozenSet[int] = frozenset({HELLO, BATCH, CLOSED, ERROR})
 
 STDOUT = 1
@@ -362,6 +366,9 @@ class Leaf:
             self.files[f.fileno()] = f
             os.set_blocking(f.fileno(), False)
         self.down = bytearray()
+        #: Where the launcher's agent frames end, and a sync being fed from this host.
+        self.cut = FrameCut()
+        self.feed: Optional[Feeder] = None
         self.eof = False
         self.status: Optional[int] = None
         self.error = ""
@@ -456,6 +463,7 @@ class Relay:
         if self.up and self.output_open:
             want[self.wfd] = (selectors.EVENT_WRITE, "out")
         for leaf in self.leaves.values():
+            self._top_up(leaf)
             if leaf.stdin is not None and leaf.down:
                 want[leaf.stdin] = (selectors.EVENT_WRITE, leaf)
             if self.batch.backlog(leaf.id) < LEAF_HIGH:
@@ -532,7 +540,11 @@ class Relay:
         if leaf is None:
             return  # it ended already; its CLOSED is on its way
         if kind == DATA:
+            leaf.cut.advance(rest)
             self._to_leaf(leaf, rest)
+        elif kind == SERVE:
+            items = parse_json(rest)["items"]
+            leaf.feed = Feeder([(int(i), str(p)) for i, p in items])
         elif kind == PAYLOAD:
             if self.blob is None:
                 raise MuxError("PAYLOAD before any BLOB")
@@ -556,6 +568,17 @@ class Relay:
             return
         self.leaves[lid] = Leaf(lid, proc)
         self.batch.open(lid)
+
+    def _top_up(self, leaf: Leaf) -> None:
+        """A sync being fed: its next frames, while little waits for the leaf."""
+        feed = leaf.feed
+        if feed is None:
+            return
+        while not feed.done and leaf.stdin is not None and not leaf.eof and \
+                leaf.cut.between and len(leaf.down) < FEED_LOW:
+            leaf.down += feed.next_frame()
+        if feed.done or leaf.stdin is None:
+            leaf.feed = None
 
     def _to_leaf(self, leaf: Leaf, data: bytes) -> None:
         if leaf.stdin is None or leaf.eof:

@@ -59,6 +59,11 @@ RESUME = 10  #: {}: the launcher runs again: the lease counts again from now
 #: {"id": n, "run": null | id}: every rank's stack (the run's, or a recorded run's)
 STACKS = 11
 LIST = 12  #: {"cluster": null | key}: the runs recorded on this host
+#: {"path", "tree", "entries": [[rel, kind, mode, size, sha | link, mtime_ns], ...]}: the
+#: manifest of the synced code (`fdl_fabric.agent.codestore`); answered by SYNC_NEED
+SYNC = 13
+#: binary: entry u32 | flags u8 (1: last piece) | bytes: a piece of an object it asked for
+SYNC_DATA = 14
 
 #: Seconds between the launcher's pings to each agent during a run.
 PING_INTERVAL = 2.0
@@ -97,12 +102,16 @@ HEARTBEAT = 76  #: {}: the agent is alive (the answer to a ping, when it had sen
 #: {"id", "run", "ranks": {rank: {"pid", "host", "py_spy", "error", "proc"}}}
 STACKS_REPORT = 77
 RUNS = 78  #: {"runs": [{"run", "cluster", "host", "live", "launcher", "ranks", ...}]}
+#: {"tree", "have", "need": [entry, ...], "bytes", "free", "root"} or {"error"}
+SYNC_NEED = 79
+#: {"tree", "dir", "received", "files", "removed"} or {"error"}: the tree is in place
+SYNCED = 80
 
 DOWN_TYPES: FrozenSet[int] = frozenset({SPEC, START, SIGNAL, STOP, KILL, PROBE, SWEEP, PING,
-                                        SUSPEND, RESUME, STACKS, LIST})
+                                        SUSPEND, RESUME, STACKS, LIST, SYNC, SYNC_DATA})
 UP_TYPES: FrozenSet[int] = frozenset({HELLO, FACTS, PREFLIGHT, SWEPT, SPAWNED, OUTPUT, EXITED,
                                       VERIFIED, ERROR, SPAWN_FAILED, DONE, SIGNALED, HEARTBEAT,
-                                      STACKS_REPORT, RUNS})
+                                      STACKS_REPORT, RUNS, SYNC_NEED, SYNCED})
 
 STDOUT = 1
 STDERR = 2

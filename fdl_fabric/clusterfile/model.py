@@ -63,6 +63,9 @@ class WorkerSpec:
     #: ``spare: true``: not started unless a host of the roster is lost
     #: (`supervision.membership`).
     spare: bool = False
+    #: ``python``: this host's interpreter for ranks whose command starts with
+    #: ``python``/``python3`` (over the cluster's); relative to the ranks' folder.
+    python: Optional[str] = None
 
     @property
     def ssh_target(self) -> str:
@@ -112,6 +115,41 @@ class ElasticSpec:
 
 
 @dataclass(frozen=True)
+class SyncSpec:
+    """``sync:``: the local folder whose contents every remote worker runs
+    (docs/code-and-environment.md)."""
+
+    #: The local folder, absolute: the cluster file's folder unless ``src`` says otherwise.
+    src: str
+    #: gitignore-style patterns never sent (``.git/``, run records and ``--log-dir`` never are).
+    exclude: tuple[str, ...] = ()
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class SetupSpec:
+    """``setup:``: one command run once per host in the synced folder before the first
+    attempt, again only when it or its ``setup_inputs`` changed."""
+
+    command: str
+    #: Files of the synced folder whose contents, with the command, decide a re-run.
+    inputs: tuple[str, ...] = ()
+    #: ``setup_timeout``: seconds the command may take on a host.
+    timeout: float = 1800.0
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class VersionsSpec:
+    """What the pre-flight compares across hosts (``check_packages``, ``strict_versions``)."""
+
+    #: Packages whose versions must agree; None: torch, when the interpreter has it.
+    packages: Optional[tuple[str, ...]] = None
+    #: A mismatch is a FAIL rather than a warning.
+    strict: bool = False
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """The whole file with defaults applied, so no other module re-reads or re-checks YAML."""
 
@@ -143,6 +181,14 @@ class ClusterSpec:
     named_by: Optional[str] = None
     #: ``on_exit``: a shell command run once when the run ends (`runs.hook`).
     on_exit: Optional[str] = None
+    #: ``sync:``: the code every remote worker runs; None: the hosts' own ``path``.
+    sync: Optional[SyncSpec] = None
+    #: ``setup:``: once per host, before the first attempt.
+    setup: Optional[SetupSpec] = None
+    #: ``python``: the ranks' interpreter (a worker's own wins).
+    python: Optional[str] = None
+    #: ``check_packages`` and ``strict_versions``.
+    versions: VersionsSpec = VersionsSpec()
 
 
 # --------------------------------------------------------------------------------------------

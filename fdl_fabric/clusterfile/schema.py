@@ -30,6 +30,7 @@ from ..limits import (
     SSH_OPTIONS_MAX,
     WORKERS_MAX,
 )
+from .code import CODE_KEYS, read_code, read_python
 from .model import (
     _MAX_FAILURE_FORMAT,
     ENV_NAME_RE,
@@ -62,7 +63,7 @@ _DEFAULT_AGENT_TIMEOUT = ClusterSpec.agent_timeout
 
 _TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "master_port",
              "elastic", "workers", "scheduler", "nproc_per_node", "local_devices", "path",
-             "agent_timeout", "hang_timeout", "fanout", "on_exit")
+             "agent_timeout", "hang_timeout", "fanout", "on_exit", *CODE_KEYS)
 #: Top-level keys that only a Slurm launch reads: every node gets the same ranks.
 _SLURM_KEYS = ("nproc_per_node", "local_devices", "path")
 _CONTROLLER_KEYS = ("host", "port")
@@ -81,6 +82,7 @@ _WORKER_KEYS = (
     "env_forward",
     "data_path",
     "spare",
+    "python",
 )
 _SSH_KEYS = ("target", "user", "port", "identity_file", "options", "config_file")
 
@@ -123,6 +125,7 @@ def read_cluster(
     fanout = r.integer(top.field("fanout"), minimum=1, maximum=FANOUT_MAX)
     elastic = _read_elastic(r, top.field("elastic"))
     slurm = _read_slurm(r, top, folder)
+    code = read_code(r, top, folder)
 
     workers: list[WorkerSpec] = []
     workers_field = top.field("workers")
@@ -180,6 +183,10 @@ def read_cluster(
         on_exit=on_exit,
         hang_timeout=hang_timeout,
         fanout=_or(fanout, FANOUT_DEFAULT),
+        sync=code.sync,
+        setup=code.setup,
+        python=code.python,
+        versions=code.versions,
     )
 
 
@@ -384,6 +391,7 @@ def _read_worker(
     env = _read_worker_env(r, w.field("env"), cluster_env)
     env_forward = _read_env_forward(r, w.field("env_forward"))
     spare = r.boolean(w.field("spare"))
+    python = read_python(r, w.field("python"))
 
     if host is None or (nproc is None and local_devices is None):
         return None
@@ -404,6 +412,7 @@ def _read_worker(
         line=line_of(w.node),
         env_forward=env_forward,
         spare=bool(spare),
+        python=python,
     )
 
 

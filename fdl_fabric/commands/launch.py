@@ -75,6 +75,7 @@ from ..supervision.policy import Elastic, Restarts
 from ..supervision.rootcause import root_cause, root_error
 from ..supervision.supervisor import RankState, RunResult, Supervisor
 from ..supervision.verdict import Verdict
+from ..sync.step import CodeStep, never_sent, sync_spec
 from ..transport import Transport, for_cluster, resolve_cluster
 from ..transport.fanout import close_all, connect_all, connect_each, start_agents
 from ..transport.session import AgentSession
@@ -279,6 +280,8 @@ class Launch:
         self.exit_code: Optional[int] = None
         #: The run's record on this controller (`runs.record`), once the run has an id.
         self.record: Optional[RunRecord] = None
+        #: ``sync``: the code sent to every host (`fdl_fabric.sync`).
+        self.code: Optional[CodeStep] = None
 
     def run(self) -> int:
         """The launch; its exit code. Bad input is refused (exit 2, nothing started);
@@ -340,7 +343,14 @@ class Launch:
         if opts.max_restarts is not None:
             changes["elastic"] = dataclasses.replace(cluster.elastic,
                                                      max_restarts=opts.max_restarts)
+        sync = sync_spec(cluster, opts.sync)
+        if sync != cluster.sync:
+            changes["sync"] = sync
         cluster = dataclasses.replace(cluster, **changes) if changes else cluster
+        if sync is not None:  # a refusal here (no src, a link out of it) starts nothing
+            self.code = CodeStep(sync, self.events,
+                                 never=never_sent(str(place.runs_path()), opts.log_dir))
+            self.code.build()
         max_failure = resolve_max_failure(opts, cluster)
         argv = command_argv(opts, cluster)
         settings = resolve_all_settings(cluster, self.events)
@@ -358,10 +368,13 @@ class Launch:
         self.membership = membership_for(cluster)
         if opts.dry_run:
             roster = attempt_cluster(cluster, self.membership.roster)
+            if self.code is not None:
+                roster = self.code.planned(roster)
             plan = self._plan(resolved, roster, dry_run_devices(roster))
             self.events(Name.DRY_RUN, **dry_run_data(plan, settings),
                         spares=list(self.membership.spares),
-                        min_hosts=cluster.elastic.min_hosts)
+                        min_hosts=cluster.elastic.min_hosts,
+                        code=self.code.dry_run() if self.code else None)
             return None
         return resolved
 
@@ -378,12 +391,15 @@ class Launch:
             self.events.add(self.log)
             self.folder = point_latest(opts.log_dir, self.run_id)
             self.events(Name.LOG_FOLDER, **self.folder.data())
+        if self.code is not None:
+            self.code.announce()
         self.transports = for_cluster(cluster, r.settings)
         selection = self._select(r, 0)
         if selection is None:
             return
         members = attempt_cluster(cluster, selection.hosts)
         self.sessions = self._start_agents(self.inbox)
+        members = self._put_code(members)
         devices = self._resolve_devices(members)
         plan = self._plan(r, members, devices, run_id=self.run_id)
         self._membership_event(selection, plan)
@@ -411,6 +427,7 @@ class Launch:
                 self.inbox = inbox
                 members = attempt_cluster(cluster, selection.hosts)
                 self.sessions = self._start_agents(inbox)
+                members = self._put_code(members)
                 devices = self._resolve_devices(members)
                 plan = self._plan(r, members, devices, run_id=self.run_id, attempt=attempt)
                 self.events(Name.RESTARTING, attempt=attempt, max_restarts=max_restarts,
@@ -437,6 +454,12 @@ class Launch:
         """One agent on each host of this attempt."""
         hosts = {h: self.transports[h] for h in self.membership.current}
         return start_agents(hosts, inbox.put, on_output=self.output)
+
+    def _put_code(self, members: ClusterSpec) -> ClusterSpec:
+        """With ``sync``: the tree in place on each host, the ranks' folder moved into it."""
+        if self.code is None:
+            return members
+        return self.code.apply(members, self.sessions, self.inbox)
 
     def _cut_off(self, cluster: ClusterSpec, result: RunResult) -> dict[str, HostFate]:
         """Gateways lost in this attempt: noted, so the next attempt's tree is planned

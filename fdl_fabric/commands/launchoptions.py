@@ -58,6 +58,8 @@ class LaunchOptions:
     detached: bool = False
     #: The run id, when chosen before the launch (``--detach`` names it at once).
     run_id: Optional[str] = None
+    #: ``--sync`` True, ``--no-sync`` False; None: as the cluster file says (``sync:``).
+    sync: Optional[bool] = None
 
 
 __all__ = ["LaunchOptions", "MaxFailure"]

@@ -55,7 +55,8 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
         hang_timeout=flags.seconds("--hang-timeout", v.get("hang_timeout")),
         fanout=flags.fanout(v.get("fanout")), json=bool(v.get("json")),
         env_overrides=dict(v.get("env") or {}),
-        on_exit=flags.on_exit(v.get("on_exit")), detach=bool(v.get("detach")))
+        on_exit=flags.on_exit(v.get("on_exit")), detach=bool(v.get("detach")),
+        sync=_sync_choice(v))
     if common["detach"] and common["dry_run"]:
         raise usage("--detach", "a dry run starts nothing to detach from: drop one")
     from_hosts = hosts_cluster(values, command=command, nproc_per_node=per_node,
@@ -81,6 +82,13 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
         else flags.cluster_file(v.get("cluster"), settings.get("cluster", "cluster.yml")),
         slurm=slurm, nproc_per_node=per_node, kill_grace=grace,
         **common)  # type: ignore[arg-type]
+
+
+def _sync_choice(v: _Values) -> Optional[bool]:
+    """``--sync`` True, ``--no-sync`` False, neither None (the cluster file says)."""
+    if v.get("sync") and v.get("no_sync"):
+        raise usage("--sync", "give --sync or --no-sync, not both")
+    return True if v.get("sync") else False if v.get("no_sync") else None
 
 
 def hosts_cluster(values: Mapping[str, Any], *, command: str,

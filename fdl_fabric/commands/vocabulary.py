@@ -144,6 +144,11 @@ FLAGS: tuple[Flag, ...] = (
        default="fanout (64)"),
     _f("preflight", "check paths, program, ports and MASTER_ADDR on every host before any "
        "rank starts; --no-preflight skips it", _BOTH, on_by_default=True),
+    _f("sync", "send the code first: the cluster file's folder (run: this folder), or "
+       "sync.src, made identical under each remote worker's path; only what changed "
+       "travels (docs/code-and-environment.md)", _BOTH, default="sync: in the cluster file"),
+    _f("no_sync", "run what the hosts have in their path, even when the cluster file "
+       "says sync:", _BOTH),
     _f("detach", "once every rank runs, leave the run to a supervisor with no terminal and "
        "exit 0: closing this terminal changes nothing (attach, logs, stop, wait follow it)",
        _BOTH),

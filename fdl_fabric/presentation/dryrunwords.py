@@ -7,9 +7,10 @@ words); a module of its own only because it is a view of its own, a page long.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 from .. import shell
+from .codewords import size
 
 
 def dry_run_text(d: Mapping[str, Any]) -> str:
@@ -21,6 +22,7 @@ def dry_run_text(d: Mapping[str, Any]) -> str:
              f"controller {d['controller']}:{d['port']} (coordinator binds {d['bind']}), "
              f"kill_grace {d['kill_grace']:g}s, master_port {d['master_port']}"]
     lines += _tree_words(d.get("tree") or {})
+    lines += _code_words(d.get("code"))
     for host in d["hosts"]:
         ranks = host["ranks"]
         gpus = [str(r["device"]) for r in ranks if r["device"] is not None]
@@ -43,6 +45,27 @@ def dry_run_text(d: Mapping[str, Any]) -> str:
         lines += [f"min_hosts {d['min_hosts']}: an attempt starts with at least that many "
                   "hosts"]
     return "\n".join(lines) + "\n"
+
+
+#: Files of a sync a dry run names (``--json`` has them all).
+_FILES_SHOWN = 20
+
+
+def _code_words(code: Optional[Mapping[str, Any]]) -> list[str]:
+    """``sync``: what each host would receive at most (a host that has some of it
+    receives only the rest; none is asked: a dry run connects nowhere)."""
+    if not code:
+        return []
+    listed = code["list"]
+    lines = [f"code {code['code_id']} from {code['src']}: each host receives what it lacks of "
+             f"{code['files']:,} file(s), {size(code['bytes'])} (all of it, the first time), "
+             f"into <path>/.fdl-code/trees/{code['tree']}"]
+    lines += [f"  {rel}  {size(n)}" for rel, n in listed[:_FILES_SHOWN]]
+    if len(listed) > _FILES_SHOWN:
+        lines.append(f"  ... and {len(listed) - _FILES_SHOWN:,} more (--json lists them all)")
+    if code.get("excluded"):
+        lines.append(f"  {code['excluded']:,} file(s) left out by the ignore rules")
+    return lines
 
 
 def _tree_words(tree: Mapping[str, Any]) -> list[str]:

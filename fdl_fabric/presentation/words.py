@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 from ..events import Event, Name
+from .codewords import CODE_WORDS
 from .dryrunwords import dry_run_text
 from .runwords import RUN_WORDS
 from .speakers import C, L
@@ -739,6 +740,7 @@ _WORDS: dict[Name, Words] = {
     Name.PLOT_FAILED: lambda e, d: f"plot-run: cannot draw {d['run_dir']}: {d['error']}",
     Name.PLOT_DRAWN: lambda e, d: str(d["path"]),
     **RUN_WORDS,
+    **CODE_WORDS,
 }
 
 

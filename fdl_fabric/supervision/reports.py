@@ -33,6 +33,16 @@ class Facts:
 
 
 @dataclass(frozen=True)
+class SyncAnswer:
+    """A host's answer during a sync (`fdl_fabric.sync`): SYNC_NEED (which objects it
+    lacks) or SYNCED (its tree is in place); ``info`` holds ``error`` when it could not."""
+
+    host: str
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Preflight:
     """The host's fast pre-flight facts (raw values; `preflight` judges them)."""
 
@@ -179,4 +189,4 @@ class Request:
 
 Report = Union[AgentReady, Facts, Preflight, Swept, Spawned, SpawnFailed, Output, Exited,
                Verified, AgentError, AgentDone, AgentGone, Signaled, Joined, Request, Stacks,
-               Runs, DeclaredDead]
+               Runs, DeclaredDead, SyncAnswer]

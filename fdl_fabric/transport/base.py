@@ -53,6 +53,14 @@ class AgentProcess(abc.ABC):
 
     #: Why the agent is gone when no exit status came (the session, the process, the step).
     lost_reason: ClassVar[str] = "the agent's stream was lost"
+    #: The gateway whose relay carries this agent (a leaf of the tree); None: the launcher
+    #: reaches it itself.
+    served_by: Optional[str] = None
+
+    def serve(self, items: list[tuple[int, str]]) -> None:
+        """A sync's objects for this agent, read on its gateway from the gateway's store
+        (``items``: entry index, path there): only a leaf's agent can be served so."""
+        raise NotImplementedError("only an agent behind a gateway is served by it")
 
     @abc.abstractmethod
     def write(self, data: bytes) -> None:

@@ -267,6 +267,14 @@ class Relay:
                 self._blob_sent = True
             self.runner._write_proc_stdin(mux.leaf_frame(mux.PAYLOAD, lid))
 
+    def serve(self, lid: int, items: list[tuple[int, str]]) -> None:
+        """A sync's objects for leaf ``lid``, read by the relay from the gateway's store
+        (`fdl_fabric.agent.feeder`): the launcher sends them to the gateway only once."""
+        body = mux.json_body({"items": [[i, p] for i, p in items]})
+        with self._write_lock:
+            self._flush_lazy()
+            self.runner._write_proc_stdin(mux.leaf_frame(mux.SERVE, lid, body))
+
     def send(self, kind: int, lid: int) -> None:
         with self._write_lock, contextlib.suppress(Exception):
             self._flush_lazy()
@@ -355,6 +363,7 @@ class RelayedAgent(AgentProcess):
         self.relay = relay
         self.id = lid
         self.host = host
+        self.served_by = relay.gateway
         self.stdout = stdout
         self.stderr = stderr
         self._wrote = False
@@ -370,6 +379,9 @@ class RelayedAgent(AgentProcess):
             self.relay.send_payload(self.id)
         else:
             self.relay.send_data(self.id, data)
+
+    def serve(self, items: list[tuple[int, str]]) -> None:
+        self.relay.serve(self.id, items)
 
     def write_lazy(self, data: bytes) -> None:
         if self._ended.is_set():

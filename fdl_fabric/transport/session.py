@@ -190,6 +190,16 @@ def _runs(host: str, obj: dict[str, Any]) -> reports.Report:
                         [str(e) for e in obj.get("errors") or []])
 
 
+def _sync_need(host: str, obj: dict[str, Any]) -> reports.Report:
+    """SYNC_NEED: passed on whole; `fdl_fabric.sync` checks what it reads."""
+    return reports.SyncAnswer(host, False, obj)
+
+
+def _synced(host: str, obj: dict[str, Any]) -> reports.Report:
+    """SYNCED: passed on whole, as SYNC_NEED."""
+    return reports.SyncAnswer(host, True, obj)
+
+
 #: The decoder of every JSON frame kind that becomes a report (OUTPUT is binary and
 #: HEARTBEAT carries nothing; `_Stdout.feed` handles both before this table).
 _DECODERS: dict[int, _Decoder] = {
@@ -206,6 +216,8 @@ _DECODERS: dict[int, _Decoder] = {
     wire.SIGNALED: _signaled,
     wire.STACKS_REPORT: _stacks,
     wire.RUNS: _runs,
+    wire.SYNC_NEED: _sync_need,
+    wire.SYNCED: _synced,
 }
 
 
