@@ -86,6 +86,14 @@ class Name(str, Enum):
     CODE_SYNCED = ("code_synced", Kind.CONNECT)
     #: Every host's tree is in place.
     CODE_IN_PLACE = ("code_in_place", Kind.LAUNCH)
+    #: Lines a host's ``setup:`` wrote.
+    SETUP_OUTPUT = ("setup_output", Kind.INFO)
+    #: A host's ``setup:`` succeeded, or was skipped (done before for this key).
+    SETUP_DONE = ("setup_done", Kind.LAUNCH)
+    #: A host's ``setup:`` failed: its last lines (the verdict follows).
+    SETUP_FAILED = ("setup_failed", Kind.WARNING)
+    #: ``setup:`` is not run: ``--no-sync`` (it runs in the synced folder).
+    SETUP_NOT_RUN = ("setup_not_run", Kind.WARNING)
     FAILURE_DETAIL = ("failure_detail", Kind.WARNING)
     RESTARTING = ("restarting", Kind.RESTART)
     #: The membership of an attempt: its hosts, world size, who is left out and why.

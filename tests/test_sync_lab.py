@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -16,14 +17,15 @@ from typing import Any
 import pytest
 
 from fdl_fabric.testing import SshdLab
-from labutil import run_launch
+from labutil import LiveLaunch, run_launch
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
 
 #: The synced program: says its version and where it runs.
 TRAIN = """\
-import os, version
+import os, sys, time, version
 print(f"rank {os.environ['RANK']} runs {version.V} in {os.getcwd()}", flush=True)
+time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """
 
 
@@ -110,3 +112,100 @@ def test_a_launch_with_sync_runs_the_synced_code_and_the_next_sends_only_what_ch
     third = launched(cluster)
     assert all(e["data"]["had"] and e["data"]["bytes"] == 0
                for e in named(third.stdout, "code_synced"))
+
+
+def _sent(pid: int) -> int:
+    """Bytes process ``pid`` sent so far on its TCP connections (the kernel's count,
+    ``ss -ti``'s bytes_sent), SSH framing and all."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
+    total, mine = 0, False
+    for line in out.splitlines():
+        if not line.startswith((" ", "\t")):
+            mine = f"pid={pid}," in line
+        elif mine:
+            m = re.search(r"bytes_sent:(\d+)", line)
+            total += int(m.group(1)) if m else 0
+    return total
+
+
+def test_through_a_gateway_tree_the_launcher_sends_each_gateway_one_copy(
+        sshd_lab: Any) -> None:
+    lab = sshd_lab(n_hosts=5)
+    src = project(lab.root / "proj")
+    size = 4 << 20
+    (src / "weights.bin").write_bytes(os.urandom(size))
+    cluster = sync_cluster(lab, src, fanout=2)
+    commit(src)
+    run = LiveLaunch(cluster, "--cmd", "python3 train.py 4")
+    try:
+        run.wait_line(r"cluster launcher: code in place on 5 host", timeout=60)
+        sent = _sent(run.pid)
+        assert run.finish(60) == 0, run.err
+    finally:
+        run.kill()
+    # two gateways (lab1, lab2) get one copy each; their relays serve the three leaves
+    assert 2 * size <= sent < 3 * size, f"the launcher sent {sent} bytes for {size}"
+    assert sum("runs v1 in" in line for line in run.stderr_lines + run.stdout_lines) == 5
+    for host in lab.hosts:
+        trees = list(Path(host.path, ".fdl-code", "trees").glob("*/weights.bin"))
+        assert len(trees) == 1 and trees[0].stat().st_size == size, host.name
+
+
+# -- setup: once per host ----------------------------------------------------------------------
+
+SETUP = ("python3 -m venv --without-pip .venv && .venv/bin/python -c \"import sys, pathlib; "
+         "pathlib.Path(sys.prefix, 'made-from').write_text(open('requirements.txt').read())\" "
+         "&& echo setup-ran")
+
+
+def test_setup_runs_once_is_skipped_next_time_and_runs_again_when_its_input_changes(
+        sshd_lab: Any) -> None:
+    lab = sshd_lab(n_hosts=2)
+    src = project(lab.root / "proj")
+    (src / "requirements.txt").write_text("pkg==1\n")
+    (src / "train.py").write_text(
+        "import os, sys\nprint('rank', os.environ['RANK'], 'python', sys.prefix, "
+        "open(os.path.join(sys.prefix, 'made-from')).read().strip(), flush=True)\n")
+    cluster = sync_cluster(lab, src, setup=SETUP, setup_inputs=["requirements.txt"],
+                           python=".venv/bin/python")
+    first = launched(cluster)
+    assert len(named(first.stdout, "setup_done")) == 2
+    assert all(not e["data"]["skipped"] and ".venv" in e["data"]["made"]
+               for e in named(first.stdout, "setup_done"))
+    ran = [e for e in named(first.stdout, "setup_output") if e["data"]["text"] == "setup-ran"]
+    assert {e["host"] for e in ran} == {"lab1", "lab2"}
+    texts = [e["data"]["text"] for e in named(first.stdout, "rank_output")]
+    assert sum(".venv pkg==1" in t for t in texts) == 2, texts
+    # a code change that leaves requirements.txt alone: setup is skipped, the venv linked
+    (src / "version.py").write_text("V = 'v2'\n")
+    second = launched(cluster)
+    assert all(e["data"]["skipped"] for e in named(second.stdout, "setup_done"))
+    assert not named(second.stdout, "setup_output")
+    texts = [e["data"]["text"] for e in named(second.stdout, "rank_output")]
+    assert sum(".venv pkg==1" in t for t in texts) == 2, texts
+    # the input changed: setup runs again, in the new tree
+    (src / "requirements.txt").write_text("pkg==2\n")
+    third = launched(cluster)
+    assert all(not e["data"]["skipped"] for e in named(third.stdout, "setup_done"))
+    texts = [e["data"]["text"] for e in named(third.stdout, "rank_output")]
+    assert sum(".venv pkg==2" in t for t in texts) == 2, texts
+
+
+def test_a_failing_setup_names_its_host_and_no_rank_starts_anywhere(sshd_lab: Any) -> None:
+    lab = sshd_lab(n_hosts=3)
+    src = project(lab.root / "proj")
+    marker = lab.root / "ranks-started"
+    (src / "train.py").write_text(f"open({str(marker)!r}, 'a').write('x')\n")
+    setup = ('if [ "$(hostname)" = never ] || [ "$FDL_FAIL_HOST" = "$LAB_HOST" ]; then '
+             'echo "pip: no matching distribution" >&2; exit 3; fi; sleep 0.2; echo fine')
+    lab_env = {"FDL_FAIL_HOST": "lab2"}
+    workers = [lab.worker(h, nproc=1, env={"LAB_HOST": h.name, **lab_env}) for h in lab.hosts]
+    cluster = lab.write_cluster(workers, filename="proj/cluster.yml", command="python3 train.py",
+                                sync=True, setup=setup)
+    done = run_launch(cluster, timeout=120)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "setup failed on lab2: exit 3" in last, done.stderr
+    assert "pip: no matching distribution" in done.stderr
+    assert "[lab2:setup] pip: no matching distribution" in done.stderr
+    assert not marker.exists(), "a rank started"

@@ -38,7 +38,7 @@ STORE = ".fdl-code"
 #: Snapshots kept beyond those in use.
 KEEP_TREES = 8
 #: Bytes kept free on the host's file system beyond what a sync writes.
-FREE_MARGIN = 64 * 1024 * 1024
+FREE_MARGIN = 16 * 1024 * 1024
 #: SYNC_DATA head: the entry's index (u32), flags (u8: LAST).
 DATA_HEAD = struct.Struct(">IB")
 LAST = 1
@@ -83,6 +83,7 @@ class Store:
         self.received = 0
         self._part: Optional[Tuple[int, Any, str, Any]] = None
         self.lock_fd: Optional[int] = None
+        self.also: List[int] = []
 
     # -- what is missing ---------------------------------------------------------------
     def begin(self, request: Dict[str, Any]) -> Dict[str, Any]:
@@ -267,6 +268,14 @@ class Store:
         if self.lock_fd is not None:
             os.close(self.lock_fd)
         self.lock_fd = fd
+
+    def hold_also(self, tree: str) -> None:
+        """Also hold ``tree`` (where setup made what this tree links): it must outlive
+        every run of a tree that links it."""
+        with contextlib.suppress(OSError):
+            fd = os.open(tree + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self.also.append(fd)
 
     def collect(self, keep: int = KEEP_TREES) -> int:
         """Remove old trees nobody runs, then objects no tree links; the count removed."""

@@ -64,6 +64,9 @@ LIST = 12  #: {"cluster": null | key}: the runs recorded on this host
 SYNC = 13
 #: binary: entry u32 | flags u8 (1: last piece) | bytes: a piece of an object it asked for
 SYNC_DATA = 14
+#: {"command", "dir", "root", "key", "top", "timeout", "env"}: run setup: in the tree
+#: (`fdl_fabric.agent.setupstep`), unless this host did it for this key
+SETUP = 15
 
 #: Seconds between the launcher's pings to each agent during a run.
 PING_INTERVAL = 2.0
@@ -106,12 +109,17 @@ RUNS = 78  #: {"runs": [{"run", "cluster", "host", "live", "launcher", "ranks", 
 SYNC_NEED = 79
 #: {"tree", "dir", "received", "files", "removed"} or {"error"}: the tree is in place
 SYNCED = 80
+SETUP_OUTPUT = 81  #: binary: stream u8 (1 out, 2 err), then the bytes setup wrote
+#: {"skipped", "code", "signal", "timed_out", "tail", "made", "seconds"} or {"error"}
+SETUP_DONE = 82
 
 DOWN_TYPES: FrozenSet[int] = frozenset({SPEC, START, SIGNAL, STOP, KILL, PROBE, SWEEP, PING,
-                                        SUSPEND, RESUME, STACKS, LIST, SYNC, SYNC_DATA})
+                                        SUSPEND, RESUME, STACKS, LIST, SYNC, SYNC_DATA,
+                                        SETUP})
 UP_TYPES: FrozenSet[int] = frozenset({HELLO, FACTS, PREFLIGHT, SWEPT, SPAWNED, OUTPUT, EXITED,
                                       VERIFIED, ERROR, SPAWN_FAILED, DONE, SIGNALED, HEARTBEAT,
-                                      STACKS_REPORT, RUNS, SYNC_NEED, SYNCED})
+                                      STACKS_REPORT, RUNS, SYNC_NEED, SYNCED, SETUP_OUTPUT,
+                                      SETUP_DONE})
 
 STDOUT = 1
 STDERR = 2

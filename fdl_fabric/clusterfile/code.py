@@ -46,9 +46,15 @@ class CodeBlocks:
 def read_code(r: NodeReader, top: Block, folder: str) -> CodeBlocks:
     """Every code-and-environment key of the top level, each problem with its line."""
     python = read_python(r, top.field("python"))
-    return CodeBlocks(sync=_read_sync(r, top.field("sync"), folder),
-                      setup=_read_setup(r, top),
-                      python=python,
+    sync = _read_sync(r, top.field("sync"), folder)
+    setup = _read_setup(r, top)
+    sync_node = top.field("sync").node
+    switched_off = sync_node is None or (isinstance(sync_node, ScalarNode)
+                                         and r.scalar(sync_node) is False)
+    if setup is not None and switched_off:
+        r.problem(top.field("setup"), "setup runs in the synced folder: add sync: true (or "
+                  "a sync: mapping), or remove setup")
+    return CodeBlocks(sync=sync, setup=setup, python=python,
                       versions=_read_versions(r, top))
 
 
@@ -57,6 +63,10 @@ def read_python(r: NodeReader, field: Field) -> Optional[str]:
     the host's PATH; one word, since it replaces the first word of a command."""
     value = r.path(field)
     if value is None:
+        return None
+    if value.startswith("~"):
+        r.problem(field, f"is run as written, and ~ is not expanded there: use a path "
+                  f"relative to the ranks' folder or an absolute one, got {value!r}")
         return None
     if any(c.isspace() for c in value):
         r.problem(field, f"is one interpreter (a path or a name), got {value!r}; put its "

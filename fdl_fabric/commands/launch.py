@@ -347,8 +347,10 @@ class Launch:
         if sync != cluster.sync:
             changes["sync"] = sync
         cluster = dataclasses.replace(cluster, **changes) if changes else cluster
+        if cluster.setup is not None and sync is None:
+            self.events(Name.SETUP_NOT_RUN)
         if sync is not None:  # a refusal here (no src, a link out of it) starts nothing
-            self.code = CodeStep(sync, self.events,
+            self.code = CodeStep(sync, self.events, setup=cluster.setup,
                                  never=never_sent(str(place.runs_path()), opts.log_dir))
             self.code.build()
         max_failure = resolve_max_failure(opts, cluster)

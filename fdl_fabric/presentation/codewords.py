@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from ..events import Event, Name
+from ..inert import neutralize
 from .speakers import L
 
 Words = Callable[[Event, Mapping[str, Any]], str]
@@ -46,8 +47,33 @@ def _code_in_place(e: Event, d: Mapping[str, Any]) -> str:
             f"{d['seconds']:.1f} s" + (f" ({had} had it already)" if had else ""))
 
 
+def _made(d: Mapping[str, Any]) -> str:
+    return f" (made {', '.join(d['made'])})" if d.get("made") else ""
+
+
+def _setup_done(e: Event, d: Mapping[str, Any]) -> str:
+    if d.get("skipped"):
+        links = f"; links {', '.join(d['made'])}" if d.get("made") else ""
+        return (f"{L}setup on {e.host}: skipped, done before for this command and its "
+                f"inputs{links}")
+    return f"{L}setup on {e.host}: done in {d['seconds']:.1f} s{_made(d)}"
+
+
+def _setup_failed(e: Event, d: Mapping[str, Any]) -> str:
+    tail = d.get("tail") or []
+    if not tail:
+        return f"{L}setup failed on {e.host}: {d['why']} (it wrote nothing)"
+    return "\n".join([f"{L}setup failed on {e.host}: {d['why']}; its last lines:",
+                      *(f"  {neutralize(t)}" for t in tail)])
+
+
 CODE_WORDS: dict[Name, Words] = {
     Name.CODE: _code,
     Name.CODE_SYNCED: _code_synced,
     Name.CODE_IN_PLACE: _code_in_place,
+    Name.SETUP_OUTPUT: lambda e, d: f"[{e.host}:setup] {neutralize(d['text'])}",
+    Name.SETUP_DONE: _setup_done,
+    Name.SETUP_FAILED: _setup_failed,
+    Name.SETUP_NOT_RUN: lambda e, d: (f"{L}setup is not run: --no-sync (it runs in the "
+                                      "synced folder)"),
 }

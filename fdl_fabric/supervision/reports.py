@@ -43,6 +43,23 @@ class SyncAnswer:
 
 
 @dataclass(frozen=True)
+class SetupOutput:
+    """Bytes a host's ``setup:`` wrote (`fdl_fabric.sync.setup` cuts them into lines)."""
+
+    host: str
+    stderr: bool
+    data: bytes
+
+
+@dataclass(frozen=True)
+class SetupDone:
+    """A host's ``setup:`` ended, or was skipped (``info``: the agent's SETUP_DONE)."""
+
+    host: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Preflight:
     """The host's fast pre-flight facts (raw values; `preflight` judges them)."""
 
@@ -189,4 +206,4 @@ class Request:
 
 Report = Union[AgentReady, Facts, Preflight, Swept, Spawned, SpawnFailed, Output, Exited,
                Verified, AgentError, AgentDone, AgentGone, Signaled, Joined, Request, Stacks,
-               Runs, DeclaredDead, SyncAnswer]
+               Runs, DeclaredDead, SyncAnswer, SetupOutput, SetupDone]

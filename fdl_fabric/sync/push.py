@@ -117,8 +117,11 @@ class Push:
             state.need = [int(i) for i in info.get("need") or []]
             state.bytes = int(info.get("bytes") or 0)
             state.root = str(info.get("root") or "")
-            if state.need and self.gateway_of(state.host) is None:
+            gateway = self.gateway_of(state.host)
+            if state.need and gateway is None:
                 self._send(state)
+            elif state.need and gateway in self.hosts and self.hosts[gateway].dir is not None:
+                self._serve(self.hosts[gateway], state)
             return
         state.dir = str(info.get("dir") or tree_dir(state.path, self.manifest.tree))
         state.received = int(info.get("received") or 0)

@@ -17,12 +17,13 @@ from typing import Optional
 
 from ..clusterfile import ClusterSpec
 from ..clusterfile.code import default_sync
-from ..clusterfile.model import SyncSpec
+from ..clusterfile.model import SetupSpec, SyncSpec
 from ..events import EventBus, Name
 from ..supervision import reports
 from ..transport.session import AgentSession
 from . import manifest as manifests
 from .push import Push, tree_dir
+from .setup import Setup
 
 
 def sync_spec(cluster: ClusterSpec, choice: Optional[bool]) -> Optional[SyncSpec]:
@@ -39,8 +40,10 @@ def sync_spec(cluster: ClusterSpec, choice: Optional[bool]) -> Optional[SyncSpec
 class CodeStep:
     """One launch's code: built once, put in place on each attempt's hosts."""
 
-    def __init__(self, spec: SyncSpec, events: EventBus, *, never: Sequence[str] = ()) -> None:
+    def __init__(self, spec: SyncSpec, events: EventBus, *, never: Sequence[str] = (),
+                 setup: Optional[SetupSpec] = None) -> None:
         self.spec = spec
+        self.setup = setup
         self.events = events
         self.never = tuple(never)
         self.manifest: Optional[manifests.Manifest] = None
@@ -88,6 +91,11 @@ class CodeStep:
                     had=sum(1 for s in states if s.have),
                     bytes=sum(s.received for s in states),
                     seconds=round(time.monotonic() - started, 3), code_id=m.code_id)
+        if self.setup is not None:
+            env = {w.host: {**cluster.env, **w.env} for w in cluster.workers}
+            Setup(self.setup, m, self.events, inbox).run(
+                {h: sessions[h] for h in hosts}, {h: self.dirs[h] for h in hosts},
+                {h: push.hosts[h].root for h in hosts}, env)
         return dataclasses.replace(cluster, workers=tuple(
             dataclasses.replace(w, path=self.dirs.get(w.host, w.path))
             for w in cluster.workers))

@@ -68,6 +68,8 @@ class _Stdout:
                     post(report)
                 elif kind == wire.HEARTBEAT:
                     continue
+                elif kind == wire.SETUP_OUTPUT:
+                    post(reports.SetupOutput(host, body[:1] == b"\x02", bytes(body[1:])))
                 else:
                     self.session.handle(kind, wire.parse_json(body))
             except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
@@ -200,6 +202,11 @@ def _synced(host: str, obj: dict[str, Any]) -> reports.Report:
     return reports.SyncAnswer(host, True, obj)
 
 
+def _setup_done(host: str, obj: dict[str, Any]) -> reports.Report:
+    """SETUP_DONE: passed on whole; `fdl_fabric.sync.setup` reads what it needs."""
+    return reports.SetupDone(host, obj)
+
+
 #: The decoder of every JSON frame kind that becomes a report (OUTPUT is binary and
 #: HEARTBEAT carries nothing; `_Stdout.feed` handles both before this table).
 _DECODERS: dict[int, _Decoder] = {
@@ -218,6 +225,7 @@ _DECODERS: dict[int, _Decoder] = {
     wire.RUNS: _runs,
     wire.SYNC_NEED: _sync_need,
     wire.SYNCED: _synced,
+    wire.SETUP_DONE: _setup_done,
 }
 
 
