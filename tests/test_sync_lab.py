@@ -153,21 +153,24 @@ def test_through_a_gateway_tree_the_launcher_sends_each_gateway_one_copy(
 
 # -- setup: once per host ----------------------------------------------------------------------
 
-SETUP = ("python3 -m venv --without-pip .venv && .venv/bin/python -c \"import sys, pathlib; "
-         "pathlib.Path(sys.prefix, 'made-from').write_text(open('requirements.txt').read())\" "
-         "&& echo setup-ran")
+SETUP = "python3 -m venv .venv && .venv/bin/pip install -q --no-index --find-links wheels " \
+        "-r requirements.txt && echo setup-ran"
 
 
 def test_setup_runs_once_is_skipped_next_time_and_runs_again_when_its_input_changes(
         sshd_lab: Any) -> None:
+    from venvutil import make_wheel
+
     lab = sshd_lab(n_hosts=2)
     src = project(lab.root / "proj")
-    (src / "requirements.txt").write_text("pkg==1\n")
+    make_wheel(src / "wheels", "tinypkg", "1.0.0")
+    make_wheel(src / "wheels", "tinypkg", "2.0.0")
+    (src / "requirements.txt").write_text("tinypkg==1.0.0\n")
     (src / "train.py").write_text(
-        "import os, sys\nprint('rank', os.environ['RANK'], 'python', sys.prefix, "
-        "open(os.path.join(sys.prefix, 'made-from')).read().strip(), flush=True)\n")
+        "import os, sys, tinypkg\nprint('rank', os.environ['RANK'], 'runs tinypkg', "
+        "tinypkg.VERSION, 'from', sys.prefix, flush=True)\n")
     cluster = sync_cluster(lab, src, setup=SETUP, setup_inputs=["requirements.txt"],
-                           python=".venv/bin/python")
+                           python=".venv/bin/python", setup_timeout=120)
     first = launched(cluster)
     assert len(named(first.stdout, "setup_done")) == 2
     assert all(not e["data"]["skipped"] and ".venv" in e["data"]["made"]
@@ -175,20 +178,20 @@ def test_setup_runs_once_is_skipped_next_time_and_runs_again_when_its_input_chan
     ran = [e for e in named(first.stdout, "setup_output") if e["data"]["text"] == "setup-ran"]
     assert {e["host"] for e in ran} == {"lab1", "lab2"}
     texts = [e["data"]["text"] for e in named(first.stdout, "rank_output")]
-    assert sum(".venv pkg==1" in t for t in texts) == 2, texts
+    assert sum("runs tinypkg 1.0.0 from" in t and ".venv" in t for t in texts) == 2, texts
     # a code change that leaves requirements.txt alone: setup is skipped, the venv linked
     (src / "version.py").write_text("V = 'v2'\n")
     second = launched(cluster)
     assert all(e["data"]["skipped"] for e in named(second.stdout, "setup_done"))
     assert not named(second.stdout, "setup_output")
     texts = [e["data"]["text"] for e in named(second.stdout, "rank_output")]
-    assert sum(".venv pkg==1" in t for t in texts) == 2, texts
+    assert sum("runs tinypkg 1.0.0" in t for t in texts) == 2, texts
     # the input changed: setup runs again, in the new tree
-    (src / "requirements.txt").write_text("pkg==2\n")
+    (src / "requirements.txt").write_text("tinypkg==2.0.0\n")
     third = launched(cluster)
     assert all(not e["data"]["skipped"] for e in named(third.stdout, "setup_done"))
     texts = [e["data"]["text"] for e in named(third.stdout, "rank_output")]
-    assert sum(".venv pkg==2" in t for t in texts) == 2, texts
+    assert sum("runs tinypkg 2.0.0" in t for t in texts) == 2, texts
 
 
 def test_a_failing_setup_names_its_host_and_no_rank_starts_anywhere(sshd_lab: Any) -> None:
@@ -209,3 +212,33 @@ def test_a_failing_setup_names_its_host_and_no_rank_starts_anywhere(sshd_lab: An
     assert "pip: no matching distribution" in done.stderr
     assert "[lab2:setup] pip: no matching distribution" in done.stderr
     assert not marker.exists(), "a rank started"
+
+
+# -- the same interpreter and libraries everywhere -----------------------------------------
+
+def test_a_host_whose_python_has_another_version_of_a_package_is_named_in_the_preflight(
+        sshd_lab: Any, tmp_path: Path) -> None:
+    from venvutil import make_venv
+
+    lab = sshd_lab(n_hosts=3)
+    good, odd = tmp_path / "good", tmp_path / "odd"
+    make_venv(good, {"tinypkg": "1.0.0"})
+    make_venv(odd, {"tinypkg": "0.9.1"})
+    src = project(lab.root / "proj")
+    workers = [lab.worker(h, nproc=1, python=str((odd if h.name == "lab3" else good)
+                                                 / "bin" / "python"))
+               for h in lab.hosts]
+    cluster = lab.write_cluster(workers, filename="proj/cluster.yml",
+                                command="python3 train.py", sync=True,
+                                check_packages=["tinypkg"])
+    done = run_launch(cluster, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "pre-flight: lab3: versions: tinypkg 0.9.1 on lab3, 1.0.0 on 2 others" in \
+        done.stderr, done.stderr
+    strict = lab.write_cluster(workers, filename="proj/strict.yml",
+                               command="python3 train.py", sync=True,
+                               check_packages=["tinypkg"], strict_versions=True)
+    done = run_launch(strict, timeout=120)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "tinypkg 0.9.1 on lab3" in last and "nothing was started" in last, last

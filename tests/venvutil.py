@@ -45,3 +45,31 @@ def install(venv: Path, name: str, version: str,
         path.write_text(text)
     record = [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,", *(f"{r},," for r in files)]
     (info / "RECORD").write_text("\n".join(record) + "\n")
+
+
+def make_wheel(folder: Path, name: str, version: str) -> Path:
+    """A real wheel of a one-module package ``name`` (``name.VERSION == version``), built
+    here by hand (a zip with its dist-info), which pip installs like any other."""
+    import base64
+    import hashlib
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: venvutil\nRoot-Is-Purelib: true\n"
+                         "Tag: py3-none-any\n",
+    }
+    record = []
+    with zipfile.ZipFile(path, "w") as whl:
+        for arc, text in files.items():
+            data = text.encode()
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            record.append(f"{arc},sha256={digest.decode()},{len(data)}")
+            whl.writestr(arc, data)
+        record.append(f"{info}/RECORD,,")
+        whl.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
+    return path

@@ -612,6 +612,10 @@ class Agent:
             from fdl_fabric.agent import checks
 
             facts.update(checks.gpu_indices())
+        if isinstance(request.get("versions"), dict):
+            from fdl_fabric.agent import versions
+
+            facts["versions"] = versions.gather(request["versions"], beat=self._pump)
         self.send(wire.FACTS, facts)
 
     def _on_sweep(self, request: Dict[str, Any]) -> None:

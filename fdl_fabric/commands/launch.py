@@ -54,9 +54,9 @@ from ..planning.envelope import (
     new_salt,
     prebuilt_from_environ,
 )
-from ..planning.plan import LaunchPlan, build_plan, coordinator_bind_host
+from ..planning.plan import LaunchPlan, build_plan, coordinator_bind_host, interpreted_argv
 from ..planning.tree import cluster_tree, tree_hosts
-from ..preflight import Status, agent_checks, judge, launch_plan
+from ..preflight import Status, agent_checks, fleet, judge, launch_plan
 from ..preflight.run import port_owner
 from ..presentation.dryrun import dry_run_data, dry_run_devices, plan_as_json
 from ..presentation.latest import RunFolder, point_latest
@@ -403,6 +403,7 @@ class Launch:
         self.sessions = self._start_agents(self.inbox)
         members = self._put_code(members)
         devices = self._resolve_devices(members)
+        self._check_versions(r, members)
         plan = self._plan(r, members, devices, run_id=self.run_id)
         self._membership_event(selection, plan)
         for log in (self.log, self.record):
@@ -431,6 +432,7 @@ class Launch:
                 self.sessions = self._start_agents(inbox)
                 members = self._put_code(members)
                 devices = self._resolve_devices(members)
+                self._check_versions(r, members)
                 plan = self._plan(r, members, devices, run_id=self.run_id, attempt=attempt)
                 self.events(Name.RESTARTING, attempt=attempt, max_restarts=max_restarts,
                             cause=cause_data(failed.cause, error=root_error(failed)),
@@ -462,6 +464,11 @@ class Launch:
         if self.code is None:
             return members
         return self.code.apply(members, self.sessions, self.inbox)
+
+    def _check_versions(self, r: _Settings, members: ClusterSpec) -> None:
+        """The same Python, libraries and NCCL on every host (`preflight.fleet`)."""
+        if self.opts.preflight and fleet.wanted(members, r.argv):
+            fleet.check_versions(members, r.argv, self.sessions, self.inbox, self.events)
 
     def _cut_off(self, cluster: ClusterSpec, result: RunResult) -> dict[str, HostFate]:
         """Gateways lost in this attempt: noted, so the next attempt's tree is planned
@@ -594,7 +601,8 @@ class Launch:
     def _supervise(self, r: _Settings, plan: LaunchPlan, coordinator: Coordinator,
                    inbox: queue.SimpleQueue[reports.Report]) -> RunResult:
         cluster = plan.cluster
-        checks = {w.host: launch_plan(cluster, w, r.argv, r.prebuilt.get(w.host),
+        checks = {w.host: launch_plan(cluster, w, interpreted_argv(cluster, w, r.argv),
+                                      r.prebuilt.get(w.host),
                                       master=(plan.master_addr, cluster.master_port))
                   for w in cluster.workers}
 

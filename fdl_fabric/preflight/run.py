@@ -25,7 +25,7 @@ from typing import Any, Optional
 from ..agent import procs
 from ..clusterfile import ClusterSpec
 from ..planning.envelope import ENV_PREBUILD, EnvelopeError, PrebuiltBinary, parse_prebuilt
-from ..planning.plan import controller_dial_host, coordinator_bind_host
+from ..planning.plan import controller_dial_host, coordinator_bind_host, interpreted_argv
 from ..supervision.coordinator import bind_listener
 from ..transport import Transport, for_cluster
 from ..transport.sshconfig import SshSettings, resolve_all_settings
@@ -268,7 +268,8 @@ def run_checks(
                     token=token, tunnel=w.tunnel, listen_host=ctl.bind_host,
                     listen_port=listener.port, configured_port=cluster.controller.port)
             path_env = w.env.get("PATH", cluster.env.get("PATH"))
-            plan = HostPlan(worker=w, fast=fast, argv=tuple(argv), prebuilt=prebuilt.get(w.host),
+            plan = HostPlan(worker=w, fast=fast, argv=interpreted_argv(cluster, w, argv),
+                            prebuilt=prebuilt.get(w.host),
                             dial=dial, path_env=path_env)
             if w.tunnel and dial is not None and ctl.bind_host not in ("127.0.0.1", *BIND_ALL):
                 jobs.append((w.host, _tunnel_mismatch, (plan, transports[w.host], ctl)))

@@ -30,6 +30,8 @@ class Facts:
     host: str
     gpus: Optional[list[int]]
     error: str = ""
+    #: What the ranks' interpreter reports (`agent.versions.gather`), when asked.
+    versions: Optional[dict[str, Any]] = None
 
 
 @dataclass(frozen=True)

@@ -124,8 +124,10 @@ def _facts(host: str, obj: dict[str, Any]) -> reports.Report:
     """FACTS: ``gpus`` is null when the GPUs could not be listed; that stays None (with
     ``gpu_error`` saying why), distinct from an empty list (no GPU)."""
     gpus = obj.get("gpus")
+    versions = obj.get("versions")
     return reports.Facts(host, [int(g) for g in gpus] if isinstance(gpus, list) else None,
-                         str(obj.get("gpu_error", "")))
+                         str(obj.get("gpu_error", "")),
+                         versions if isinstance(versions, dict) else None)
 
 
 def _preflight(host: str, obj: dict[str, Any]) -> reports.Report:
@@ -305,6 +307,10 @@ class AgentSession:
 
     def probe(self, *, gpus: bool) -> None:
         self.send(wire.PROBE, {"gpus": gpus})
+
+    def send_probe(self, request: dict[str, Any]) -> None:
+        """A PROBE of other facts (``versions``), answered by FACTS."""
+        self.send(wire.PROBE, request)
 
     def start_ranks(self) -> None:
         self.send(wire.START)
