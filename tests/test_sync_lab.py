@@ -11,13 +11,14 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fdl_fabric.testing import SshdLab
-from labutil import LiveLaunch, run_launch
+from labutil import LiveLaunch, run_launch, wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
 
@@ -58,10 +59,11 @@ def commit(root: Path) -> None:
     _git(root, "commit", "-q", "-m", "a version")
 
 
-def sync_cluster(lab: SshdLab, src: Path, **top: Any) -> Path:
+def sync_cluster(lab: SshdLab, src: Path, filename: str = "", **top: Any) -> Path:
+    """A cluster file in ``src`` (so ``sync: true`` sends ``src``), each its own port."""
     workers = [lab.worker(h, nproc=1) for h in lab.hosts]
     top.setdefault("sync", {"exclude": ["data/"]})
-    return lab.write_cluster(workers, filename=f"{src.name}/cluster.yml",
+    return lab.write_cluster(workers, filename=filename or f"{src.name}/cluster.yml",
                              command="python3 train.py", **top)
 
 
@@ -71,6 +73,11 @@ def events(stdout: str) -> list[dict[str, Any]]:
 
 def named(stdout: str, name: str) -> list[dict[str, Any]]:
     return [e for e in events(stdout) if e["name"] == name]
+
+
+def rank_lines(stdout: str) -> list[str]:
+    """Every line the ranks wrote (an output event may carry several)."""
+    return [line for e in named(stdout, "rank_output") for line in e["data"]["text"].splitlines()]
 
 
 def launched(cluster: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -88,7 +95,7 @@ def test_a_launch_with_sync_runs_the_synced_code_and_the_next_sends_only_what_ch
     first = launched(cluster)
     code = named(first.stdout, "code")[0]["data"]
     assert code["code_id"].startswith("git:") and "+" not in code["code_id"]
-    outputs = [e["data"]["text"] for e in named(first.stdout, "rank_output")]
+    outputs = rank_lines(first.stdout)
     assert sum("runs v1 in" in line and "/.fdl-code/trees/" in line for line in outputs) == 3
     synced = {e["host"]: e["data"] for e in named(first.stdout, "code_synced")}
     assert set(synced) == {h.name for h in lab.hosts}
@@ -107,7 +114,7 @@ def test_a_launch_with_sync_runs_the_synced_code_and_the_next_sends_only_what_ch
         "+" + named(second.stdout, "code")[0]["data"]["tree"][:8])
     for e in named(second.stdout, "code_synced"):
         assert (e["data"]["files"], e["data"]["bytes"]) == (1, len("V = 'v2'\n")), e
-    outputs = [e["data"]["text"] for e in named(second.stdout, "rank_output")]
+    outputs = rank_lines(second.stdout)
     assert sum("runs v2 in" in line for line in outputs) == 3
     third = launched(cluster)
     assert all(e["data"]["had"] and e["data"]["bytes"] == 0
@@ -177,20 +184,20 @@ def test_setup_runs_once_is_skipped_next_time_and_runs_again_when_its_input_chan
                for e in named(first.stdout, "setup_done"))
     ran = [e for e in named(first.stdout, "setup_output") if e["data"]["text"] == "setup-ran"]
     assert {e["host"] for e in ran} == {"lab1", "lab2"}
-    texts = [e["data"]["text"] for e in named(first.stdout, "rank_output")]
+    texts = rank_lines(first.stdout)
     assert sum("runs tinypkg 1.0.0 from" in t and ".venv" in t for t in texts) == 2, texts
     # a code change that leaves requirements.txt alone: setup is skipped, the venv linked
     (src / "version.py").write_text("V = 'v2'\n")
     second = launched(cluster)
     assert all(e["data"]["skipped"] for e in named(second.stdout, "setup_done"))
     assert not named(second.stdout, "setup_output")
-    texts = [e["data"]["text"] for e in named(second.stdout, "rank_output")]
+    texts = rank_lines(second.stdout)
     assert sum("runs tinypkg 1.0.0" in t for t in texts) == 2, texts
     # the input changed: setup runs again, in the new tree
     (src / "requirements.txt").write_text("tinypkg==2.0.0\n")
     third = launched(cluster)
     assert all(not e["data"]["skipped"] for e in named(third.stdout, "setup_done"))
-    texts = [e["data"]["text"] for e in named(third.stdout, "rank_output")]
+    texts = rank_lines(third.stdout)
     assert sum("runs tinypkg 2.0.0" in t for t in texts) == 2, texts
 
 
@@ -224,7 +231,7 @@ def test_a_host_whose_python_has_another_version_of_a_package_is_named_in_the_pr
     good, odd = tmp_path / "good", tmp_path / "odd"
     make_venv(good, {"tinypkg": "1.0.0"})
     make_venv(odd, {"tinypkg": "0.9.1"})
-    src = project(lab.root / "proj")
+    project(lab.root / "proj")
     workers = [lab.worker(h, nproc=1, python=str((odd if h.name == "lab3" else good)
                                                  / "bin" / "python"))
                for h in lab.hosts]
@@ -242,3 +249,178 @@ def test_a_host_whose_python_has_another_version_of_a_package_is_named_in_the_pr
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "tinypkg 0.9.1 on lab3" in last and "nothing was started" in last, last
+
+
+# -- two versions at once --------------------------------------------------------------------
+
+def test_two_runs_of_two_versions_on_the_same_hosts_each_see_their_own_code(
+        sshd_lab: Any) -> None:
+    lab = sshd_lab(n_hosts=2)
+    src = project(lab.root / "proj")
+    (src / "train.py").write_text(
+        "import os, sys, time, version\n"
+        "print('start', os.environ['RANK'], version.V, flush=True)\n"
+        "time.sleep(float(sys.argv[1]))\n"
+        "print('end', os.environ['RANK'], open('version.py').read().strip(), flush=True)\n")
+    cluster = sync_cluster(lab, src)
+    commit(src)
+    first = LiveLaunch(cluster, "--cmd", "python3 train.py 6")
+    try:
+        first.wait_line(r"start 1 v1", timeout=60)
+        first.wait_line(r"start 0 v1", timeout=60)
+        (src / "version.py").write_text("V = 'v2'\n")
+        other_port = sync_cluster(lab, src, filename="proj/second.yml")
+        second = launched(other_port, "--cmd", "python3 train.py 0")
+        texts = rank_lines(second.stdout)
+        assert sorted(t for t in texts if t.startswith("end")) == \
+            ["end 0 V = 'v2'", "end 1 V = 'v2'"], texts
+        assert first.finish(60) == 0, first.err
+    finally:
+        first.kill()
+    ends = sorted(line.split("] ", 1)[-1] for line in first.stdout_lines + first.stderr_lines
+                  if "] end " in line)
+    assert ends == ["end 0 V = 'v1'", "end 1 V = 'v1'"], first.err
+
+
+# -- what goes wrong, said clearly, nothing started ---------------------------------------
+
+def _marking(src: Path, marker: Path) -> None:
+    (src / "train.py").write_text(f"open({str(marker)!r}, 'a').write('x')\n")
+
+
+def test_a_missing_src_and_a_symlink_out_of_it_are_refused_before_anything_starts(
+        sshd_lab: Any, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=1)
+    src = project(lab.root / "proj")
+    cluster = sync_cluster(lab, src, sync={"src": "nowhere"})
+    done = run_launch(cluster, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"sync: {src / 'nowhere'} (sync.src, line" in done.stderr.strip().splitlines()[-1]
+    assert lab.hosts[0].session_pids() == [] and not Path(lab.hosts[0].path, ".fdl-code").exists()
+    (tmp_path / "secret.txt").write_text("s")
+    (src / "leak.txt").symlink_to(tmp_path / "secret.txt")
+    cluster = sync_cluster(lab, src)
+    done = run_launch(cluster, timeout=60)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"{src / 'leak.txt'} is a symlink to {tmp_path / 'secret.txt'}, outside {src}" in last
+    assert not Path(lab.hosts[0].path, ".fdl-code").exists()
+
+
+def test_a_host_without_rsync_on_its_path_gets_the_code_all_the_same(
+        sshd_lab: Any, tmp_path: Path) -> None:
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python3").symlink_to(os.path.realpath(sys.executable))
+    (bare / "sh").symlink_to("/bin/sh")
+    lab = sshd_lab(n_hosts=2, session_env={"PATH": str(bare)})
+    src = project(lab.root / "proj")
+    (src / "train.py").write_text("import shutil\nprint('rsync here:', shutil.which('rsync'), "
+                                  "flush=True)\n")
+    workers = [lab.worker(h, nproc=1, env={"PATH": str(bare)}) for h in lab.hosts]
+    cluster = lab.write_cluster(workers, filename="proj/cluster.yml", sync=True,
+                                command="python3 train.py")
+    done = launched(cluster)
+    texts = rank_lines(done.stdout)
+    assert texts.count("rsync here: None") == 2, texts
+    assert len(named(done.stdout, "code_synced")) == 2
+
+
+def test_an_unwritable_path_is_named_and_nothing_starts(sshd_lab: Any) -> None:
+    lab = sshd_lab(n_hosts=2)
+    src = project(lab.root / "proj")
+    marker = lab.root / "ranks-started"
+    _marking(src, marker)
+    blocker = lab.root / "a-file"
+    blocker.write_text("not a folder")
+    workers = [lab.worker(h, nproc=1) for h in lab.hosts]
+    workers[1]["path"] = str(blocker / "work")
+    cluster = lab.write_cluster(workers, filename="proj/cluster.yml", sync=True,
+                                command="python3 train.py")
+    done = run_launch(cluster, "--no-preflight", timeout=60)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"sync to lab2 failed: cannot write under {blocker / 'work'}: Not a directory" in last
+    assert not marker.exists()
+
+
+def _tmpfs(path: Path, size: str) -> None:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True, capture_output=True)
+
+
+def test_a_full_disk_on_a_host_is_named_with_its_free_space_and_nothing_starts(
+        sshd_lab: Any) -> None:
+    lab = sshd_lab(n_hosts=2)
+    src = project(lab.root / "proj")
+    marker = lab.root / "ranks-started"
+    _marking(src, marker)
+    (src / "weights.bin").write_bytes(os.urandom(24 << 20))
+    small = Path(lab.hosts[1].path)
+    _tmpfs(small, "20m")
+    try:
+        cluster = sync_cluster(lab, src)
+        done = run_launch(cluster, timeout=60)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.search(rf"sync to lab2 failed: not enough space under {re.escape(str(small))}: "
+                     r"the sync needs 24\.\d MiB, 20\.0 MiB free", last), last
+    assert not marker.exists()
+
+
+def test_a_host_whose_sshd_dies_mid_sync_is_named_and_nothing_starts(sshd_lab: Any) -> None:
+    lab = sshd_lab(n_hosts=3)
+    src = project(lab.root / "proj")
+    marker = lab.root / "ranks-started"
+    _marking(src, marker)
+    (src / "weights.bin").write_bytes(os.urandom(96 << 20))
+    cluster = sync_cluster(lab, src)
+    run = LiveLaunch(cluster)
+    victim = lab.hosts[1]
+    incoming = Path(victim.path, ".fdl-code", "tmp")
+    try:
+        wait_for(lambda: incoming.is_dir() and any(p.stat().st_size > 0 for p in
+                                                    incoming.iterdir()),
+                 60, "lab2 receiving")
+        victim.lose()
+        assert run.finish(60) == 1, run.err
+    finally:
+        run.kill()
+    last = run.err_lines()[-1]
+    assert "lab2" in last and ("sync" in last or "lost" in last), run.err
+    assert not marker.exists()
+    assert wait_for(lambda: all(h.session_pids() == [] for h in lab.hosts if h is not victim),
+                    20, "the other hosts' agents gone")
+
+
+def test_a_file_that_changes_while_it_is_sent_is_refused_and_nothing_starts(
+        sshd_lab: Any) -> None:
+    import threading
+
+    lab = sshd_lab(n_hosts=2)
+    src = project(lab.root / "proj")
+    marker = lab.root / "ranks-started"
+    _marking(src, marker)
+    hot = src / "weights.bin"
+    hot.write_bytes(os.urandom(16 << 20))
+    cluster = sync_cluster(lab, src)
+    stop = threading.Event()
+
+    def keep_writing() -> None:  # a training job still writing its checkpoint
+        while not stop.is_set():
+            with open(hot, "r+b") as f:
+                f.write(os.urandom(1 << 20))
+
+    writer = threading.Thread(target=keep_writing, daemon=True)
+    writer.start()
+    try:
+        done = run_launch(cluster, timeout=120)
+    finally:
+        stop.set()
+        writer.join(10)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "weights.bin changed while it was sent" in last, done.stderr
+    assert not marker.exists()
