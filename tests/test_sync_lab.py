@@ -424,3 +424,50 @@ def test_a_file_that_changes_while_it_is_sent_is_refused_and_nothing_starts(
     last = done.stderr.strip().splitlines()[-1]
     assert "weights.bin changed while it was sent" in last, done.stderr
     assert not marker.exists()
+
+
+# -- every run says which code it ran ----------------------------------------------------------
+
+def test_the_code_id_is_in_the_record_in_status_and_a_dry_run_lists_what_would_be_sent(
+        sshd_lab: Any, runs: Path) -> None:
+    lab = sshd_lab(n_hosts=2)
+    src = project(lab.root / "proj")
+    cluster = sync_cluster(lab, src)
+    commit(src)
+    dry = run_launch(cluster, "--dry-run", timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert "code git:" in dry.stdout and "train.py" in dry.stdout, dry.stdout
+    assert "/.fdl-code/trees/" in dry.stdout  # each host's cwd: its tree
+    assert all(h.session_pids() == [] for h in lab.hosts)
+    assert not any(Path(h.path, ".fdl-code").exists() for h in lab.hosts), "a dry run sent"
+    done = launched(cluster)
+    code_id = named(done.stdout, "code")[0]["data"]["code_id"]
+    assert events(done.stdout)[0]["name"] == "code", "the code id comes first"
+    run_id = named(done.stdout, "verdict")[0]["data"]["run_id"]
+    record = runs / run_id
+    assert json.loads((record / "state.json").read_text())["code_id"] == code_id
+    assert json.loads((record / "result.json").read_text())["code_id"] == code_id
+    status = subprocess.run([sys.executable, "-m", "fdl_fabric", "status", "--all", "-c",
+                             str(cluster)], capture_output=True, text=True, timeout=60)
+    assert f"code {code_id}" in status.stdout + status.stderr, status.stdout + status.stderr
+
+
+def test_fdl_fabric_run_with_hosts_and_sync_sends_the_current_folder(
+        sshd_lab: Any, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=2)
+    config = lab.write_ssh_config(tmp_path / "ssh_config")
+    src = project(tmp_path / "work")
+    done = subprocess.run([sys.executable, "-m", "fdl_fabric", "run", "--hosts", "node1,node2",
+                           "-F", str(config), "--sync", "--nproc-per-node", "1", "--json",
+                           "train.py"], cwd=src, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert named(done.stdout, "code")[0]["data"]["src"] == str(src)
+    lines = rank_lines(done.stdout)
+    assert sum("runs v1 in" in t and f"{src}/.fdl-code/trees/" in t for t in lines) == 2, lines
+    plain = subprocess.run([sys.executable, "-m", "fdl_fabric", "run", "--hosts", "node1",
+                            "-F", str(config), "--nproc-per-node", "1", "--json", "train.py"],
+                           cwd=src, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert not named(plain.stdout, "code"), "no sync unless asked"
+    assert any(f"runs v1 in {src}" == t.split(" ", 3)[-1] or t.endswith(f"in {src}")
+               for t in rank_lines(plain.stdout))

@@ -78,7 +78,8 @@ def run_row(run: Mapping[str, Any], now: float) -> str:
     mode = "detached" if run.get("detached") else "foreground"
     hosts = run.get("hosts") or []
     where = f"{run.get('world_size', '?')} rank(s) on {len(hosts)} host(s)" if hosts else ""
-    return f"  {run['run_id']}  {state}  {when}  {mode}  {where}".rstrip()
+    code = f"  code {run['code_id']}" if run.get("code_id") else ""
+    return f"  {run['run_id']}  {state}  {when}  {mode}  {where}{code}".rstrip()
 
 
 def runs_text(d: Mapping[str, Any]) -> str:

@@ -110,7 +110,8 @@ class RunView:
                 "verdict": result.get("verdict"), "exit_code": result.get("exit_code"),
                 "world_size": state.get("world_size"), "hosts": state.get("hosts") or [],
                 "launcher": self.launcher, "command": state.get("command"),
-                "cwd": state.get("cwd"), "folder": str(self.folder)}
+                "cwd": state.get("cwd"), "folder": str(self.folder),
+                "code_id": state.get("code_id")}
 
 
 def view(folder: Path) -> RunView:

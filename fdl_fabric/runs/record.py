@@ -180,6 +180,10 @@ class RunRecord:
         if event.name is Name.LAUNCH:
             self._state.update(world_size=event.data.get("world_size"),
                                hosts=sorted(event.data.get("ranks") or {}))
+        if event.name is Name.CODE:  # which code the run runs (``sync``)
+            self._state.update(code_id=event.data.get("code_id"),
+                               code_src=event.data.get("src"))
+            self._save()
         if state is None:
             return
         if state is RunState.STOPPING and self._state["state"] == RunState.ENDED.value:
@@ -208,6 +212,7 @@ class RunRecord:
                   "faults": data.get("faults") or {}, "root_cause": self.root_cause,
                   "started": self._state["started"], "ended": self._state.get("ended"),
                   "launcher": self._state["launcher"], "hosts": self._state.get("hosts"),
+                  "code_id": self._state.get("code_id"),
                   **self._kept}
         try:
             write_json(self.folder / RESULT, result)
