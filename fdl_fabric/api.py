@@ -95,7 +95,8 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
            dry_run: bool = False, json: bool = False,
            on_event: Optional[Callable[[Event], None]] = None,
            on_exit: Optional[str] = None, detach: bool = False,
-           on: Optional[str] = None, sync: Optional[bool] = None) -> Any:
+           on: Optional[str] = None, sync: Optional[bool] = None,
+           python: Optional[str] = None) -> Any:
     """Launch the job of ``cluster`` (a cluster file, or a `ClusterSpec` built in code),
     or of ``hosts``/``hostfile`` (then pass ``cluster=None``), and supervise it to its
     verdict.
@@ -129,7 +130,7 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
         "preflight": preflight, "log_dir": _path(log_dir), "dry_run": dry_run,
         "quiet": quiet, "verbose": str(verbosity) if verbosity else None, "json": json,
         "env": dict(env or {}), "on_exit": on_exit, "detach": detach,
-        "sync": sync is True, "no_sync": sync is False}
+        "sync": sync is True, "no_sync": sync is False, "python": python}
     if isinstance(cluster, ClusterSpec) and (hosts or hostfile):
         raise FdlError("hosts: give a ClusterSpec or hosts, not both", EXIT_USAGE)
     words = () if command is None or isinstance(command, str) else list(command)

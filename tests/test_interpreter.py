@@ -199,3 +199,19 @@ def test_each_host_runs_its_own_python_over_ssh(sshd_lab, tmp_path: Path) -> Non
     venv = Path(one.path) / ".venv"
     assert f"[{one.name}:cpu:r0] interpreter {venv}/bin/python prefix {venv}\n" in out.stdout
     assert f"[{two.name}:cpu:r1] interpreter {other}/bin/python prefix {other}\n" in out.stdout
+
+
+def test_the_python_flag_gives_every_host_the_interpreter_and_is_checked(
+        tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "show.py").write_text("print(1)\n")
+    dry = subprocess.run([sys.executable, "-m", "fdl_fabric", "run", "--dry-run",
+                          "--python", "venv/bin/python", "show.py"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert "argv venv/bin/python -u show.py" in dry.stdout, dry.stdout
+    bad = subprocess.run([sys.executable, "-m", "fdl_fabric", "run", "--python", "~/v/python",
+                          "show.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--python: ~ is not expanded" in bad.stderr, bad.stderr

@@ -30,7 +30,7 @@ from ..clusterfile.hosts import (
     read_hostfile,
 )
 from ..clusterfile.model import FANOUT_MAX
-from ..clusterfile.names import command_problem, host_name_problem, user_name_problem
+from ..clusterfile.names import command_problem, host_name_problem, path_problem, user_name_problem
 from ..errors import EXIT_USAGE, FdlError, usage
 from ..limits import COMMAND_MAX_BYTES, RANKS_PER_WORKER_MAX, RESTARTS_MAX, SECONDS_MAX
 from .launchoptions import MaxFailure
@@ -164,6 +164,21 @@ def on_exit(text: Optional[str]) -> Optional[str]:
     problem = command_problem(text) if text is not None else None
     if problem is not None:
         raise usage("--on-exit", f"the command {problem}")
+    return text
+
+
+def python(text: Optional[str]) -> Optional[str]:
+    """``--python``: one interpreter, held to the rule of the file's ``python:``."""
+    if text is None:
+        return None
+    if not text.strip() or any(c.isspace() for c in text):
+        raise usage("--python", f"is one interpreter (a path or a name), got {text!r}")
+    if text.startswith("~"):
+        raise usage("--python", "~ is not expanded on the hosts: use a path relative to the "
+                    "ranks' folder or an absolute one")
+    problem = path_problem(text)
+    if problem is not None:
+        raise usage("--python", f"the path {problem}")
     return text
 
 

@@ -343,6 +343,10 @@ class Launch:
         if opts.max_restarts is not None:
             changes["elastic"] = dataclasses.replace(cluster.elastic,
                                                      max_restarts=opts.max_restarts)
+        if opts.python is not None:
+            changes["python"] = opts.python
+            changes["workers"] = tuple(dataclasses.replace(w, python=None)
+                                       for w in cluster.workers)
         sync = sync_spec(cluster, opts.sync)
         if sync != cluster.sync:
             changes["sync"] = sync

@@ -60,6 +60,8 @@ class LaunchOptions:
     run_id: Optional[str] = None
     #: ``--sync`` True, ``--no-sync`` False; None: as the cluster file says (``sync:``).
     sync: Optional[bool] = None
+    #: ``--python``: every host's interpreter for the ranks (wins over the file's).
+    python: Optional[str] = None
 
 
 __all__ = ["LaunchOptions", "MaxFailure"]

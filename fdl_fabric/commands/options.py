@@ -56,7 +56,7 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
         fanout=flags.fanout(v.get("fanout")), json=bool(v.get("json")),
         env_overrides=dict(v.get("env") or {}),
         on_exit=flags.on_exit(v.get("on_exit")), detach=bool(v.get("detach")),
-        sync=_sync_choice(v))
+        sync=_sync_choice(v), python=flags.python(v.get("python")))
     if common["detach"] and common["dry_run"]:
         raise usage("--detach", "a dry run starts nothing to detach from: drop one")
     from_hosts = hosts_cluster(values, command=command, nproc_per_node=per_node,

@@ -149,6 +149,10 @@ FLAGS: tuple[Flag, ...] = (
        "travels (docs/code-and-environment.md)", _BOTH, default="sync: in the cluster file"),
     _f("no_sync", "run what the hosts have in their path, even when the cluster file "
        "says sync:", _BOTH),
+    _f("python", "the interpreter of ranks whose command starts with python or python3, "
+       "on every host (a path relative to the ranks' folder, e.g. .venv/bin/python, or an "
+       "absolute one)", _BOTH, metavar="PYTHON",
+       default="python: of the cluster file (else the command's own)"),
     _f("detach", "once every rank runs, leave the run to a supervisor with no terminal and "
        "exit 0: closing this terminal changes nothing (attach, logs, stop, wait follow it)",
        _BOTH),
