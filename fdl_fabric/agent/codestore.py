@@ -100,6 +100,10 @@ class Store:
         try:
             for sub in ("objects", "trees", "tmp"):
                 os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+            ignore = os.path.join(self.root, ".gitignore")
+            if not os.path.exists(ignore):  # a store inside a work tree stays out of git
+                with open(ignore, "w", encoding="utf-8") as f:
+                    f.write("# fdl-fabric's synced code (docs/code-and-environment.md)\n*\n")
         except OSError as exc:
             raise StoreError(f"cannot write under {self.path}: {exc.strerror or exc}") from None
         if not os.access(self.root, os.W_OK):
@@ -217,7 +221,7 @@ class Store:
             self._build()
         self.hold()
         with contextlib.suppress(OSError):
-            link = os.path.join(self.root, "current.tmp")
+            link = os.path.join(self.root, f"current.{os.getpid()}")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(link)
             os.symlink(os.path.join("trees", self.tree), link)

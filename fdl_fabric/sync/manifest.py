@@ -29,6 +29,7 @@ from typing import Optional
 
 import pathspec
 
+from ..agent.wire import MAX_FRAME
 from ..clusterfile.model import SyncSpec
 from ..errors import EXIT_USAGE, FdlError
 
@@ -39,8 +40,11 @@ NEVER = (".git/", ".fdl-code/", "__pycache__/", "*.pyc")
 IGNORE_FILE = ".fdlignore"
 #: A file this recent may still change within its mtime's granularity: not cached.
 RACY_SECONDS = 2.0
-#: Files in one manifest, at most: a manifest travels to every host in one frame.
-FILES_MAX = 200_000
+#: Files in one manifest, at most: a manifest travels to every host in one frame
+#: (`agent.wire.MAX_FRAME`, 16 MiB; an entry takes about 120 bytes).
+FILES_MAX = 100_000
+#: Bytes of the manifest as it travels, at most: one agent frame, with room to spare.
+MANIFEST_MAX = MAX_FRAME - (1 << 20)
 #: Seconds ``git`` may take to list the files.
 GIT_TIMEOUT = 30.0
 
@@ -119,6 +123,11 @@ def build(spec: SyncSpec, *, never: Sequence[str] = (), cache_dir: Optional[Path
                            EXIT_USAGE)
     cache.save()
     ordered = tuple(entries[k] for k in sorted(entries))
+    size = len(json.dumps([e.wire() for e in ordered], separators=(",", ":")))
+    if size > MANIFEST_MAX:
+        raise FdlError(f"cluster launcher: sync: the manifest of {src} takes {size >> 20} MiB, "
+                       f"more than the {MANIFEST_MAX >> 20} MiB one message may carry; "
+                       "exclude what the ranks do not need (sync.exclude)", EXIT_USAGE)
     tree = _tree_id(ordered)
     return Manifest(src=src, entries=ordered, tree=tree,
                     code_id=_code_id(src, tree) if git else f"tree:{tree}", excluded=excluded)
@@ -237,7 +246,8 @@ def _code_id(src: str, tree: str) -> str:
     head = _git(src, "rev-parse", "--short=12", "HEAD")
     if head is None or not head.strip():
         return f"tree:{tree}"
-    status = _git(src, "status", "--porcelain", "--untracked-files=normal", "--", ".")
+    status = _git(src, "status", "--porcelain", "--untracked-files=normal", "--", ".",
+                  ":(exclude).fdl-code")
     dirty = bool(status and status.strip())
     return f"git:{head.strip()}" + (f"+{tree[:8]}" if dirty else "")
 

@@ -148,7 +148,7 @@ class Push:
 
     def _fail(self, host: str, reason: str) -> None:
         self.stop.set()
-        raise FdlError(f"cluster launcher: sync to {host} failed: {reason} — nothing was "
+        raise FdlError(f"cluster launcher: sync to {host}: {reason} — nothing was "
                        "started")
 
     # -- sending -------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class Setup:
                     waiting.discard(report.host)
                     self._done(report.host, report.info)
                 elif isinstance(report, reports.AgentGone) and report.host in waiting:
-                    raise FdlError(f"cluster launcher: setup on {report.host} failed: the host "
+                    raise FdlError(f"cluster launcher: setup on {report.host}: the host "
                                    f"dropped ({report.reason}) — nothing was started")
                 else:
                     kept.append(report)
@@ -125,5 +125,5 @@ class Setup:
 
     def _failed(self, host: str, why: str, tail: list[str]) -> None:
         self.events(Name.SETUP_FAILED, host=host, why=why, tail=tail)
-        raise FdlError(f"cluster launcher: setup failed on {host}: {why} — no rank was "
+        raise FdlError(f"cluster launcher: setup on {host}: {why} — no rank was "
                        "started on any host")
