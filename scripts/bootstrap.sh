@@ -21,6 +21,8 @@ if [ "$want_test" = 1 ]; then
   { command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ]; } || missing+=(munge)
   command -v tmux >/dev/null 2>&1 || missing+=(tmux)
   command -v zsh >/dev/null 2>&1 || missing+=(zsh)  # the zsh completion test
+  command -v git >/dev/null 2>&1 || missing+=(git)  # sync: work trees and code ids
+  command -v ss >/dev/null 2>&1 || missing+=(iproute2)  # sync: bytes sent, per socket
   if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
       echo "bootstrap: installing ${missing[*]} (apt-get)"
