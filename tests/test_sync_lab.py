@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from fdl_fabric.testing import SshdLab
-from labutil import LiveLaunch, run_launch, wait_for
+from labutil import LiveLaunch, alive, run_launch, wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
 
@@ -206,8 +206,11 @@ def test_a_failing_setup_names_its_host_and_no_rank_starts_anywhere(sshd_lab: An
     src = project(lab.root / "proj")
     marker = lab.root / "ranks-started"
     (src / "train.py").write_text(f"open({str(marker)!r}, 'a').write('x')\n")
-    setup = ('if [ "$(hostname)" = never ] || [ "$FDL_FAIL_HOST" = "$LAB_HOST" ]; then '
-             'echo "pip: no matching distribution" >&2; exit 3; fi; sleep 0.2; echo fine')
+    pids = lab.root / "setup-pids"
+    pids.mkdir()
+    setup = ('if [ "$FDL_FAIL_HOST" = "$LAB_HOST" ]; then sleep 1; '
+             'echo "pip: no matching distribution" >&2; exit 3; fi; '
+             f'echo $$ > {pids}/$LAB_HOST; exec sleep 60')
     lab_env = {"FDL_FAIL_HOST": "lab2"}
     workers = [lab.worker(h, nproc=1, env={"LAB_HOST": h.name, **lab_env}) for h in lab.hosts]
     cluster = lab.write_cluster(workers, filename="proj/cluster.yml", command="python3 train.py",
@@ -219,6 +222,10 @@ def test_a_failing_setup_names_its_host_and_no_rank_starts_anywhere(sshd_lab: An
     assert "pip: no matching distribution" in done.stderr
     assert "[lab2:setup] pip: no matching distribution" in done.stderr
     assert not marker.exists(), "a rank started"
+    others = {p.name: int(p.read_text()) for p in pids.iterdir()}
+    assert set(others) == {"lab1", "lab3"}
+    wait_for(lambda: not any(alive(pid) for pid in others.values()), 15,
+             "the other hosts' setups stopped")
 
 
 # -- the same interpreter and libraries everywhere -----------------------------------------
