@@ -92,6 +92,8 @@ class Name(str, Enum):
     SETUP_DONE = ("setup_done", Kind.LAUNCH)
     #: A host's ``setup:`` failed: its last lines (the verdict follows).
     SETUP_FAILED = ("setup_failed", Kind.WARNING)
+    #: Every host runs the same Python, packages and NCCL (`preflight.fleet`).
+    VERSIONS_AGREE = ("versions_agree", Kind.LAUNCH)
     #: ``setup:`` is not run: ``--no-sync`` (it runs in the synced folder).
     SETUP_NOT_RUN = ("setup_not_run", Kind.WARNING)
     FAILURE_DETAIL = ("failure_detail", Kind.WARNING)

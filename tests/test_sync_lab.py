@@ -479,3 +479,25 @@ def test_fdl_fabric_run_with_hosts_and_sync_sends_the_current_folder(
     assert not named(plain.stdout, "code"), "no sync unless asked"
     assert any(f"runs v1 in {src}" == t.split(" ", 3)[-1] or t.endswith(f"in {src}")
                for t in rank_lines(plain.stdout))
+
+
+def test_torch_gloo_ddp_runs_from_the_synced_folder_and_the_hosts_agree_on_torch(
+        sshd_lab: Any, tmp_path: Path) -> None:
+    import shutil
+
+    import torch  # requirements-torch.txt: the CPU wheel, installed for the tests
+    lab = sshd_lab(n_hosts=2)
+    config = lab.write_ssh_config(tmp_path / "ssh_config")
+    src = tmp_path / "ddp-project"
+    src.mkdir()
+    shutil.copy(Path(__file__).resolve().parent.parent / "examples" / "ddp_torch.py", src)
+    done = subprocess.run([sys.executable, "-m", "fdl_fabric", "run", "--hosts", "node[1-2]",
+                           "-F", str(config), "--sync", "--nproc-per-node", "1",
+                           "ddp_torch.py", "--steps", "3"], cwd=src, capture_output=True,
+                          text=True, timeout=200)
+    assert done.returncode == 0, done.stderr
+    version = torch.__version__
+    assert f"versions: python {sys.version.split()[0]}, torch {version} on all 2 hosts" in \
+        done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == \
+        "cluster launcher: run completed — all 2 ranks exited 0"

@@ -53,7 +53,9 @@ def check_versions(cluster: ClusterSpec, argv: Sequence[str],
     rows = judge({h: facts[h] for h in hosts if h in facts}, cluster.versions)
     failures = []
     for row in rows:
-        if row.status is Status.WARN:
+        if row.status is Status.OK:
+            events(Name.VERSIONS_AGREE, reason=row.reason)
+        elif row.status is Status.WARN:
             events(Name.PREFLIGHT_WARNING, host=row.host, check=row.name, reason=row.reason)
         elif row.status is Status.FAIL:
             events(Name.PREFLIGHT_FAILED_CHECK, host=row.host, check=row.name,

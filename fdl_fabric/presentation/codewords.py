@@ -74,6 +74,7 @@ CODE_WORDS: dict[Name, Words] = {
     Name.SETUP_OUTPUT: lambda e, d: f"[{e.host}:setup] {neutralize(d['text'])}",
     Name.SETUP_DONE: _setup_done,
     Name.SETUP_FAILED: _setup_failed,
+    Name.VERSIONS_AGREE: lambda e, d: f"{L}versions: {d['reason']}",
     Name.SETUP_NOT_RUN: lambda e, d: (f"{L}setup is not run: --no-sync (it runs in the "
                                       "synced folder)"),
 }
