@@ -36,17 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from fdl_fabric.agent import (
-    children,
-    codestore,
-    lines,
-    procs,
-    registry,
-    setupstep,
-    stacks,
-    watchdog,
-    wire,
-)
+from fdl_fabric.agent import children, codeops, lines, procs, registry, stacks, watchdog, wire
 from fdl_fabric.rank import ENV_CLUSTER_JSON, ENV_ERROR_FILE
 
 #: Frames waiting for the launcher beyond this many bytes pause reading rank output,
@@ -140,10 +130,8 @@ class Agent:
         self.collectors: Dict[int, Any] = {}
         self.watchdog: Optional[watchdog.Watchdog] = None
         self.exit_code = EXIT_OK
-        #: The synced code's store during a sync, and after it (its tree's lock).
-        self.store: Optional[codestore.Store] = None
-        #: ``setup:`` while it runs (`setupstep`).
-        self.setup: Optional[setupstep.SetupRun] = None
+        #: The code step: the synced code's store (its tree's lock) and ``setup:``.
+        self.code = codeops.CodeOps(self.send, self._queue, self.sel)
         self._wake_r, self._wake_w = os.pipe()
 
     # -- setup ----------------------------------------------------------------------------
@@ -203,8 +191,9 @@ class Agent:
         due += [p.kill_at for p in self.ranks.values() if p.kill_at is not None and p.running]
         if self.record_written:
             due.append(self.last_touch + procs.RECORD_TOUCH)
-        if self.setup is not None and self.setup.deadline is not None:
-            due.append(self.setup.deadline)
+        setup_due = self.code.deadline()
+        if setup_due is not None:
+            due.append(setup_due)
         return due
 
     def _step(self) -> None:
@@ -236,7 +225,7 @@ class Agent:
         elif what == "stacks":
             self._read_collector(key.fd)
         elif what == "setup":
-            self._read_setup(key.fd)
+            self.code.read_setup(key.fd, _read_ready(key.fd))
         else:
             self._read_rank(key.fd)
 
@@ -249,9 +238,7 @@ class Agent:
         self._kill_after_grace(now)
         self._kill_ranks_past_grace(now)
         self._touch_record_if_due(now)
-        if self.setup is not None and self.setup.deadline is not None and \
-                now >= self.setup.deadline:
-            self.setup.expire()
+        self.code.on_time(now)
 
     def _end_lease_if_expired(self, now: float) -> None:
         """The launcher's silence outlived the lease: act as on EOF, since a stalled
@@ -322,6 +309,12 @@ class Agent:
     def send(self, kind: int, obj: Optional[Dict[str, Any]] = None) -> None:
         if self.output_open:
             self.out += wire.message(kind, obj)
+            self.last_sent = time.monotonic()
+
+    def _queue(self, frame: bytes) -> None:
+        """A frame built elsewhere (binary: setup's output), sent like `send`'s."""
+        if self.output_open:
+            self.out += frame
             self.last_sent = time.monotonic()
 
     def _pump(self, seconds: float) -> None:
@@ -425,91 +418,17 @@ class Agent:
         elif kind == wire.STACKS:
             self._on_stacks(wire.parse_json(body))
         elif kind == wire.SYNC:
-            self._on_sync(wire.parse_json(body))
+            self.code.on_sync(wire.parse_json(body))
         elif kind == wire.SYNC_DATA:
-            self._on_sync_data(body)
+            if time.monotonic() - self.last_sent >= wire.HEARTBEAT_INTERVAL:
+                self.send(wire.HEARTBEAT)  # a long transfer: the launcher hears it lives
+            self.code.on_sync_data(body)
         elif kind == wire.SETUP:
-            self._on_setup(wire.parse_json(body))
+            self.code.on_setup(wire.parse_json(body))
         elif kind == wire.LIST:
             request = wire.parse_json(body)
             cluster = request.get("cluster")
             self.send(wire.RUNS, procs.list_runs(str(cluster) if cluster else None))
-
-    # -- the synced code (`codestore`) ----------------------------------------------------
-    def _on_sync(self, request: Dict[str, Any]) -> None:
-        self.store = codestore.Store(str(request.get("path") or "."))
-        try:
-            answer = self.store.begin(request)
-        except codestore.StoreError as exc:
-            self._sync_failed(str(exc), wire.SYNC_NEED)
-            return
-        self.send(wire.SYNC_NEED, answer)
-        if self.store.complete:
-            self._sync_done()
-
-    def _on_sync_data(self, body: bytes) -> None:
-        if self.store is None:
-            return  # the sync failed already (said once); what was in flight is dropped
-        if time.monotonic() - self.last_sent >= wire.HEARTBEAT_INTERVAL:
-            self.send(wire.HEARTBEAT)  # a long transfer: the launcher hears it is alive
-        try:
-            done = self.store.receive(body)
-        except codestore.StoreError as exc:
-            self._sync_failed(str(exc), wire.SYNCED)
-            return
-        if done:
-            self._sync_done()
-
-    def _sync_done(self) -> None:
-        assert self.store is not None
-        try:
-            self.send(wire.SYNCED, self.store.finish())
-        except (codestore.StoreError, OSError) as exc:
-            self._sync_failed(str(exc), wire.SYNCED)
-
-    def _on_setup(self, request: Dict[str, Any]) -> None:
-        try:
-            run = setupstep.SetupRun(request)
-            done = run.reuse()
-            if done is not None:
-                if self.store is not None and done["made_in"] != run.tree:
-                    self.store.hold_also(done["made_in"])
-                self.send(wire.SETUP_DONE, done)
-                return
-            fds = run.start()
-        except (OSError, KeyError, TypeError, ValueError) as exc:
-            self.send(wire.SETUP_DONE, {"error": f"cannot start setup: {exc}"})
-            return
-        self.setup = run
-        for fd in fds:
-            self.sel.register(fd, selectors.EVENT_READ, "setup")
-
-    def _read_setup(self, fd: int) -> None:
-        run = self.setup
-        if run is None:
-            return
-        data = _read_ready(fd)
-        if data is None:
-            return
-        if data:
-            run.keep(data)
-            self.out += wire.frame(wire.SETUP_OUTPUT, bytes((run.fds[fd],)) + data)
-            self.last_sent = time.monotonic()
-            return
-        self.sel.unregister(fd)
-        os.close(fd)
-        del run.fds[fd]
-        self._setup_ended()
-
-    def _setup_ended(self) -> None:
-        run = self.setup
-        if run is not None and run.ended:
-            self.setup = None
-            self.send(wire.SETUP_DONE, run.result())
-
-    def _sync_failed(self, reason: str, kind: int) -> None:
-        self.store = None
-        self.send(kind, {"error": reason})
 
     def _on_stop(self, request: Dict[str, Any]) -> None:
         name = request.get("signal") or "TERM"
@@ -745,9 +664,7 @@ class Agent:
                 return
             proc = self.by_pid.get(pid)
             if proc is None:
-                if self.setup is not None and pid == self.setup.pid:
-                    self.setup.status = status
-                    self._setup_ended()
+                self.code.reaped(pid, status)
                 continue  # an adopted orphan (subreaper) or the watchdog
             proc.status = status
             self._drain_rank(proc)
@@ -863,8 +780,7 @@ class Agent:
             return
         if self.stopping or not self.input_open:
             # Nothing was started (pre-flight failed, or the launcher went away first).
-            if self.setup is not None:  # the leash holds setup too
-                self.setup.kill()
+            self.code.leash()  # the leash holds setup too
             self.send(wire.DONE)
             self.finished = True
 

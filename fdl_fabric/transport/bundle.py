@@ -31,6 +31,7 @@ _MODULES = ("fdl_fabric.rank", "fdl_fabric.agent.wire", "fdl_fabric.agent.lines"
             "fdl_fabric.agent.registry", "fdl_fabric.agent.procs", "fdl_fabric.agent.children",
             "fdl_fabric.agent.checks", "fdl_fabric.agent.codestore",
             "fdl_fabric.agent.feeder", "fdl_fabric.agent.setupstep",
+            "fdl_fabric.agent.codeops",
             "fdl_fabric.agent.versions",
             "fdl_fabric.agent.stacks", "fdl_fabric.agent.watchdog", "fdl_fabric.agent.main",
             "fdl_fabric.agent.relay")
