@@ -320,3 +320,20 @@ def test_a_code_key_written_wrong_is_refused_naming_it(text: str, words: str,
     with pytest.raises(ConfigError) as caught:
         _parse(_WORKER + text, tmp_path)
     assert words in str(caught.value)
+
+
+def test_a_sync_is_refused_with_on_since_only_the_cluster_file_goes_there(
+        tmp_path: Path) -> None:
+    from fdl_fabric.commands.onhost import refuse_sync
+
+    with pytest.raises(FdlError) as caught:
+        refuse_sync("head", {"sync": True}, None)
+    assert caught.value.exit_code == 2 and "--on: sync sends a folder of this machine" in \
+        str(caught.value)
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(_WORKER + "sync: true\n")
+    with pytest.raises(FdlError):
+        refuse_sync("head", {}, str(cluster))
+    refuse_sync("head", {"no_sync": True}, str(cluster))  # said: run what head has
+    cluster.write_text(_WORKER)
+    refuse_sync("head", {}, str(cluster))

@@ -135,6 +135,7 @@ def launch_there(on: str, given: Mapping[str, Any], argv: Sequence[str],
     """``launch --detach --on HOST``: the cluster file and the flags to ``on``, the
     supervisor started there; what it says, its exit code (0 once every rank runs) and
     the run's id."""
+    refuse_sync(on, given, cluster_file)
     transport = connect(on)
     try:
         check_version(transport, on)
@@ -164,6 +165,25 @@ def launch_there(on: str, given: Mapping[str, Any], argv: Sequence[str],
         return int(done.exited), said.group(1) if said else None
     finally:
         transport.close()
+
+
+def refuse_sync(on: str, given: Mapping[str, Any], cluster_file: Optional[str]) -> None:
+    """``--on`` carries the cluster file, not the folder ``sync:`` would send from this
+    machine: a sync from there would send the wrong folder, so it is refused (exit 2)."""
+    if given.get("no_sync"):
+        return
+    wanted = bool(given.get("sync"))
+    if not wanted and cluster_file is not None and os.path.isfile(cluster_file):
+        from ..clusterfile import load_cluster
+
+        try:
+            wanted = load_cluster(cluster_file).sync is not None
+        except FdlError:
+            return  # the launch there says what is wrong with the file
+    if wanted:
+        raise FdlError(f"--on: sync sends a folder of this machine, and only the cluster "
+                       f"file goes to {on}: run the launch from a checkout on {on} (ssh {on} "
+                       "fdl-fabric launch --detach --sync ...), or add --no-sync", EXIT_USAGE)
 
 
 def _private_folders(sftp: Any, home: PurePosixPath, folder: PurePosixPath) -> None:
