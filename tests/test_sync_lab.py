@@ -501,3 +501,26 @@ def test_torch_gloo_ddp_runs_from_the_synced_folder_and_the_hosts_agree_on_torch
         done.stderr, done.stderr
     assert done.stderr.splitlines()[-1] == \
         "cluster launcher: run completed — all 2 ranks exited 0"
+
+
+def test_ctrl_c_during_setup_stops_it_on_every_host_and_the_verdict_says_interrupted(
+        sshd_lab: Any) -> None:
+    import signal
+
+    lab = sshd_lab(n_hosts=2)
+    src = project(lab.root / "proj")
+    pids = lab.root / "setup-pids"
+    pids.mkdir()
+    cluster = sync_cluster(lab, src, setup=f"echo $$ > {pids}/$(mktemp -u XXXXXX); "
+                                           "echo setting up; exec sleep 60")
+    run = LiveLaunch(cluster)
+    try:
+        wait_for(lambda: len(list(pids.iterdir())) == 2, 60, "both setups running")
+        run.wait_line(r"\[lab\d:setup\] setting up", timeout=30)
+        run.signal(signal.SIGINT)
+        assert run.finish(60) == 130, run.err
+    finally:
+        run.kill()
+    running = [int(p.read_text()) for p in pids.iterdir()]
+    wait_for(lambda: not any(alive(pid) for pid in running), 15, "every setup stopped")
+    assert "interrupted" in run.err_lines()[-1], run.err
