@@ -4,6 +4,7 @@ its agent drives it), the gateway's feeder, the setup key and the cluster file's
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -154,9 +155,16 @@ def _frames(m: manifests.Manifest, need: list[int], src: Path) -> list[bytes]:
     return out
 
 
+def begun(store: codestore.Store, m: manifests.Manifest) -> dict[str, Any]:
+    """The two questions an agent answers: has it the tree? then, what does it lack?"""
+    if store.ask(m.tree):
+        return {"have": True, "need": []}
+    return store.begin({"entries": m.wire()})
+
+
 def sync(m: manifests.Manifest, src: Path, path: Path) -> tuple[dict[str, Any], Any]:
     store = codestore.Store(str(path))
-    need = store.begin({"tree": m.tree, "entries": m.wire()})
+    need = begun(store, m)
     for body in _frames(m, need["need"], src):
         store.receive(body)
     assert store.complete
@@ -192,7 +200,7 @@ def test_a_file_that_changed_while_it_was_sent_is_refused_not_stored(tmp_path: P
     src = _tree(tmp_path / "src")
     m = build(src, tmp_path)
     store = codestore.Store(str(tmp_path / "host"))
-    need = store.begin({"tree": m.tree, "entries": m.wire()})
+    need = begun(store, m)
     index = next(i for i in need["need"] if m.entries[i].rel == "train.py")
     with pytest.raises(codestore.StoreError, match="train.py changed while it was sent"):
         store.receive(codestore.DATA_HEAD.pack(index, codestore.LAST) + b"print('HI')\n")
@@ -201,9 +209,10 @@ def test_a_file_that_changed_while_it_was_sent_is_refused_not_stored(tmp_path: P
 
 def test_a_manifest_path_outside_the_tree_is_refused(tmp_path: Path) -> None:
     store = codestore.Store(str(tmp_path / "host"))
+    assert not store.ask("abc")
     for rel in ("../x", "/etc/passwd", "a/../../b", ""):
         with pytest.raises(codestore.StoreError, match="outside the folder"):
-            store.begin({"tree": "abc", "entries": [[rel, "f", 0o644, 1, "0" * 64, 0]]})
+            store.begin({"entries": [[rel, "f", 0o644, 1, "0" * 64, 0]]})
 
 
 def test_not_enough_space_is_said_with_the_free_space(tmp_path: Path,
@@ -214,7 +223,7 @@ def test_not_enough_space_is_said_with_the_free_space(tmp_path: Path,
     monkeypatch.setattr(store, "free", lambda: 1024)
     with pytest.raises(codestore.StoreError, match=r"not enough space under .*: the sync "
                        r"needs .*, 1\.0 KiB free"):
-        store.begin({"tree": m.tree, "entries": m.wire()})
+        begun(store, m)
 
 
 def test_old_trees_nobody_runs_are_collected_and_a_held_one_is_kept(tmp_path: Path) -> None:
@@ -226,10 +235,11 @@ def test_old_trees_nobody_runs_are_collected_and_a_held_one_is_kept(tmp_path: Pa
         (src / "train.py").write_text(f"print({n})\n")
         store = codestore.Store(str(host))
         m = build(src, tmp_path)
-        need = store.begin({"tree": m.tree, "entries": m.wire()})
+        need = begun(store, m)
         for body in _frames(m, need["need"], src):
             store.receive(body)
         done = store.finish()
+        store.collect()  # as its agent does, once it answered
         dirs.append(Path(done["dir"]))
         if n == 0:
             held = store  # its lock stays held, as an agent running that tree holds it
@@ -257,6 +267,17 @@ def test_the_feeder_sends_a_leaf_the_same_frames_the_launcher_would(tmp_path: Pa
             assert (kind, index) == (wire.SYNC_DATA, 7)
             got += body[codestore.DATA_HEAD.size:]
     assert got == data and flags == codestore.LAST
+
+
+def test_serve_names_entries_and_the_relay_finds_their_objects_in_the_kept_manifest(
+        tmp_path: Path) -> None:
+    src = _tree(tmp_path / "src")
+    m = build(src, tmp_path)
+    kept = wire.frame(wire.SYNC_MANIFEST, json.dumps({"entries": m.wire()}).encode())
+    index = next(i for i, e in enumerate(m.entries) if e.rel == "train.py")
+    [(got, path)] = feeder.objects_of(kept, "/srv/p/.fdl-code", [index])
+    sha = m.entries[index].ref
+    assert (got, path) == (index, f"/srv/p/.fdl-code/objects/{sha[:2]}/{sha}.644")
 
 
 def test_the_frame_cut_knows_when_no_launcher_frame_is_half_written() -> None:

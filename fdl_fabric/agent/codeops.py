@@ -10,6 +10,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 from typing import Any, Callable, Dict, Optional
@@ -34,7 +35,21 @@ class CodeOps:
 
     # -- sync --------------------------------------------------------------------------
     def on_sync(self, request: Dict[str, Any]) -> None:
+        """The tree's id first: a host that has it is done in one round trip."""
         self.store = codestore.Store(str(request.get("path") or "."))
+        try:
+            have = self.store.ask(str(request.get("tree") or ""))
+        except codestore.StoreError as exc:
+            self._failed(str(exc), wire.SYNC_NEED)
+            return
+        if have:
+            self._synced()
+        else:
+            self.send(wire.SYNC_NEED, {"manifest": True})
+
+    def on_manifest(self, request: Dict[str, Any]) -> None:
+        if self.store is None:
+            return  # the sync failed already (said once)
         try:
             answer = self.store.begin(request)
         except codestore.StoreError as exc:
@@ -61,6 +76,9 @@ class CodeOps:
             self.send(wire.SYNCED, self.store.finish())
         except (codestore.StoreError, OSError) as exc:
             self._failed(str(exc), wire.SYNCED)
+            return
+        with contextlib.suppress(OSError):  # after the answer: off the critical path
+            self.store.collect()
 
     def _failed(self, reason: str, kind: int) -> None:
         self.store = None

@@ -31,7 +31,7 @@ import json
 import os
 import shutil
 import struct
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 #: The store's folder under the worker's ``path``.
 STORE = ".fdl-code"
@@ -84,19 +84,22 @@ class Store:
         self._part: Optional[Tuple[int, Any, str, Any]] = None
         self.lock_fd: Optional[int] = None
         self.also: List[int] = []
+        #: Objects asked for in this sync (none when the host had the tree).
+        self.asked = 0
+        #: Object folders known to exist (``objects/ab``): created once each.
+        self._folders: Set[str] = set()
 
     # -- what is missing ---------------------------------------------------------------
-    def begin(self, request: Dict[str, Any]) -> Dict[str, Any]:
-        """Read the manifest; say which objects this host lacks, or that it has the tree."""
-        self.tree = str(request.get("tree") or "")
+    def ask(self, tree: str) -> bool:
+        """Whether this host has ``tree`` already (then `finish` puts it in use): the one
+        round trip of a launch that changed nothing."""
+        self.tree = str(tree or "")
         if not self.tree.isalnum():
             raise StoreError(f"bad tree id {self.tree!r}")
-        entries = request.get("entries")
-        if not isinstance(entries, list):
-            raise StoreError("the manifest has no entries")
-        self.entries = entries
-        for entry in entries:
-            _checked_rel(entry[0])
+        self._prepare()
+        return os.path.isdir(self.tree_dir)
+
+    def _prepare(self) -> None:
         try:
             for sub in ("objects", "trees", "tmp"):
                 os.makedirs(os.path.join(self.root, sub), exist_ok=True)
@@ -108,6 +111,15 @@ class Store:
             raise StoreError(f"cannot write under {self.path}: {exc.strerror or exc}") from None
         if not os.access(self.root, os.W_OK):
             raise StoreError(f"cannot write under {self.path}: permission denied")
+
+    def begin(self, request: Dict[str, Any]) -> Dict[str, Any]:
+        """Read the manifest of the tree `ask` named; say which objects this host lacks."""
+        entries = request.get("entries")
+        if not isinstance(entries, list):
+            raise StoreError("the manifest has no entries")
+        self.entries = entries
+        for entry in entries:
+            _checked_rel(entry[0])
         have = os.path.isdir(self.tree_dir)
         self.need = {}
         size = 0
@@ -127,6 +139,7 @@ class Store:
             raise StoreError(f"not enough space under {self.path}: the sync needs "
                              f"{human(size)}, {human(free)} free")
         self.received = 0
+        self.asked = len(self.need)
         return {"tree": self.tree, "have": have, "need": sorted(self.need),
                 "bytes": size, "free": free, "root": self.root}
 
@@ -200,7 +213,10 @@ class Store:
             os.chmod(tmp, int(entry[2]) & 0o7777)
             os.utime(tmp, ns=(int(entry[5]), int(entry[5])))
             final = os.path.join(self.root, "objects", self.need.pop(index))
-            os.makedirs(os.path.dirname(final), exist_ok=True)
+            folder = os.path.dirname(final)
+            if folder not in self._folders:
+                os.makedirs(folder, exist_ok=True)
+                self._folders.add(folder)
             os.replace(tmp, final)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -228,10 +244,8 @@ class Store:
             os.replace(link, os.path.join(self.root, "current"))
         with contextlib.suppress(OSError):
             os.utime(self.tree_dir)  # newest use: kept longest
-        removed = self.collect()
-        files = sum(1 for e in self.entries if e[1] == FILE)
         return {"tree": self.tree, "dir": self.tree_dir, "received": self.received,
-                "files": files, "removed": removed}
+                "files": self.asked}
 
     def _build(self) -> None:
         tmp = os.path.join(self.root, "tmp", f"tree-{self.tree}-{os.getpid()}")
@@ -239,14 +253,19 @@ class Store:
         try:
             os.mkdir(tmp, 0o755)
             dirs: List[Tuple[str, int]] = []
+            made = {tmp}
             for entry in self.entries:
                 rel, kind = entry[0], entry[1]
                 target = os.path.join(tmp, rel)
                 if kind == DIR:
                     os.makedirs(target, exist_ok=True)
+                    made.add(target)
                     dirs.append((target, int(entry[2])))
                     continue
-                os.makedirs(os.path.dirname(target), exist_ok=True)
+                parent = os.path.dirname(target)
+                if parent not in made:  # the manifest lists folders first: rarely
+                    os.makedirs(parent, exist_ok=True)
+                    made.add(parent)
                 if kind == LINK:
                     os.symlink(str(entry[4]), target)
                 else:

@@ -18,7 +18,7 @@ import struct
 from typing import BinaryIO, List, Optional, Tuple
 
 from fdl_fabric.agent import wire
-from fdl_fabric.agent.codestore import DATA_HEAD, LAST
+from fdl_fabric.agent.codestore import DATA_HEAD, LAST, object_name
 
 #: Below this many bytes waiting for a leaf, the feeder adds its next frame.
 FEED_LOW = 1024 * 1024
@@ -54,6 +54,21 @@ class FrameCut:
     def between(self) -> bool:
         """No frame of the launcher's is half written."""
         return not self.left and not self.head
+
+
+def objects_of(manifest_frame: Optional[bytes], root: str,
+               need: List[int]) -> List[Tuple[int, str]]:
+    """Where each needed entry's object lies in the store at ``root``, read from the kept
+    manifest frame (the one the launcher sent every leaf): SERVE names only indices."""
+    if manifest_frame is None:
+        raise ValueError("SERVE before the manifest was kept")
+    entries = wire.parse_json(manifest_frame[_LENGTH.size + 1:])["entries"]
+    found = []
+    for index in need:
+        entry = entries[index]
+        found.append((index, os.path.join(root, "objects",
+                                          object_name(str(entry[4]), int(entry[2])))))
+    return found
 
 
 class Feeder:

@@ -423,6 +423,8 @@ class Agent:
             if time.monotonic() - self.last_sent >= wire.HEARTBEAT_INTERVAL:
                 self.send(wire.HEARTBEAT)  # a long transfer: the launcher hears it lives
             self.code.on_sync_data(body)
+        elif kind == wire.SYNC_MANIFEST:
+            self.code.on_manifest(wire.parse_json(body))
         elif kind == wire.SETUP:
             self.code.on_setup(wire.parse_json(body))
         elif kind == wire.LIST:

@@ -42,7 +42,7 @@ import time
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from fdl_fabric.agent import wire
-from fdl_fabric.agent.feeder import FEED_LOW, Feeder, FrameCut
+from fdl_fabric.agent.feeder import FEED_LOW, Feeder, FrameCut, objects_of
 
 #: Version of the mux protocol, carried by the handshake.
 VERSION = 1
@@ -62,9 +62,11 @@ EOF = 3  #: leaf u32: close the leaf's stdin once what came before it is written
 KILL = 4  #: leaf u32: SIGKILL the leaf's ssh (and its process group)
 BLOB = 5  #: bytes: the agent payload, kept for PAYLOAD (sent once per relay)
 PAYLOAD = 6  #: leaf u32: write the kept payload to the leaf's stdin
-#: leaf u32 | {"items": [[entry, path], ...]}: feed the leaf a sync's objects from this
-#: host's store (`fdl_fabric.agent.feeder`)
+#: leaf u32 | {"root", "need": [entry, ...]}: feed the leaf a sync's objects (entries of
+#: the kept manifest) from this host's store at root (`fdl_fabric.agent.feeder`)
 SERVE = 7
+KEEP = 8  #: bytes: an agent frame many leaves get the same (a sync's manifest), kept
+REPLAY = 9  #: leaf u32: write the kept agent frame to the leaf's stdin
 
 # -- frame types, relay -> launcher ----------------------------------------------------------
 HELLO = 64  #: {"version", "pid", "python"}: the relay runs
@@ -72,7 +74,8 @@ BATCH = 65  #: entries, each leaf u32 | stream u8 (1 stdout, 2 stderr) | length 
 CLOSED = 66  #: leaf u32 | {"code": int|null, "signal": int|null, "error": str}
 ERROR = 67  #: {"message"}: what the relay has to say before it exits (a protocol error)
 
-DOWN_TYPES: FrozenSet[int] = frozenset({OPEN, DATA, EOF, KILL, BLOB, PAYLOAD, SERVE})
+DOWN_TYPES: FrozenSet[int] = frozenset({OPEN, DATA, EOF, KILL, BLOB, PAYLOAD, SERVE, KEEP,
+                                        REPLAY})
 UP_TYPES: FrozenSet[int] = frozenset({HELLO, BATCH, CLOSED, ERROR})
 
 STDOUT = 1
@@ -394,6 +397,7 @@ class Relay:
         self.sel = selectors.DefaultSelector()
         self.leaves: Dict[int, Leaf] = {}
         self.blob: Optional[bytes] = None
+        self.kept: Optional[bytes] = None
         self.up = bytearray()
         self.upstream = True
         self.output_open = True
@@ -526,6 +530,9 @@ class Relay:
         if kind == BLOB:
             self.blob = body
             return
+        if kind == KEEP:
+            self.kept = body
+            return
         lid, rest = parse_leaf(body)
         if kind == OPEN:
             if lid in self.leaves:
@@ -543,8 +550,14 @@ class Relay:
             leaf.cut.advance(rest)
             self._to_leaf(leaf, rest)
         elif kind == SERVE:
-            items = parse_json(rest)["items"]
-            leaf.feed = Feeder([(int(i), str(p)) for i, p in items])
+            serve = parse_json(rest)
+            leaf.feed = Feeder(objects_of(self.kept, str(serve["root"]),
+                                          [int(i) for i in serve["need"]]))
+        elif kind == REPLAY:
+            if self.kept is None:
+                raise MuxError("REPLAY before any KEEP")
+            leaf.cut.advance(self.kept)
+            self._to_leaf(leaf, self.kept)
         elif kind == PAYLOAD:
             if self.blob is None:
                 raise MuxError("PAYLOAD before any BLOB")

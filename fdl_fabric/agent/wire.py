@@ -59,14 +59,17 @@ RESUME = 10  #: {}: the launcher runs again: the lease counts again from now
 #: {"id": n, "run": null | id}: every rank's stack (the run's, or a recorded run's)
 STACKS = 11
 LIST = 12  #: {"cluster": null | key}: the runs recorded on this host
-#: {"path", "tree", "entries": [[rel, kind, mode, size, sha | link, mtime_ns], ...]}: the
-#: manifest of the synced code (`fdl_fabric.agent.codestore`); answered by SYNC_NEED
+#: {"path", "tree"}: does this host have the synced code's tree? Answered by SYNCED (it
+#: has it) or SYNC_NEED {"manifest": true} (`fdl_fabric.agent.codestore`)
 SYNC = 13
 #: binary: entry u32 | flags u8 (1: last piece) | bytes: a piece of an object it asked for
 SYNC_DATA = 14
 #: {"command", "dir", "root", "key", "top", "timeout", "env"}: run setup: in the tree
 #: (`fdl_fabric.agent.setupstep`), unless this host did it for this key
 SETUP = 15
+#: {"entries": [[rel, kind, mode, size, sha | link, mtime_ns], ...]}: the manifest, the
+#: same frame for every host that lacks the tree; answered by SYNC_NEED with what it lacks
+SYNC_MANIFEST = 16
 
 #: Seconds between the launcher's pings to each agent during a run.
 PING_INTERVAL = 2.0
@@ -105,7 +108,8 @@ HEARTBEAT = 76  #: {}: the agent is alive (the answer to a ping, when it had sen
 #: {"id", "run", "ranks": {rank: {"pid", "host", "py_spy", "error", "proc"}}}
 STACKS_REPORT = 77
 RUNS = 78  #: {"runs": [{"run", "cluster", "host", "live", "launcher", "ranks", ...}]}
-#: {"tree", "have", "need": [entry, ...], "bytes", "free", "root"} or {"error"}
+#: {"manifest": true} (send it), {"tree", "need": [entry, ...], "bytes", "free", "root"}
+#: or {"error"}
 SYNC_NEED = 79
 #: {"tree", "dir", "received", "files", "removed"} or {"error"}: the tree is in place
 SYNCED = 80
@@ -115,7 +119,7 @@ SETUP_DONE = 82
 
 DOWN_TYPES: FrozenSet[int] = frozenset({SPEC, START, SIGNAL, STOP, KILL, PROBE, SWEEP, PING,
                                         SUSPEND, RESUME, STACKS, LIST, SYNC, SYNC_DATA,
-                                        SETUP})
+                                        SETUP, SYNC_MANIFEST})
 UP_TYPES: FrozenSet[int] = frozenset({HELLO, FACTS, PREFLIGHT, SWEPT, SPAWNED, OUTPUT, EXITED,
                                       VERIFIED, ERROR, SPAWN_FAILED, DONE, SIGNALED, HEARTBEAT,
                                       STACKS_REPORT, RUNS, SYNC_NEED, SYNCED, SETUP_OUTPUT,

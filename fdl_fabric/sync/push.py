@@ -16,6 +16,7 @@ before a rank starts (exit 1, one line naming the host and what to do).
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..agent import wire
-from ..agent.codestore import DATA_HEAD, LAST, STORE, object_name
+from ..agent.codestore import DATA_HEAD, LAST, STORE
 from ..errors import FdlError
 from ..events import EventBus, Name
 from ..supervision import reports
@@ -50,7 +51,8 @@ class HostSync:
     host: str
     path: str
     asked: bool = False
-    have: bool = False
+    #: It had the tree: it was never asked for the manifest.
+    have: bool = True
     need: list[int] = field(default_factory=list)
     bytes: int = 0
     root: str = ""
@@ -76,12 +78,14 @@ class Push:
         self.kept: list[reports.Report] = []
         self.stop = threading.Event()
         self.started = time.monotonic()
-        self._lock = threading.Lock()
+        self._frame: Optional[bytes] = None
 
     def run(self) -> dict[str, str]:
-        body = {"tree": self.manifest.tree, "entries": self.manifest.wire()}
+        """The tree's id to every host first: one that has it is done in one round trip,
+        and only the others get the manifest (one frame, built once)."""
         for host, state in self.hosts.items():
-            self.sessions[host].send(wire.SYNC, {**body, "path": state.path})
+            self.sessions[host].send(wire.SYNC, {"tree": self.manifest.tree,
+                                                 "path": state.path})
         try:
             while any(s.dir is None for s in self.hosts.values()):
                 self._step()
@@ -111,9 +115,12 @@ class Push:
         state.heard = time.monotonic()
         if info.get("error"):
             self._fail(state.host, str(info["error"]))
+        if not report.done and info.get("manifest"):
+            state.have = False
+            self.sessions[state.host].write_shared(self._manifest_frame())
+            return
         if not report.done:
             state.asked = True
-            state.have = bool(info.get("have"))
             state.need = [int(i) for i in info.get("need") or []]
             state.bytes = int(info.get("bytes") or 0)
             state.root = str(info.get("root") or "")
@@ -132,6 +139,13 @@ class Push:
             if leaf.need and leaf.asked and leaf.dir is None and not leaf.sending and \
                     self.gateway_of(leaf.host) == state.host:
                 self._serve(state, leaf)
+
+    def _manifest_frame(self) -> bytes:
+        if self._frame is None:
+            body = json.dumps({"entries": self.manifest.wire()}, separators=(",", ":"),
+                              ensure_ascii=False).encode("utf-8", "surrogateescape")
+            self._frame = wire.frame(wire.SYNC_MANIFEST, body)
+        return self._frame
 
     def gateway_of(self, host: str) -> Optional[str]:
         process = self.sessions[host].process
@@ -192,14 +206,11 @@ class Push:
 
     def _serve(self, gateway: HostSync, leaf: HostSync) -> None:
         """Ask ``gateway``'s relay to feed ``leaf`` from the gateway's store."""
-        items = [(i, os.path.join(gateway.root, "objects", object_name(
-            self.manifest.entries[i].ref, self.manifest.entries[i].mode)))
-            for i in leaf.need]
         process = self.sessions[leaf.host].process
         assert process is not None
         leaf.sending = True  # the relay feeds it; its agent's heartbeats say it lives
         leaf.heard = time.monotonic()
-        process.serve(items)
+        process.serve(gateway.root, leaf.need)
 
 
 def summary(states: Mapping[str, HostSync]) -> dict[str, Any]:

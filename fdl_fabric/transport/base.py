@@ -57,10 +57,14 @@ class AgentProcess(abc.ABC):
     #: reaches it itself.
     served_by: Optional[str] = None
 
-    def serve(self, items: list[tuple[int, str]]) -> None:
-        """A sync's objects for this agent, read on its gateway from the gateway's store
-        (``items``: entry index, path there): only a leaf's agent can be served so."""
+    def serve(self, root: str, need: list[int]) -> None:
+        """A sync's objects for this agent (the manifest's entries ``need``), read on its
+        gateway from the gateway's store at ``root``: only a leaf's agent is served so."""
         raise NotImplementedError("only an agent behind a gateway is served by it")
+
+    def send_shared(self, frame: bytes) -> None:
+        """A frame many agents get the same; through a gateway, kept there once."""
+        self.write(frame)
 
     @abc.abstractmethod
     def write(self, data: bytes) -> None:

@@ -148,6 +148,8 @@ class Relay:
         self._leaves: dict[int, RelayedAgent] = {}
         self._next_id = 1
         self._blob_sent = False
+        #: The agent frame the relay keeps for REPLAY (the sync's manifest), if any.
+        self._kept: Optional[bytes] = None
         self._hello = threading.Event()
         self._settled = threading.Event()
         self._ended = threading.Event()
@@ -267,13 +269,24 @@ class Relay:
                 self._blob_sent = True
             self.runner._write_proc_stdin(mux.leaf_frame(mux.PAYLOAD, lid))
 
-    def serve(self, lid: int, items: list[tuple[int, str]]) -> None:
-        """A sync's objects for leaf ``lid``, read by the relay from the gateway's store
-        (`fdl_fabric.agent.feeder`): the launcher sends them to the gateway only once."""
-        body = mux.json_body({"items": [[i, p] for i, p in items]})
+    def serve(self, lid: int, root: str, need: list[int]) -> None:
+        """A sync's objects for leaf ``lid`` (entries of the kept manifest), read by the
+        relay from the gateway's store at ``root`` (`fdl_fabric.agent.feeder`): the
+        launcher sends them to the gateway only once."""
+        body = mux.json_body({"root": root, "need": need})
         with self._write_lock:
             self._flush_lazy()
             self.runner._write_proc_stdin(mux.leaf_frame(mux.SERVE, lid, body))
+
+    def send_kept(self, lid: int, frame: bytes) -> None:
+        """An agent frame many leaves get the same (a sync's manifest): sent to the relay
+        once (``KEEP``), then named per leaf (``REPLAY``), as the payload is."""
+        with self._write_lock:
+            self._flush_lazy()
+            if self._kept is not frame:
+                self.runner._write_proc_stdin(mux.frame(mux.KEEP, frame))
+                self._kept = frame
+            self.runner._write_proc_stdin(mux.leaf_frame(mux.REPLAY, lid))
 
     def send(self, kind: int, lid: int) -> None:
         with self._write_lock, contextlib.suppress(Exception):
@@ -380,8 +393,11 @@ class RelayedAgent(AgentProcess):
         else:
             self.relay.send_data(self.id, data)
 
-    def serve(self, items: list[tuple[int, str]]) -> None:
-        self.relay.serve(self.id, items)
+    def serve(self, root: str, need: list[int]) -> None:
+        self.relay.serve(self.id, root, need)
+
+    def send_shared(self, frame: bytes) -> None:
+        self.relay.send_kept(self.id, frame)
 
     def write_lazy(self, data: bytes) -> None:
         if self._ended.is_set():

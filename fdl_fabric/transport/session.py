@@ -302,6 +302,15 @@ class AgentSession:
     def send(self, kind: int, obj: Optional[dict[str, Any]] = None) -> None:
         self.write(wire.message(kind, obj))
 
+    def write_shared(self, frame: bytes) -> None:
+        """A frame many agents get the same (a sync's manifest): through a gateway, it
+        crosses the launcher's link once per gateway (`AgentProcess.send_shared`)."""
+        process = self.process
+        if process is None or self._gone:
+            return
+        with self._lock, contextlib.suppress(Exception):
+            process.send_shared(frame)
+
     def spec(self, spec: dict[str, Any]) -> None:
         self.send(wire.SPEC, spec)
 
