@@ -380,27 +380,32 @@ def bytes_section(b: Bench) -> dict[str, Any]:
                       f"{'' if r.ok else ' (' + r.error[:120] + ')'}")
             results[name].append(runs)
         b.say(f"  (load {benchlib.loadavg()})\n")
-    frames = _control_frames(small.root, hosts[0].path)
+    ask, whole, serve = _control_frames(small.root, hosts[0].path)
     return {"results": results, "hosts": len(hosts), "fanouts": dict(cases),
-            "project": small, "manifest": frames[0], "serve": frames[1]}
+            "project": small, "ask": ask, "manifest": whole, "serve": serve}
 
 
-def _control_frames(src: Path, host_path: str) -> tuple[int, int]:
-    """Bytes, before SSH framing, of the SYNC frame (the manifest) the launcher writes to
-    each host, and of the SERVE frame it writes to a gateway's relay for each of its
-    leaves that lacks every object (each object's path in the gateway's store)."""
+def _control_frames(src: Path, host_path: str) -> tuple[int, int, int]:
+    """Bytes, before SSH framing, of the frames a sync adds beside the files: the SYNC
+    that asks each host for the tree, the SYNC_MANIFEST (one frame, to each host that
+    lacks the tree: through the tree, once to each gateway's agent and once to its relay,
+    which keeps it and replays it to its leaves), and the SERVE the launcher writes to a
+    gateway's relay for each leaf (the indices of the entries it lacks)."""
+    import json
+
     from fdl_fabric.agent import relay, wire
-    from fdl_fabric.agent.codestore import STORE, object_name
+    from fdl_fabric.agent.codestore import STORE
     from fdl_fabric.clusterfile.model import SyncSpec
     from fdl_fabric.sync import manifest
 
     m = manifest.build(SyncSpec(src=str(src)), cache_dir=src.parent / "hash-cache-probe")
-    sync = wire.message(wire.SYNC, {"tree": m.tree, "entries": m.wire(), "path": host_path})
-    root = str(Path(host_path) / STORE)
-    items = [[i, f"{root}/objects/{object_name(e.ref, e.mode)}"]
-             for i, e in enumerate(m.entries) if e.kind == "f"]
-    serve = relay.leaf_frame(relay.SERVE, 1, relay.json_body({"items": items}))
-    return len(sync), len(serve)
+    ask = wire.message(wire.SYNC, {"tree": m.tree, "path": host_path})
+    whole = wire.frame(wire.SYNC_MANIFEST, json.dumps(
+        {"entries": m.wire()}, separators=(",", ":")).encode())
+    need = [i for i, e in enumerate(m.entries) if e.kind == "f"]
+    serve = relay.leaf_frame(relay.SERVE, 1, relay.json_body(
+        {"root": str(Path(host_path) / STORE), "need": need}))
+    return len(ask), len(whole), len(serve)
 
 
 def report_bytes(res: dict[str, Any], b: Bench, targets: list[list[str]]) -> None:
@@ -430,7 +435,10 @@ def report_bytes(res: dict[str, Any], b: Bench, targets: list[list[str]]) -> Non
         conns = int(med([float(r["first"].seen["launch"][1]) for r in ok]) or 0)
         base = sent("no-sync")
         added, again = sent("first") - base, sent("again") - base
-        control = n * res["manifest"] + (n - conns) * res["serve"] * (name == "tree")
+        if name == "tree":  # the manifest to each gateway's agent and relay; SERVE per leaf
+            control = n * res["ask"] + 2 * conns * res["manifest"] + (n - conns) * res["serve"]
+        else:
+            control = n * (res["ask"] + res["manifest"])
         data_copies = (added - control) / proj.bytes
         rows.append([name, str(res["fanouts"][name]), str(conns), mib(base), mib(added),
                      f"{added / proj.bytes:.2f}", f"{data_copies:.2f}", mib(again),
@@ -448,12 +456,13 @@ def report_bytes(res: dict[str, Any], b: Bench, targets: list[list[str]]) -> Non
     b.say(benchlib.table(rows, [False] + [True] * 9) + "\n")
     b.say(f"launcher's connections: its TCP connections to lab sshd's (the hosts it reaches "
           f"itself: the gateways in the tree). Sent: bytes_sent on those connections when "
-          f"its `launch` record is read. Control frames the launcher writes: the manifest, "
-          f"{mib(res['manifest'])}, to every host, leaves included (through their gateway's "
-          f"session), in a first sync and in a no-change one; in the tree, a SERVE of "
-          f"{mib(res['serve'])} per leaf (the path of every object the leaf lacks in its "
-          "gateway's store). files' copies = (first sync adds - those frames) / project: the "
-          "file data, SSH framing included.\n")
+          f"its `launch` record is read. Control frames the launcher writes: a SYNC asking "
+          f"each host for the tree ({res['ask']} B; all a no-change sync sends), the "
+          f"manifest ({mib(res['manifest'])}) to each host that lacks the tree (flat: every "
+          f"host; tree: each gateway's agent, and its relay once, which replays it to its "
+          f"leaves), and in the tree a SERVE of {mib(res['serve'])} per leaf (the indices of "
+          "the entries it lacks). files' copies = (first sync adds - those frames) / project: "
+          "the file data, SSH framing included.\n")
 
 
 # -- the whole ----------------------------------------------------------------------------------

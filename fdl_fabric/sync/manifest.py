@@ -107,7 +107,7 @@ def build(spec: SyncSpec, *, never: Sequence[str] = (), cache_dir: Optional[Path
     excluded = 0
     real_src = os.path.realpath(src)
     for rel in listed:
-        if spec_.match_file(rel) or any(spec_.match_file(p + "/") for p in _parents(rel)):
+        if spec_.match_file(rel):  # a folder's pattern (data/) matches the files in it
             excluded += 1
             continue
         entry = _entry(src, real_src, rel, cache)
