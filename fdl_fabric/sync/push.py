@@ -54,7 +54,6 @@ class HostSync:
     #: It had the tree: it was never asked for the manifest.
     have: bool = True
     need: list[int] = field(default_factory=list)
-    bytes: int = 0
     root: str = ""
     dir: Optional[str] = None
     received: int = 0
@@ -122,7 +121,6 @@ class Push:
         if not report.done:
             state.asked = True
             state.need = [int(i) for i in info.get("need") or []]
-            state.bytes = int(info.get("bytes") or 0)
             state.root = str(info.get("root") or "")
             gateway = self.gateway_of(state.host)
             if state.need and gateway is None:

@@ -22,7 +22,7 @@ from ..events import EventBus, Name
 from ..supervision import reports
 from ..transport.session import AgentSession
 from . import manifest as manifests
-from .push import Push, tree_dir
+from .push import Push, summary, tree_dir
 from .setup import Setup
 
 
@@ -86,10 +86,7 @@ class CodeStep:
         push = Push(m, {h: sessions[h] for h in hosts},
                     {w.host: w.path for w in cluster.workers}, inbox, self.events)
         self.dirs.update(push.run())
-        states = push.hosts.values()
-        self.events(Name.CODE_IN_PLACE, hosts=len(hosts),
-                    had=sum(1 for s in states if s.have),
-                    bytes=sum(s.received for s in states),
+        self.events(Name.CODE_IN_PLACE, **summary(push.hosts),
                     seconds=round(time.monotonic() - started, 3), code_id=m.code_id)
         if self.setup is not None:
             env = {w.host: {**cluster.env, **w.env} for w in cluster.workers}
