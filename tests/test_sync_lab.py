@@ -156,6 +156,13 @@ def test_through_a_gateway_tree_the_launcher_sends_each_gateway_one_copy(
     for host in lab.hosts:
         trees = list(Path(host.path, ".fdl-code", "trees").glob("*/weights.bin"))
         assert len(trees) == 1 and trees[0].stat().st_size == size, host.name
+    # a leaf that lost its store, behind a gateway that has the tree: served all the same
+    leaf = lab.hosts[-1]
+    subprocess.run(["rm", "-rf", str(Path(leaf.path, ".fdl-code"))], check=True)
+    again = launched(cluster)
+    got = {e["host"]: e["data"] for e in named(again.stdout, "code_synced")}
+    assert got[leaf.name]["bytes"] >= size and not got[leaf.name]["had"], got
+    assert got["lab1"]["had"] and got["lab2"]["had"]
 
 
 # -- setup: once per host ----------------------------------------------------------------------

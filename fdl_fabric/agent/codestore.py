@@ -245,7 +245,7 @@ class Store:
         with contextlib.suppress(OSError):
             os.utime(self.tree_dir)  # newest use: kept longest
         return {"tree": self.tree, "dir": self.tree_dir, "received": self.received,
-                "files": self.asked}
+                "files": self.asked, "root": self.root}
 
     def _build(self) -> None:
         tmp = os.path.join(self.root, "tmp", f"tree-{self.tree}-{os.getpid()}")

@@ -129,6 +129,7 @@ class Push:
                 self._serve(self.hosts[gateway], state)
             return
         state.dir = str(info.get("dir") or tree_dir(state.path, self.manifest.tree))
+        state.root = str(info.get("root") or state.root)  # a gateway that had the tree
         state.received = int(info.get("received") or 0)
         self.events(Name.CODE_SYNCED, host=state.host, files=len(state.need),
                     bytes=state.received, had=state.have, dir=state.dir,
