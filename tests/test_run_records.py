@@ -359,6 +359,17 @@ def test_a_record_whose_launcher_runs_is_alive_and_says_its_state(
     assert is_live(folder)
 
 
+def test_a_run_whose_state_says_ended_before_its_result_is_written_is_still_stopping(
+        root: Path, spawned: list[subprocess.Popen[Any]]) -> None:
+    """The launcher saves state.json's ``ended`` a moment before result.json: a `wait`
+    that looks in between must not read it as ended without a verdict (it did once,
+    under load, in a fresh-clone run)."""
+    pid, started = live_process(spawned)
+    folder = unended_record(root, 1, pid, started, state="ended")
+    run = view(folder)
+    assert run.alive and run.phase is RunState.STOPPING and not run.ended
+
+
 def test_a_record_whose_launcher_died_without_a_result_reads_as_lost(root: Path) -> None:
     folder = unended_record(root, 1, dead_pid(), time.time() - 5)
     run = view(folder)

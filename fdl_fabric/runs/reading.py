@@ -80,9 +80,12 @@ class RunView:
         if not self.alive:
             return RunState.LOST
         try:
-            return RunState(self.state.get("state", "starting"))
+            said = RunState(self.state.get("state", "starting"))
         except ValueError:
             return RunState.STARTING
+        # The state says ended a moment before result.json is written: only the result
+        # makes a run ended (what `wait` and `stop` then read), so until then it stops.
+        return RunState.STOPPING if said is RunState.ENDED else said
 
     @property
     def ended(self) -> bool:
