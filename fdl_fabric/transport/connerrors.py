@@ -26,7 +26,7 @@ import hashlib
 import os
 import shlex
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -101,53 +101,89 @@ def describe(exc: BaseException, dest: Optional[Destination] = None,
     return text
 
 
+#: How one kind of failure reads: the line, or None when this case does not apply to
+#: ``exc`` after all (the next case of `_CASES` is asked).
+_Say = Callable[[Any, Destination, Optional[Handshake]], Optional[str]]
+
+
 def _what(exc: BaseException, dest: Destination, handshake: Optional[Handshake]) -> str:
-    t = f"{dest.timeout:g} s"
-    if isinstance(exc, FileNotFoundError) and exc.filename in dest.keys:
-        return f"identity file {exc.filename} does not exist ({dest.address} with " \
-               f"{_keys(dest)})"
-    if isinstance(exc, paramiko.BadHostKeyException):
-        return changed_host_key(dest, exc.key, exc.expected_key, exc.hostname)
-    if isinstance(exc, paramiko.SSHException) and "not found in known_hosts" in str(exc):
-        return (f"host key of {dest.known_hosts_name} is unknown and StrictHostKeyChecking=yes"
-                f": add it to {dest.known_hosts} (ssh-keyscan -p {dest.port or 22} "
-                f"{dest.target} prints it; check it before you add it)")
-    if isinstance(exc, paramiko.PasswordRequiredException):
-        keys = ", ".join(dest.keys) or "offered"
-        return (f"the key {keys} is encrypted and nothing may ask for its passphrase "
-                f"(BatchMode): load it into ssh-agent with ssh-add ({dest.address})")
-    if isinstance(exc, paramiko.BadAuthenticationType):
-        allowed = ", ".join(getattr(exc, "allowed_types", []) or []) or "none"
-        return (f"authentication refused for {dest.address}: the server accepts only "
-                f"{allowed}, and a launcher can only use keys")
-    if isinstance(exc, paramiko.AuthenticationException):
-        return (f"authentication refused for {dest.address} with {_keys(dest)}: is its "
-                f"public key in ~{dest.user or ''}/.ssh/authorized_keys there?")
-    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
-        inner = list(exc.errors.values())
-        codes = {getattr(e, "errno", None) for e in inner}
-        if codes <= {errno.ECONNREFUSED}:
-            return f"unreachable: connection refused by {dest.address}" \
-                   f" (no SSH server listens on that port{_port_hint(dest)})"
-        return f"unreachable: no route to {dest.address} ({_strerror(inner[0])})"
-    if isinstance(exc, socket.gaierror):
-        return f"unreachable: the name {dest.target} does not resolve ({_strerror(exc)})"
-    if isinstance(exc, paramiko.SSHException):
-        return _ssh_failure(exc, dest, handshake, t)
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return (f"unreachable: no answer from {dest.address} within {t} (the host is down, "
-                f"or a firewall drops the packets{_port_hint(dest)})")
-    if isinstance(exc, ConnectionRefusedError):
-        return f"unreachable: connection refused by {dest.address}" \
-               f" (no SSH server listens on that port{_port_hint(dest)})"
-    if isinstance(exc, OSError):
-        return f"unreachable: {dest.address}: {_strerror(exc)}"
+    for kinds, say in _CASES:
+        if isinstance(exc, kinds):
+            text = say(exc, dest, handshake)
+            if text is not None:
+                return text
     return f"{dest.address}: {type(exc).__name__}: {exc}"
 
 
+def _missing_key(exc: FileNotFoundError, dest: Destination, _h: Optional[Handshake]
+                 ) -> Optional[str]:
+    if exc.filename not in dest.keys:
+        return None
+    return f"identity file {exc.filename} does not exist ({dest.address} with " \
+           f"{_keys(dest)})"
+
+
+def _bad_host_key(exc: paramiko.BadHostKeyException, dest: Destination,
+                  _h: Optional[Handshake]) -> str:
+    return changed_host_key(dest, exc.key, exc.expected_key, exc.hostname)
+
+
+def _unknown_host_key(exc: paramiko.SSHException, dest: Destination,
+                      _h: Optional[Handshake]) -> Optional[str]:
+    if "not found in known_hosts" not in str(exc):
+        return None
+    return (f"host key of {dest.known_hosts_name} is unknown and StrictHostKeyChecking=yes"
+            f": add it to {dest.known_hosts} (ssh-keyscan -p {dest.port or 22} "
+            f"{dest.target} prints it; check it before you add it)")
+
+
+def _encrypted_key(_exc: BaseException, dest: Destination, _h: Optional[Handshake]) -> str:
+    keys = ", ".join(dest.keys) or "offered"
+    return (f"the key {keys} is encrypted and nothing may ask for its passphrase "
+            f"(BatchMode): load it into ssh-agent with ssh-add ({dest.address})")
+
+
+def _auth_type(exc: BaseException, dest: Destination, _h: Optional[Handshake]) -> str:
+    allowed = ", ".join(getattr(exc, "allowed_types", []) or []) or "none"
+    return (f"authentication refused for {dest.address}: the server accepts only "
+            f"{allowed}, and a launcher can only use keys")
+
+
+def _auth_refused(_exc: BaseException, dest: Destination, _h: Optional[Handshake]) -> str:
+    return (f"authentication refused for {dest.address} with {_keys(dest)}: is its "
+            f"public key in ~{dest.user or ''}/.ssh/authorized_keys there?")
+
+
+def _no_valid(exc: Any, dest: Destination, h: Optional[Handshake]) -> str:
+    inner = list(exc.errors.values())
+    codes = {getattr(e, "errno", None) for e in inner}
+    if codes <= {errno.ECONNREFUSED}:
+        return _refused(exc, dest, h)
+    return f"unreachable: no route to {dest.address} ({_strerror(inner[0])})"
+
+
+def _unresolved(exc: BaseException, dest: Destination, _h: Optional[Handshake]) -> str:
+    return f"unreachable: the name {dest.target} does not resolve ({_strerror(exc)})"
+
+
+def _timed_out(_exc: BaseException, dest: Destination, _h: Optional[Handshake]) -> str:
+    return (f"unreachable: no answer from {dest.address} within {dest.timeout:g} s (the "
+            f"host is down, or a firewall drops the packets{_port_hint(dest)})")
+
+
+def _refused(_exc: BaseException, dest: Destination, _h: Optional[Handshake]) -> str:
+    return f"unreachable: connection refused by {dest.address}" \
+           f" (no SSH server listens on that port{_port_hint(dest)})"
+
+
+def _os_error(exc: BaseException, dest: Destination, _h: Optional[Handshake]) -> str:
+    return f"unreachable: {dest.address}: {_strerror(exc)}"
+
+
 def _ssh_failure(exc: paramiko.SSHException, dest: Destination,
-                 handshake: Optional[Handshake], t: str) -> str:
+                 handshake: Optional[Handshake]) -> str:
     """A failure inside the SSH protocol: the banner, the key exchange, a lost session."""
+    t = f"{dest.timeout:g} s"
     said = str(exc)
     cause = exc.__cause__ or exc.__context__
     if said.startswith("Error reading SSH protocol banner") or (
@@ -166,6 +202,25 @@ def _ssh_failure(exc: paramiko.SSHException, dest: Destination,
     if said in ("No existing session", "SSH session not active"):
         return f"the SSH connection to {dest.address} was lost during the login"
     return f"SSH failed with {dest.address}: {said or type(exc).__name__}"
+
+
+#: The cases, in order: the first whose type matches and whose line is not None wins
+#: (subclasses before their bases: paramiko's auth errors are SSHExceptions, and the
+#: socket errors are OSErrors).
+_CASES: tuple[tuple[Any, _Say], ...] = (
+    (FileNotFoundError, _missing_key),
+    (paramiko.BadHostKeyException, _bad_host_key),
+    (paramiko.SSHException, _unknown_host_key),
+    (paramiko.PasswordRequiredException, _encrypted_key),
+    (paramiko.BadAuthenticationType, _auth_type),
+    (paramiko.AuthenticationException, _auth_refused),
+    (paramiko.ssh_exception.NoValidConnectionsError, _no_valid),
+    (socket.gaierror, _unresolved),
+    (paramiko.SSHException, _ssh_failure),
+    ((socket.timeout, TimeoutError), _timed_out),
+    (ConnectionRefusedError, _refused),
+    (OSError, _os_error),
+)
 
 
 def changed_host_key(dest: Destination, got: Any, expected: Any,
