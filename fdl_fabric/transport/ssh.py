@@ -195,30 +195,52 @@ def make_connection(
     settings: SshSettings, config: Optional[Config] = None, *, _hop: str = ""
 ) -> FdlConnection:
     """An unopened Connection with our host-key policy and timeouts."""
+    conn = FdlConnection(**_connection_kwargs(settings, config,
+                                              _jump_gateway(settings, config)))
+    apply_host_key_policy(conn.client, settings.strict_host_key_checking,
+                          settings.known_hosts_file)
+    return conn
+
+
+def _jump_gateway(settings: SshSettings, config: Optional[Config]) -> Any:
+    """The chain of ProxyJump hops as nested gateway Connections (the last hop is the
+    gateway of the target), or None without ProxyJump."""
     gateway: Any = None
-    if settings.proxy_jump:
-        hops = [h.strip() for h in settings.proxy_jump.split(",") if h.strip()]
-        for hop in hops:
-            hop_user, _, hop_host = hop.rpartition("@")
-            hop_name, _, hop_port = hop_host.partition(":")
-            hop_settings = SshSettings(
-                host=f"{settings.host} (jump {hop})",
-                target=hop_name,
-                user=hop_user or None,
-                port=int(hop_port) if hop_port else None,
-                identity_files=settings.identity_files,
-                strict_host_key_checking=settings.strict_host_key_checking,
-                known_hosts_file=settings.known_hosts_file,
-                connect_timeout=settings.connect_timeout,
-                alive_interval=settings.alive_interval,
-                alive_count_max=settings.alive_count_max,
-                proxy_jump=None,
-                batch_mode=settings.batch_mode,
-            )
-            hop_conn = make_connection(hop_settings, config)
-            if gateway is not None:
-                hop_conn.gateway = gateway
-            gateway = hop_conn
+    if not settings.proxy_jump:
+        return gateway
+    hops = [h.strip() for h in settings.proxy_jump.split(",") if h.strip()]
+    for hop in hops:
+        hop_conn = make_connection(_hop_settings(settings, hop), config)
+        if gateway is not None:
+            hop_conn.gateway = gateway
+        gateway = hop_conn
+    return gateway
+
+
+def _hop_settings(settings: SshSettings, hop: str) -> SshSettings:
+    """The settings of one ProxyJump hop (``user@host:port``): the target's keys, host-key
+    checking and timeouts, no jump of its own."""
+    hop_user, _, hop_host = hop.rpartition("@")
+    hop_name, _, hop_port = hop_host.partition(":")
+    return SshSettings(
+        host=f"{settings.host} (jump {hop})",
+        target=hop_name,
+        user=hop_user or None,
+        port=int(hop_port) if hop_port else None,
+        identity_files=settings.identity_files,
+        strict_host_key_checking=settings.strict_host_key_checking,
+        known_hosts_file=settings.known_hosts_file,
+        connect_timeout=settings.connect_timeout,
+        alive_interval=settings.alive_interval,
+        alive_count_max=settings.alive_count_max,
+        proxy_jump=None,
+        batch_mode=settings.batch_mode,
+    )
+
+
+def _connection_kwargs(settings: SshSettings, config: Optional[Config],
+                       gateway: Any) -> dict[str, Any]:
+    """The keyword arguments of the Connection: only what the settings set."""
     connect_kwargs: dict[str, Any] = {
         "banner_timeout": settings.connect_timeout or None,
         "auth_timeout": settings.connect_timeout or None,
@@ -232,24 +254,16 @@ def make_connection(
         "connect_kwargs": connect_kwargs,
         "inline_ssh_env": True,
     }
-    if settings.user:
-        kwargs["user"] = settings.user
-    if settings.port:
-        kwargs["port"] = settings.port
-    if settings.forward_agent is not None:
-        kwargs["forward_agent"] = settings.forward_agent
+    optional = {"user": settings.user or None, "port": settings.port or None,
+                "forward_agent": settings.forward_agent, "gateway": gateway}
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
     # Every Connection gets a Config of its own: Fabric writes connection attributes
     # (gateway, inline_ssh_env, ...) into its config, and a Config shared between the
     # threads that connect hosts in parallel made one connect in 26 fail with "No
     # attribute or config key found for 'gateway'" at 32 hosts.
     kwargs["config"] = config.clone() if config is not None else Config(
         runtime_ssh_path=settings.config_file)
-    if gateway is not None:
-        kwargs["gateway"] = gateway
-    conn = FdlConnection(**kwargs)
-    apply_host_key_policy(conn.client, settings.strict_host_key_checking,
-                          settings.known_hosts_file)
-    return conn
+    return kwargs
 
 
 def describe_connect_error(exc: BaseException, settings: Optional[SshSettings] = None, *,
