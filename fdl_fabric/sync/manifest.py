@@ -101,13 +101,30 @@ def build(spec: SyncSpec, *, never: Sequence[str] = (), cache_dir: Optional[Path
     listed = list(_git_files(src) if git else _walk(src))
     patterns = [*NEVER, *_read_ignore(src), *spec.exclude]
     patterns += [_anchored(src, n) for n in never if _inside(src, n)]
-    spec_ = pathspec.GitIgnoreSpec.from_lines(patterns)
     cache = _HashCache(src, cache_dir)
+    entries, excluded = _entries(src, listed, pathspec.GitIgnoreSpec.from_lines(patterns),
+                                 cache)
+    cache.save()
+    ordered = tuple(entries[k] for k in sorted(entries))
+    size = len(json.dumps([e.wire() for e in ordered], separators=(",", ":")))
+    if size > MANIFEST_MAX:
+        raise FdlError(f"cluster launcher: sync: the manifest of {src} takes {size >> 20} MiB, "
+                       f"more than the {MANIFEST_MAX >> 20} MiB one message may carry; "
+                       "exclude what the ranks do not need (sync.exclude)", EXIT_USAGE)
+    tree = _tree_id(ordered)
+    return Manifest(src=src, entries=ordered, tree=tree,
+                    code_id=_code_id(src, tree) if git else f"tree:{tree}", excluded=excluded)
+
+
+def _entries(src: str, listed: Iterable[str], spec: pathspec.GitIgnoreSpec,
+             cache: _HashCache) -> tuple[dict[str, Entry], int]:
+    """The entries of the ``listed`` paths ``spec`` does not exclude, with their parent
+    folders, by path; and how many were excluded. Over `FILES_MAX` is refused (exit 2)."""
     entries: dict[str, Entry] = {}
     excluded = 0
     real_src = os.path.realpath(src)
     for rel in listed:
-        if spec_.match_file(rel):  # a folder's pattern (data/) matches the files in it
+        if spec.match_file(rel):  # a folder's pattern (data/) matches the files in it
             excluded += 1
             continue
         entry = _entry(src, real_src, rel, cache)
@@ -121,16 +138,7 @@ def build(spec: SyncSpec, *, never: Sequence[str] = (), cache_dir: Optional[Path
             raise FdlError(f"cluster launcher: sync: {src} has more than {FILES_MAX:,} files "
                            "to send; exclude what the ranks do not need (sync.exclude)",
                            EXIT_USAGE)
-    cache.save()
-    ordered = tuple(entries[k] for k in sorted(entries))
-    size = len(json.dumps([e.wire() for e in ordered], separators=(",", ":")))
-    if size > MANIFEST_MAX:
-        raise FdlError(f"cluster launcher: sync: the manifest of {src} takes {size >> 20} MiB, "
-                       f"more than the {MANIFEST_MAX >> 20} MiB one message may carry; "
-                       "exclude what the ranks do not need (sync.exclude)", EXIT_USAGE)
-    tree = _tree_id(ordered)
-    return Manifest(src=src, entries=ordered, tree=tree,
-                    code_id=_code_id(src, tree) if git else f"tree:{tree}", excluded=excluded)
+    return entries, excluded
 
 
 # -- listing ---------------------------------------------------------------------------------

@@ -114,20 +114,30 @@ class Push:
         state.heard = time.monotonic()
         if info.get("error"):
             self._fail(state.host, str(info["error"]))
-        if not report.done and info.get("manifest"):
+        if report.done:
+            self._synced(state, info)
+        elif info.get("manifest"):
             state.have = False
             self.sessions[state.host].write_shared(self._manifest_frame())
+        else:
+            self._asked(state, info)
+
+    def _asked(self, state: HostSync, info: Mapping[str, Any]) -> None:
+        """The host read the manifest and says which objects it lacks: they go from here,
+        or from its gateway once the gateway's tree is in place (else when it is)."""
+        state.asked = True
+        state.need = [int(i) for i in info.get("need") or []]
+        state.root = str(info.get("root") or "")
+        if not state.need:
             return
-        if not report.done:
-            state.asked = True
-            state.need = [int(i) for i in info.get("need") or []]
-            state.root = str(info.get("root") or "")
-            gateway = self.gateway_of(state.host)
-            if state.need and gateway is None:
-                self._send(state)
-            elif state.need and gateway in self.hosts and self.hosts[gateway].dir is not None:
-                self._serve(self.hosts[gateway], state)
-            return
+        gateway = self.gateway_of(state.host)
+        if gateway is None:
+            self._send(state)
+        elif gateway in self.hosts and self.hosts[gateway].dir is not None:
+            self._serve(self.hosts[gateway], state)
+
+    def _synced(self, state: HostSync, info: Mapping[str, Any]) -> None:
+        """The host's tree is in place: say so, and feed the leaves that waited for it."""
         state.dir = str(info.get("dir") or tree_dir(state.path, self.manifest.tree))
         state.root = str(info.get("root") or state.root)  # a gateway that had the tree
         state.received = int(info.get("received") or 0)
