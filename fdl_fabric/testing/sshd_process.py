@@ -109,28 +109,7 @@ def _wait_ready(
     pending = list(hosts)
     deadline = time.monotonic() + timeout
     while pending:
-        for host in list(pending):
-            rc = host.sshd.poll()
-            if rc is not None:
-                log = log_tail(host.log_path)
-                if bind_failures is not None and (
-                    "Address already in use" in log or "Cannot bind any address" in log
-                ):
-                    bind_failures.append(host)
-                    pending.remove(host)
-                    continue
-                raise LabError(
-                    f"sshd for {host.name} ({host.addr}:{host.port}) exited with {rc} "
-                    f"during startup; log {host.log_path}:\n{log}"
-                )
-            if log_offsets is not None and host in log_offsets:
-                with open(host.log_path, "rb") as fh:
-                    fh.seek(log_offsets[host])
-                    fresh = fh.read()
-                if f"Server listening on {host.addr} port {host.port}".encode() not in fresh:
-                    continue
-            if _read_banner(host.addr, host.port):
-                pending.remove(host)
+        pending = [h for h in pending if not _answered(h, log_offsets, bind_failures)]
         if not pending:
             break
         if time.monotonic() > deadline:
@@ -146,6 +125,39 @@ def _wait_ready(
     for host in hosts:
         while time.monotonic() < settle and _probe_children(host):
             time.sleep(POLL)
+
+
+def _answered(host: LabHost, log_offsets: Optional[dict[LabHost, int]],
+              bind_failures: Optional[list[LabHost]]) -> bool:
+    """True once ``host`` needs no more waiting for: its sshd answers with a banner, or it
+    exited on a taken port (put in ``bind_failures``); an sshd that exited otherwise
+    raises LabError with its log."""
+    rc = host.sshd.poll()
+    if rc is not None:
+        log = log_tail(host.log_path)
+        if bind_failures is not None and (
+            "Address already in use" in log or "Cannot bind any address" in log
+        ):
+            bind_failures.append(host)
+            return True
+        raise LabError(
+            f"sshd for {host.name} ({host.addr}:{host.port}) exited with {rc} "
+            f"during startup; log {host.log_path}:\n{log}"
+        )
+    if not _listening_again(host, log_offsets):
+        return False
+    return _read_banner(host.addr, host.port)
+
+
+def _listening_again(host: LabHost, log_offsets: Optional[dict[LabHost, int]]) -> bool:
+    """After a SIGHUP (``log_offsets``): whether the log shows a fresh "Server listening"
+    line past the host's offset. Without one, always True."""
+    if log_offsets is None or host not in log_offsets:
+        return True
+    with open(host.log_path, "rb") as fh:
+        fh.seek(log_offsets[host])
+        fresh = fh.read()
+    return f"Server listening on {host.addr} port {host.port}".encode() in fresh
 
 
 def _probe_children(host: LabHost) -> bool:
