@@ -296,32 +296,41 @@ class Screen:
         if self._status_lines and (items or status is None) and out.dead is None:
             out.write(_erase(self._status_lines))
             self._status_lines = 0
+        writers = {"output": self._write_output, "message": self._write_message}
         for kind, stream, data, lines in items:
-            target = self._streams[stream]
-            if kind == "output":
-                if self._given_up is not None:  # taken off the queue before the Ctrl-C
-                    with self._cond:
-                        self.dropped_lines += lines
-                    continue
-                if not target.write(data, self._gave_up) and stream == OUT:
-                    with self._cond:
-                        self._closed_out_lines += lines  # refused by a stdout that closed
-                continue
-            for cut in self._streams.values():
-                if cut.cut:  # finish the line the interrupt cut, then the launcher's words
-                    cut.cut = False
-                    cut.write(b"\n")
-            target.write(data)
+            writers[kind](stream, data, lines)
         if status is not None and out.dead is None:
-            size = _size(out)
-            with contextlib.suppress(Exception):  # a rendering problem must not end output
-                text = status(size.columns, size.lines)
-                if self._status_lines:
-                    out.write(_erase(self._status_lines))
-                if text and out.write(text.encode("utf-8", "replace")):
-                    self._status_lines = text.count("\n") + 1
-                else:
-                    self._status_lines = 0
+            self._draw(out, status)
+
+    def _write_output(self, stream: str, data: bytes, lines: int) -> None:
+        """Rank output: dropped (and counted) once the operator gave up on the console."""
+        if self._given_up is not None:  # taken off the queue before the Ctrl-C
+            with self._cond:
+                self.dropped_lines += lines
+            return
+        if not self._streams[stream].write(data, self._gave_up) and stream == OUT:
+            with self._cond:
+                self._closed_out_lines += lines  # refused by a stdout that closed
+
+    def _write_message(self, stream: str, data: bytes, _lines: int) -> None:
+        """A launcher line: on a line of its own, after any line an interrupt cut."""
+        for cut in self._streams.values():
+            if cut.cut:  # finish the line the interrupt cut, then the launcher's words
+                cut.cut = False
+                cut.write(b"\n")
+        self._streams[stream].write(data)
+
+    def _draw(self, out: _Stream, status: StatusRender) -> None:
+        """The live table, drawn again in place of the last one."""
+        size = _size(out)
+        with contextlib.suppress(Exception):  # a rendering problem must not end output
+            text = status(size.columns, size.lines)
+            if self._status_lines:
+                out.write(_erase(self._status_lines))
+            if text and out.write(text.encode("utf-8", "replace")):
+                self._status_lines = text.count("\n") + 1
+            else:
+                self._status_lines = 0
 
     @property
     def dropped(self) -> int:
