@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from ..events import Kind, Name
 from .records import upgrade
@@ -106,6 +106,10 @@ def _exit_outcome(record: dict[str, Any]) -> str:
     return "ok" if data.get("ok") else "failed"
 
 
+#: The kinds of record that end a rank's attempt.
+_ENDS = (Kind.EXIT.value, Kind.DEATH.value, Kind.TOLERATED.value)
+
+
 def _data(record: dict[str, Any]) -> dict[str, Any]:
     data = record.get("data")
     return data if isinstance(data, dict) else {}
@@ -120,6 +124,16 @@ class _Reader:
         self.line = Timeline()
         self.open: dict[int, Segment] = {}
         self.attempt: Optional[Attempt] = None
+        #: Records about the run or a host, by name: each says whether it took the record
+        #: (a host's record about one rank is read as that rank's).
+        self._run_level: dict[str, Callable[[dict[str, Any], float], bool]] = {
+            Name.LAUNCH.value: self._launch, Name.COHORT_FORMED.value: self._formed,
+            Name.VERDICT.value: self._verdict, Name.HOST_LOST.value: self._host_gone,
+            Name.HOST_UNRESPONSIVE.value: self._host_gone}
+        #: Records about one rank, by name (the others end it when their kind says so).
+        self._rank_level: dict[str, Callable[[int, dict[str, Any], float], None]] = {
+            Name.RANK_STARTED.value: self._started,
+            Name.RANK_DECLARED_DEAD.value: self._declared_dead}
 
     def feed(self, record: dict[str, Any]) -> None:
         t = float(record["time"])
@@ -128,29 +142,49 @@ class _Reader:
         t -= self.t0
         self.last = max(self.last, t)
         self._attempt(int(record.get("attempt", 0) or 0), t)
-        name, rank, host = record.get("name"), record.get("rank"), record.get("host")
-        if name == Name.LAUNCH.value:
-            self.line.run_id = str(_data(record).get("run_id", ""))
-        elif name == Name.COHORT_FORMED.value and self.attempt is not None:
-            self.attempt.formed = t
-        elif name == Name.VERDICT.value:
-            self.line.verdict = str(_data(record).get("verdict", ""))
-            self.line.exit_code = _data(record).get("exit_code")
-        elif name in (Name.HOST_LOST.value, Name.HOST_UNRESPONSIVE.value) and rank is None:
-            for seg in list(self.open.values()):
-                if seg.host == host:
-                    self._close(seg, t, "lost")
-        elif rank is None:
+        name, rank = record.get("name"), record.get("rank")
+        run_level = self._run_level.get(str(name))
+        if run_level is not None and run_level(record, t):
             return
-        elif name == Name.RANK_STARTED.value:
-            self.open[rank] = Segment(self.attempt.number if self.attempt else 0, rank,
-                                      str(host or ""), t)
-            self.line.segments.append(self.open[rank])
-        elif name == Name.RANK_DECLARED_DEAD.value and rank in self.open:
-            self.open[rank].death = t
-        elif record.get("kind") in (Kind.EXIT.value, Kind.DEATH.value, Kind.TOLERATED.value) \
-                and rank in self.open:
+        if rank is None:
+            return
+        rank_level = self._rank_level.get(str(name))
+        if rank_level is not None:
+            rank_level(rank, record, t)
+        elif record.get("kind") in _ENDS and rank in self.open:
             self._close(self.open[rank], t, _exit_outcome(record))
+
+    def _launch(self, record: dict[str, Any], _t: float) -> bool:
+        self.line.run_id = str(_data(record).get("run_id", ""))
+        return True
+
+    def _formed(self, _record: dict[str, Any], t: float) -> bool:
+        if self.attempt is not None:
+            self.attempt.formed = t
+        return True
+
+    def _verdict(self, record: dict[str, Any], _t: float) -> bool:
+        self.line.verdict = str(_data(record).get("verdict", ""))
+        self.line.exit_code = _data(record).get("exit_code")
+        return True
+
+    def _host_gone(self, record: dict[str, Any], t: float) -> bool:
+        if record.get("rank") is not None:
+            return False
+        host = record.get("host")
+        for seg in list(self.open.values()):
+            if seg.host == host:
+                self._close(seg, t, "lost")
+        return True
+
+    def _started(self, rank: int, record: dict[str, Any], t: float) -> None:
+        self.open[rank] = Segment(self.attempt.number if self.attempt else 0, rank,
+                                  str(record.get("host") or ""), t)
+        self.line.segments.append(self.open[rank])
+
+    def _declared_dead(self, rank: int, _record: dict[str, Any], t: float) -> None:
+        if rank in self.open:
+            self.open[rank].death = t
 
     def _attempt(self, number: int, t: float) -> None:
         if self.attempt is not None and number <= self.attempt.number:
@@ -195,24 +229,9 @@ def draw(line: Timeline, out: Path) -> Path:
     from matplotlib.patches import Patch
 
     ranks = line.ranks()
-    row = {rank: i for i, rank in enumerate(ranks)}
     fig, ax = plt.subplots(figsize=(11, 2.4 + 0.28 * min(len(ranks), 120)))
-    for n, attempt in enumerate(line.attempts):
-        end = attempt.end if attempt.end is not None else line.span
-        ax.axvspan(attempt.start, end, color="#eceff1" if n % 2 else "#ffffff", zorder=0)
-        ax.text(attempt.start, 1.01, f" attempt {attempt.number}", fontsize=9, va="bottom",
-                transform=ax.get_xaxis_transform())
-        if attempt.formed is not None:
-            ax.axvline(attempt.formed, color="#1e88e5", linestyle="--", linewidth=1, zorder=3)
-    for seg in line.segments:
-        _name, colour, hatch = OUTCOMES[seg.outcome]
-        end = seg.end if seg.end is not None else line.span
-        ax.broken_barh([(seg.start, max(end - seg.start, line.span / 500))],
-                       (row[seg.rank] - 0.35, 0.7), facecolors=colour, hatch=hatch,
-                       edgecolor="white", linewidth=0.5, zorder=2)
-        if seg.death is not None:
-            ax.plot([seg.death], [row[seg.rank]], marker="x", color="black", markersize=7,
-                    markeredgewidth=2, zorder=4)
+    _draw_attempts(ax, line)
+    _draw_segments(ax, line, {rank: i for i, rank in enumerate(ranks)})
     _rank_axis(ax, line, ranks)
     ax.set_xlim(0, line.span * 1.01)
     ax.set_xlabel("seconds since the launch")
@@ -234,6 +253,30 @@ def draw(line: Timeline, out: Path) -> Path:
         fig.savefig(fh, format=out.suffix[1:].lower(), dpi=110)
     plt.close(fig)
     return out
+
+
+def _draw_attempts(ax: Any, line: Timeline) -> None:
+    """Each attempt as a shaded band with its number, a dashed line where it formed."""
+    for n, attempt in enumerate(line.attempts):
+        end = attempt.end if attempt.end is not None else line.span
+        ax.axvspan(attempt.start, end, color="#eceff1" if n % 2 else "#ffffff", zorder=0)
+        ax.text(attempt.start, 1.01, f" attempt {attempt.number}", fontsize=9, va="bottom",
+                transform=ax.get_xaxis_transform())
+        if attempt.formed is not None:
+            ax.axvline(attempt.formed, color="#1e88e5", linestyle="--", linewidth=1, zorder=3)
+
+
+def _draw_segments(ax: Any, line: Timeline, row: dict[int, int]) -> None:
+    """Each attempt of each rank as a bar coloured by its outcome, a cross at a death."""
+    for seg in line.segments:
+        _name, colour, hatch = OUTCOMES[seg.outcome]
+        end = seg.end if seg.end is not None else line.span
+        ax.broken_barh([(seg.start, max(end - seg.start, line.span / 500))],
+                       (row[seg.rank] - 0.35, 0.7), facecolors=colour, hatch=hatch,
+                       edgecolor="white", linewidth=0.5, zorder=2)
+        if seg.death is not None:
+            ax.plot([seg.death], [row[seg.rank]], marker="x", color="black", markersize=7,
+                    markeredgewidth=2, zorder=4)
 
 
 def _rank_axis(ax: Any, line: Timeline, ranks: list[int]) -> None:
