@@ -137,22 +137,28 @@ def result_of_record(run_id: str, result: Optional[dict[str, Any]], lost: bool
         return LaunchResult(verdict="failed", exit_code=1, message=message, run_id=run_id,
                             ranks=(), attempts=(), root_cause=None)
     ranks = tuple(_outcome(row) for row in result.get("ranks") or [])
-    listed = result.get("attempt_list") or []
-    if listed:
-        attempts = tuple(Attempt(a.get("verdict", "?"), 0 if a.get("verdict") in
-                                 ("ok", "degraded") else 1,
-                                 render(cause_event(a["cause"])) if a.get("cause") else "",
-                                 tuple(a.get("hosts") or ())) for a in listed)
-    else:
-        attempts = (Attempt(str(result.get("verdict")), int(result.get("exit_code") or 0),
-                            str(result.get("message")), tuple(result.get("hosts") or ())),)
     cause_rank = result.get("root_cause_rank")
     root = next((r for r in ranks if r.rank == cause_rank), None) \
         if cause_rank is not None else None
     return LaunchResult(verdict=str(result.get("verdict")),
                         exit_code=int(result.get("exit_code") or 0),
                         message=str(result.get("message")), run_id=run_id, ranks=ranks,
-                        attempts=attempts, root_cause=root)
+                        attempts=_attempts(result), root_cause=root)
+
+
+def _attempts(result: dict[str, Any]) -> tuple[Attempt, ...]:
+    """Each attempt of the record: its list, or (a record without one) the run as one."""
+    listed = result.get("attempt_list") or []
+    if not listed:
+        return (Attempt(str(result.get("verdict")), int(result.get("exit_code") or 0),
+                        str(result.get("message")), tuple(result.get("hosts") or ())),)
+    return tuple(_attempt(a) for a in listed)
+
+
+def _attempt(row: dict[str, Any]) -> Attempt:
+    return Attempt(row.get("verdict", "?"), 0 if row.get("verdict") in ("ok", "degraded") else 1,
+                   render(cause_event(row["cause"])) if row.get("cause") else "",
+                   tuple(row.get("hosts") or ()))
 
 
 def _outcome(row: dict[str, Any]) -> RankOutcome:
