@@ -166,7 +166,6 @@ def test_realistic_file_loads_every_field(tmp_path: Path) -> None:
             env={"OMP_NUM_THREADS": "8"},
             data_path=os.path.join(folder, "data"),
             is_local=True,
-            transport="local",
             line=16,
         ),
         WorkerSpec(

@@ -20,8 +20,8 @@ import pytest
 from fdl_fabric.agent import relay as mux
 from fdl_fabric.agent import wire
 from fdl_fabric.clusterfile import ConfigError, parse_cluster
-from fdl_fabric.planning.tree import cluster_tree, gateway_count, plan_tree
-from fdl_fabric.transport import TransportError, bundle, for_cluster, gateway
+from fdl_fabric.planning.tree import gateway_count, plan_tree
+from fdl_fabric.transport import TransportError, bundle, for_cluster, gateway, tree_of
 from fdl_fabric.transport.gateway import (
     LEAF_KEX,
     GatewayHost,
@@ -143,11 +143,11 @@ def test_the_cluster_files_fanout_key_defaults_to_64_and_is_checked_with_its_lin
 
 def test_local_workers_are_never_in_the_tree_and_spares_come_last() -> None:
     cluster = _cluster(9, fanout=2, local=True, spare="h01")
-    tree = cluster_tree(cluster)
+    tree = tree_of(cluster)
     assert "localhost" not in tree.direct
     assert tree.direct == ("h02", "h03"), "a spare is never a gateway while others can be"
     assert tree.gateways[-1].leaves[-1] == "h01"
-    assert cluster_tree(cluster, fanout=64).flat, "a flag's fanout beats the file's"
+    assert tree_of(cluster, fanout=64).flat, "a flag's fanout beats the file's"
 
 
 def test_the_replanned_tree_gives_a_lost_gateway_a_direct_transport() -> None:
@@ -158,7 +158,7 @@ def test_the_replanned_tree_gives_a_lost_gateway_a_direct_transport() -> None:
     assert isinstance(transports["h03"], GatewayHost)
     leaf = transports["h04"]
     assert isinstance(leaf, GatewayTransport) and leaf.gateway.host == "h02"
-    assert cluster_tree(cluster, avoid={"h01"}).as_data()["gateways"] == {
+    assert tree_of(cluster, avoid={"h01"}).as_data()["gateways"] == {
         "h02": ["h04", "h05", "h06"], "h03": ["h07", "h08", "h09"]}
 
 

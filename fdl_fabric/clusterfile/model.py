@@ -8,8 +8,9 @@ Also here: the environment names the launcher owns, and what ``max_failure`` mea
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Optional, Union
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 # --------------------------------------------------------------------------------------------
 # The model
@@ -50,6 +51,8 @@ class WorkerSpec:
     tunnel: bool
     env: dict[str, str]
     data_path: Optional[str]
+    #: The host names this machine (``localhost``, its host name): where it is, which
+    #: decides loopback addresses and local paths; not how it is reached (``transport``).
     is_local: bool
     line: int
     #: Names or globs of launcher variables carried to this worker's ranks.
@@ -57,9 +60,13 @@ class WorkerSpec:
     #: The Slurm job whose allocation holds this node: its agent starts as an srun step
     #: of that job, never over SSH (`fdl_fabric.transport.slurm`).
     slurm_job: Optional[str] = None
-    #: How the host is reached: a kind of `fdl_fabric.transport` (``local``, ``ssh``,
-    #: ``slurm``); only the transport package reads it.
-    transport: str = "ssh"
+    #: The kind of `fdl_fabric.transport` the file names (``transport:``), or None: the
+    #: transport package infers it from the host (`transport.kinds`). Only that package
+    #: reads it; ``is_local`` is another fact, where the host is, not how it is reached.
+    transport: Optional[str] = None
+    #: The rest of a ``transport: {kind: NAME, ...}`` block: the kind's own settings, as
+    #: plain values, read by that kind (`Transport.resolve_settings`).
+    transport_settings: Mapping[str, Any] = field(default_factory=dict)
     #: ``spare: true``: not started unless a host of the roster is lost
     #: (`supervision.membership`).
     spare: bool = False

@@ -55,6 +55,7 @@ from .names import (
     unicode_problem,
     user_name_problem,
 )
+from .transportkey import read_transport
 from .yamlread import TAG, Block, Field, NodeReader, describe, line_of
 
 _DEFAULT_KILL_GRACE = 10.0  # seconds a rank gets to exit cleanly before it is killed
@@ -83,6 +84,7 @@ _WORKER_KEYS = (
     "data_path",
     "spare",
     "python",
+    "transport",
 )
 _SSH_KEYS = ("target", "user", "port", "identity_file", "options", "config_file")
 
@@ -392,6 +394,7 @@ def _read_worker(
     env_forward = _read_env_forward(r, w.field("env_forward"))
     spare = r.boolean(w.field("spare"))
     python = read_python(r, w.field("python"))
+    kind, kind_settings = read_transport(r, w.field("transport"))
 
     if host is None or (nproc is None and local_devices is None):
         return None
@@ -408,7 +411,8 @@ def _read_worker(
         env=env,
         data_path=None if raw_data_path is None else _resolve_path(raw_data_path, folder, is_local),
         is_local=is_local,
-        transport="local" if is_local else "ssh",
+        transport=kind,
+        transport_settings=kind_settings,
         line=line_of(w.node),
         env_forward=env_forward,
         spare=bool(spare),

@@ -23,15 +23,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..clusterfile import ClusterSpec, SshSpec, WorkerSpec
+from ..clusterfile import ClusterSpec
 from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from ..supervision import reports
-from ..transport import Transport, connerrors, for_cluster, kind, resolve_cluster
+from ..transport import (
+    Transport,
+    for_cluster,
+    for_connections,
+    kinds_of,
+    resolve_cluster,
+    resolve_settings,
+)
 from ..transport.fanout import close_all, connect_each, start_each
-from ..transport.sshconfig import resolve_all_settings
 
 #: Seconds a sweep may take on a host (TERM, the sweep grace, KILL, plus start-up).
 SWEEP_TIMEOUT = 60.0
@@ -124,7 +130,7 @@ def run_cleanup(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] =
                                    "only (another job may share the nodes)", EXIT_USAGE)
         cluster = resolve_cluster(cluster_file, cluster, slurm=slurm,
                                   nproc_per_node=1 if slurm else None)
-        settings = resolve_all_settings(cluster, events)
+        settings = resolve_settings(cluster, events)
     except FdlError as exc:
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code
@@ -145,8 +151,8 @@ def run_cleanup(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] =
         close_all(transports.values())
     for host, reason in errors.items():
         found[host] = HostReport(host, error=reason)
-    for kind_name in dict.fromkeys(w.transport for w in cluster.workers):
-        kind(kind_name).after_sweep(cluster.workers, events)
+    for cls in kinds_of(cluster.workers):
+        cls.after_sweep(cluster.workers, events)
     return report_and_verdict([found[w.host] for w in cluster.workers], events)
 
 
@@ -169,16 +175,12 @@ def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
     """``fab -H a,b cleanup``: every host in parallel; a failing host never stops the others.
     Runs whose launcher is alive are left alone, unless named (``run_id``) or ``force``d.
 
-    fab builds its Connections; they get our host-key policy and SSH transport before
-    they open (`SshTransport.from_connection`), like every other connection we make.
+    fab builds its Connections; they get our host-key policy and bounded waits before
+    they open (`transport.for_connections`), like every other connection we make; a
+    failure on port 22 points to fab -H's user@host:port.
     """
-    from ..transport.ssh import SshTransport
-
     console = console or Console()
-    transports = [SshTransport.from_connection(adhoc_worker(i, c.original_host), c)
-                  for i, c in enumerate(conns)]
-    for transport in transports:  # a failure on port 22 points to fab -H's user@host:port
-        transport.origin = connerrors.Origin(flag="-H")
+    transports = for_connections(conns, flag="-H")
     errors = connect_each(transports)
     command = "fab cleanup" + (f" --run-id {run_id}" if run_id else "") + \
         (" --force" if force else "")
@@ -189,13 +191,6 @@ def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
     for host, reason in errors.items():
         found[host] = HostReport(host, error=reason)
     return report_and_verdict([found[t.host] for t in transports], EventBus(console))
-
-
-def adhoc_worker(index: int, host: str) -> WorkerSpec:
-    """A host named on the command line (``fab -H``), with no cluster file behind it."""
-    return WorkerSpec(index=index, host=host, nproc=1, local_devices=None, path="~",
-                      addr=host, nccl_socket_ifname=None, ssh=SshSpec(), tunnel=False,
-                      env={}, data_path=None, is_local=False, line=0, transport="ssh")
 
 
 __all__ = ["HostReport", "FdlError", "adhoc_cleanup_hosts", "run_cleanup",

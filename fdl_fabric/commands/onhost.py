@@ -29,9 +29,7 @@ from .. import __version__, shell
 from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus
 from ..presentation.output import Console
-from ..transport import for_cluster
-from ..transport.ssh import SshTransport
-from ..transport.sshconfig import resolve_all_settings
+from ..transport import Transport, for_cluster, resolve_settings
 from . import vocabulary
 
 #: The interpreter that runs fdl-fabric on the other host.
@@ -42,27 +40,32 @@ STAGED = ".local/state/fdl-fabric/staged"
 OPTIONS = "options.json"
 
 
-def connect(on: str) -> SshTransport:
-    """A connection to ``on`` (``[user@]host[:port]``, through ~/.ssh/config); a host that
-    cannot be reached is an `FdlError` saying why."""
+def connect(on: str) -> Transport:
+    """A connection to ``on`` (``[user@]host[:port]``, through ~/.ssh/config) that gives a
+    shell (`Transport.shell`); a host that cannot be reached is an `FdlError` saying why,
+    and this machine is refused (it has no shell to reach: leave ``--on`` out)."""
     from .options import hosts_cluster
 
     cluster = hosts_cluster({"hosts": on}, command="status")
     assert cluster is not None
-    settings = resolve_all_settings(cluster, EventBus(Console()))
+    settings = resolve_settings(cluster, EventBus(Console()))
     transport = next(iter(for_cluster(cluster, settings).values()))
-    if not isinstance(transport, SshTransport):
+    if transport.this_machine:
         raise FdlError(f"--on {on}: is this machine: leave --on out", EXIT_USAGE)
     try:
         transport.connect()
     except Exception as exc:
         raise FdlError(f"--on {on}: {exc}") from None
+    if transport.shell() is None:
+        transport.close()
+        raise FdlError(f"--on {on}: {transport.describe()} gives no shell to run "
+                       "fdl-fabric on", EXIT_USAGE)
     return transport
 
 
-def check_version(transport: SshTransport, on: str) -> None:
+def check_version(transport: Transport, on: str) -> None:
     """The same fdl-fabric on ``on`` as here, or the command that installs it."""
-    conn = transport.connection
+    conn = transport.shell()
     assert conn is not None
     done = conn.run(f"{REMOTE_PYTHON} -m fdl_fabric --version", warn=True, hide=True,
                     in_stream=False)
@@ -113,7 +116,7 @@ def there(on: str, words: Sequence[str], *, pty: bool = False, hide: bool = Fals
     try:
         check_version(transport, on)
         argv = [REMOTE_PYTHON, "-m", "fdl_fabric", *words]
-        conn = transport.connection
+        conn = transport.shell()
         assert conn is not None
         done = conn.run(" ".join(shell.quote(w) for w in argv), warn=True, pty=pty,
                         hide=hide, in_stream=None if pty else False)
@@ -139,7 +142,7 @@ def launch_there(on: str, given: Mapping[str, Any], argv: Sequence[str],
     transport = connect(on)
     try:
         check_version(transport, on)
-        conn = transport.connection
+        conn = transport.shell()
         assert conn is not None
         sftp = conn.sftp()
         home = sftp.normalize(".")

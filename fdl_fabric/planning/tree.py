@@ -23,11 +23,11 @@ found dead when its agent failed to start).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..clusterfile import ClusterSpec
+from ..clusterfile import ClusterSpec, WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -117,17 +117,25 @@ def plan_tree(hosts: Sequence[str], fanout: int,
     return Tree(fanout, gateways + avoided, tuple(blocks))
 
 
-def tree_hosts(cluster: ClusterSpec) -> list[str]:
-    """The hosts a cluster's tree is planned over: its SSH workers (never a local worker
-    or a Slurm node), the roster's hosts in order, then its spares, so a gateway is a host
-    that runs from the start."""
-    ssh = [w for w in cluster.workers if w.transport == "ssh" and not w.is_local]
-    return [w.host for w in ssh if not w.spare] + [w.host for w in ssh if w.spare]
+def _member_until_seam(w: WorkerSpec) -> bool:  # TEMP(issue32): removed at integration
+    return not w.is_local and w.slurm_job is None and w.transport in (None, "ssh")
+
+
+def tree_hosts(cluster: ClusterSpec,
+               member: Callable[[WorkerSpec], bool] = _member_until_seam) -> list[str]:
+    """The hosts a cluster's tree is planned over: those ``member`` admits (the transport
+    package's answer: hosts a gateway's relay can reach, never this machine or a Slurm
+    node), the roster's hosts in order, then its spares, so a gateway is a host that
+    runs from the start."""
+    hosts = [w for w in cluster.workers if member(w)]
+    return [w.host for w in hosts if not w.spare] + [w.host for w in hosts if w.spare]
 
 
 def cluster_tree(cluster: ClusterSpec, fanout: Optional[int] = None,
-                 avoid: Collection[str] = frozenset()) -> Tree:
+                 avoid: Collection[str] = frozenset(), *,
+                 member: Callable[[WorkerSpec], bool] = _member_until_seam) -> Tree:
     """The tree of a cluster: ``fanout`` (a flag's), else the file's ``fanout:``;
-    ``avoid``: gateways lost in an earlier attempt (`plan_tree`)."""
-    return plan_tree(tree_hosts(cluster), cluster.fanout if fanout is None else fanout,
-                     avoid)
+    ``avoid``: gateways lost in an earlier attempt (`plan_tree`); ``member``: whether a
+    worker may be in the tree (`fdl_fabric.transport.tree_of` asks its kind)."""
+    return plan_tree(tree_hosts(cluster, member),
+                     cluster.fanout if fanout is None else fanout, avoid)

@@ -11,27 +11,33 @@
 * `gateway`: the gateway tree (beyond ``fanout`` SSH hosts): a gateway's relay, and the
   leaves whose agents start through it (`for_cluster` picks them).
 
-Adding a kind is one module with one `Transport` subclass and its line in `KINDS`;
-nothing outside this package branches on the kind of a host.
+Adding a kind is one module with one `Transport` subclass, registered by `register`
+(a plug-in does the same from outside the package); a cluster file then names it
+(``transport: NAME``, or ``transport: {kind: NAME, ...its settings}``). Nothing outside
+this package names a kind: what the layers above need of a host is a capability of its
+`Transport` (tests/test_architecture.py holds it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Optional
+import difflib
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, Optional
 
-from ..clusterfile import ClusterSpec, WorkerSpec, load_cluster
+from ..clusterfile import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster
 from ..errors import EXIT_USAGE, FdlError
+from ..events import EventBus
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
+from .kinds import kind_name
 from .local import LocalTransport
 
-if TYPE_CHECKING:
-    from .sshconfig import SshSettings
+#: Each host's settings, as its kind resolved them (`resolve_settings`), by host.
+HostSettings = Mapping[str, Any]
 
 
 def _kinds() -> dict[str, type[Transport]]:
-    """The kinds, by name. SSH and Slurm load only when a cluster has such a host:
-    a launch with only local workers never imports Fabric's SSH stack."""
+    """The built-in kinds, by name. SSH and Slurm load only when a cluster has such a
+    host: a launch with only local workers never imports Fabric's SSH stack."""
     from .slurm import SlurmTransport
     from .ssh import SshTransport
 
@@ -43,8 +49,17 @@ def _kinds() -> dict[str, type[Transport]]:
 EXTRA_KINDS: dict[str, type[Transport]] = {}
 
 
+def register(cls: type[Transport]) -> type[Transport]:
+    """Make a kind known by its ``kind`` name (usable as a class decorator): the one
+    registration a plug-in needs before a cluster file names it."""
+    if not cls.kind:
+        raise ValueError(f"{cls.__name__} has no kind name")
+    EXTRA_KINDS[cls.kind] = cls
+    return cls
+
+
 def kind(name: str) -> type[Transport]:
-    """The `Transport` class of a kind of host."""
+    """The `Transport` class of a kind of host (KeyError when none is registered)."""
     if name == LocalTransport.kind:
         return LocalTransport
     if name in EXTRA_KINDS:
@@ -52,41 +67,115 @@ def kind(name: str) -> type[Transport]:
     return _kinds()[name]
 
 
-def for_worker(worker: WorkerSpec, settings: Optional[Mapping[str, SshSettings]] = None, *,
+def known_kinds() -> list[str]:
+    """Every kind's name, built-in then registered."""
+    return list(dict.fromkeys([*_kinds(), *EXTRA_KINDS]))
+
+
+def kind_of(worker: WorkerSpec) -> type[Transport]:
+    """The class that reaches ``worker``: the kind its file names, else the inferred one
+    (`kinds.kind_name`); `check_kinds` has refused an unknown name before."""
+    return kind(kind_name(worker))
+
+
+def kinds_of(workers: Iterable[WorkerSpec]) -> list[type[Transport]]:
+    """The kinds of these workers, each once, in roster order."""
+    return list(dict.fromkeys(kind_of(w) for w in workers))
+
+
+def _kind_problem(worker: WorkerSpec) -> Optional[str]:
+    name = kind_name(worker)
+    try:
+        cls = kind(name)
+    except KeyError:
+        known = known_kinds()
+        close = difflib.get_close_matches(name, known, n=1)
+        return (f"unknown transport {name!r}" + (f" (did you mean {close[0]!r}?)" if close
+                                                  else "") +
+                f"; known: {', '.join(known)} (a plug-in registers its own with "
+                "fdl_fabric.transport.register)")
+    return cls.check_worker(worker)
+
+
+def check_kinds(cluster: ClusterSpec) -> None:
+    """Every worker's kind known and able to reach it as described: else one
+    `ConfigError` (exit 2) naming each worker's ``transport`` key and line."""
+    problems = [Problem(cluster.file, f"workers[{w.index}].transport", w.line or None, why)
+                for w in cluster.workers if (why := _kind_problem(w)) is not None]
+    if problems:
+        raise ConfigError(problems)
+
+
+def resolve_settings(cluster: ClusterSpec, events: Optional[EventBus] = None
+                     ) -> dict[str, Any]:
+    """Each host's settings, resolved by its kind before anything is contacted (an SSH
+    host's through ~/.ssh/config); a bad one is a `ConfigError` (exit 2)."""
+    check_kinds(cluster)
+    settings: dict[str, Any] = {}
+    for cls in kinds_of(cluster.workers):
+        mine = tuple(w for w in cluster.workers if kind_of(w) is cls)
+        settings.update(cls.resolve_settings(cluster, mine, events))
+    return settings
+
+
+def tree_of(cluster: ClusterSpec, fanout: Optional[int] = None,
+            avoid: Collection[str] = frozenset()) -> Any:
+    """The gateway tree of a cluster (`planning.tree.cluster_tree`) over the hosts whose
+    kind may be in it (`Transport.tree_member`): what `for_cluster` builds, and what a
+    dry run and a launch's events show."""
+    from ..planning.tree import cluster_tree
+
+    return cluster_tree(cluster, fanout, avoid, member=lambda w: kind_of(w).tree_member)
+
+
+def for_worker(worker: WorkerSpec, settings: Optional[HostSettings] = None, *,
                purpose: str = "agent") -> Transport:
-    """The transport of one worker (``settings``: each SSH worker's, by host)."""
-    return kind(worker.transport)(worker, (settings or {}).get(worker.host),
-                                  purpose=purpose)
+    """The transport of one worker (``settings``: each host's, by host)."""
+    return kind_of(worker)(worker, (settings or {}).get(worker.host), purpose=purpose)
 
 
-def for_cluster(cluster: ClusterSpec, settings: Optional[Mapping[str, SshSettings]] = None,
+def for_cluster(cluster: ClusterSpec, settings: Optional[HostSettings] = None,
                 *, purpose: str = "agent", fanout: Optional[int] = None,
                 avoid: Collection[str] = frozenset()) -> dict[str, Transport]:
     """Every worker's transport, in roster order.
 
-    Up to ``fanout`` SSH hosts (``None``: the cluster file's ``fanout:``, 64 by default)
-    each is connected directly, as always. Beyond that, the gateway tree of
-    `fdl_fabric.planning.tree.cluster_tree` (the same call gives the dry run the tree):
-    each gateway is an SSH host whose connection also carries the relay of its leaves
-    (`gateway.GatewayHost`), and each leaf's agent starts through it
-    (`gateway.GatewayTransport`). Local workers and Slurm nodes are never in the tree.
-    ``avoid``: gateways lost in an earlier attempt, connected directly this time.
+    Up to ``fanout`` tree members (``None``: the cluster file's ``fanout:``, 64 by
+    default) each is connected directly, as always. Beyond that, the gateway tree
+    (`tree_of`; the same call gives the dry run the tree): each gateway is an SSH host
+    whose connection also carries the relay of its leaves (`gateway.GatewayHost`), and
+    each leaf's agent starts through it (`gateway.GatewayTransport`). ``avoid``:
+    gateways lost in an earlier attempt, connected directly this time: re-planning the
+    tree around a lost gateway is this call with the gateways lost so far.
     """
-    from ..planning.tree import cluster_tree
-
-    tree = cluster_tree(cluster, fanout, avoid)
+    check_kinds(cluster)
+    tree = tree_of(cluster, fanout, avoid)
     if tree.flat:
         made = {w.host: for_worker(w, settings, purpose=purpose) for w in cluster.workers}
     else:
         from .gateway import tree_transports
 
         made = tree_transports(cluster, tree, settings or {}, purpose=purpose)
-    if any(w.transport == "ssh" for w in cluster.workers):  # local-only: no paramiko
+    if any(kind_of(w).tree_member for w in cluster.workers):  # local-only: no paramiko
         from . import connerrors
 
         # Where each host was named, for the words of a failed connect.
         connerrors.mark(made, connerrors.origins(cluster.workers, cluster.file,
                                                  flag=cluster.named_by))
+    return made
+
+
+def for_connections(conns: Sequence[Any], flag: str = "-H") -> list[Transport]:
+    """Transports over Fabric Connections someone else built (``fab -H``'s), each with
+    our host-key policy and bounded waits before it opens; a failed connect names
+    ``flag``."""
+    from . import connerrors
+    from .ssh import SshTransport, adhoc_worker
+
+    made: list[Transport] = []
+    for i, conn in enumerate(conns):
+        transport = SshTransport.from_connection(adhoc_worker(i, conn.original_host), conn)
+        transport.origin = connerrors.Origin(flag=flag)
+        made.append(transport)
     return made
 
 
@@ -109,8 +198,11 @@ def resolve_cluster(cluster_file: Optional[str], cluster: Optional[ClusterSpec] 
         raise FdlError("--nproc-per-node: only for a Slurm launch (--slurm, or "
                        "`scheduler: slurm` in the cluster file); SSH workers set nproc "
                        "in the cluster file", EXIT_USAGE)
+    check_kinds(cluster)
     return cluster
 
 
-__all__ = ["AgentProcess", "ByteSink", "EXTRA_KINDS", "ProbeResult", "Transport",
-           "TransportError", "for_cluster", "for_worker", "kind", "resolve_cluster"]
+__all__ = ["AgentProcess", "ByteSink", "EXTRA_KINDS", "HostSettings", "ProbeResult",
+           "Transport", "TransportError", "check_kinds", "for_cluster", "for_connections",
+           "for_worker", "kind", "kind_of", "kinds_of", "known_kinds", "register",
+           "resolve_cluster", "resolve_settings", "tree_of"]

@@ -23,12 +23,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
-from ..clusterfile import WorkerSpec
+from ..clusterfile import ClusterSpec, WorkerSpec
 from ..events import EventBus
 
 if TYPE_CHECKING:
     from .keepalive import KeepaliveMonitor
-    from .sshconfig import SshSettings
 
 
 class TransportError(Exception):
@@ -118,21 +117,63 @@ class ProbeResult:
 
 
 class Transport(abc.ABC):
-    """How the launcher reaches one host; see the module docstring."""
+    """How the launcher reaches one host; see the module docstring.
 
-    #: The kind's name, as `KINDS` knows it.
+    What the layers above need to know of a host is asked here, as a capability, never
+    by its kind: whether it is this machine (`this_machine`), whether its ranks dial
+    the controller through a tunnel (`tunnels`), whether it may be a gateway or a leaf
+    of the tree (`tree_member`), whether its agent dials in rather than being started
+    (`dials_in`), how a dry run says it is reached (`describe`, `details`), and whether
+    it gives a shell for ``--on`` (`shell`).
+    """
+
+    #: The kind's name, as a cluster file's ``transport:`` names it.
     kind: ClassVar[str] = ""
     #: Can a launch reach this host again after losing it, to clear what is left there?
     #: (Not a Slurm node whose slurmd died: srun would wait for it.)
     sweep_after_loss: ClassVar[bool] = True
+    #: May the host be a gateway of the tree, or a leaf started through one (beyond
+    #: ``fanout``)? Only hosts a gateway's relay can itself reach (an SSH server).
+    tree_member: ClassVar[bool] = False
+    #: Does the host's agent connect to the launcher, rather than the launcher starting
+    #: it? Then `start_agent` waits, bounded, for that agent and returns its stream; the
+    #: kill-all and the leash are the same, because they travel on that stream.
+    dials_in: ClassVar[bool] = False
 
-    def __init__(self, worker: WorkerSpec, settings: Optional[SshSettings] = None, *,
+    def __init__(self, worker: WorkerSpec, settings: object = None, *,
                  purpose: str = "agent") -> None:
         self.worker = worker
         self.host = worker.host
-        self.settings = settings
+        #: The kind's own settings, as its kind reads them (an SSH host's ``SshSettings``
+        #: through ~/.ssh/config; a plug-in's ``transport:`` block): only the kind reads it.
+        self.settings: Any = settings
         #: What the agent is for: ``agent`` (a run) or ``cleanup``; a Slurm step's name.
         self.purpose = purpose
+
+    @classmethod
+    def check_worker(cls, worker: WorkerSpec) -> Optional[str]:
+        """Why this kind cannot reach ``worker`` as the cluster file describes it (said at
+        its ``transport`` key, exit 2, before anything starts), or None."""
+        return None
+
+    @classmethod
+    def resolve_settings(cls, cluster: ClusterSpec, workers: tuple[WorkerSpec, ...],
+                         events: Optional[EventBus]) -> dict[str, Any]:
+        """These workers' settings, by host, resolved before anything is contacted (a
+        problem is a `ConfigError`). By default a worker's ``transport:`` block as the
+        file gives it (`WorkerSpec.transport_settings`)."""
+        return {w.host: dict(w.transport_settings) for w in workers}
+
+    @property
+    def this_machine(self) -> bool:
+        """The host is the launcher's own machine (its name says so): loopback reaches it,
+        and its devices can be listed without an agent."""
+        return self.worker.is_local
+
+    @property
+    def tunnels(self) -> bool:
+        """The host's ranks reach the coordinator through a tunnel this transport holds."""
+        return self.worker.tunnel
 
     # -- the connection -----------------------------------------------------------------
     def connect(self) -> None:
@@ -196,6 +237,11 @@ class Transport(abc.ABC):
     def details(self) -> dict[str, Any]:
         """What the dry run's JSON says of how the host is reached."""
         return {"transport": self.kind}
+
+    def shell(self) -> Any:
+        """A Fabric Connection that runs commands on the host (``--on HOST``), for kinds
+        that have one; None for the others."""
+        return None
 
 
 def launcher_address(toward: str) -> str:

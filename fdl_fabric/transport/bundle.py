@@ -25,16 +25,18 @@ from pathlib import Path
 from ..agent.registry import ENV_STATE_DIR
 from ..shell import quote
 
-#: Modules shipped to hosts, by import name; packages are marked.
+#: Modules shipped to hosts, by import name; packages are marked. Every module of
+#: `fdl_fabric.agent` ships (a new one needs no line here), plus the rank client.
 _PACKAGES = ("fdl_fabric", "fdl_fabric.agent")
-_MODULES = ("fdl_fabric.rank", "fdl_fabric.agent.wire", "fdl_fabric.agent.lines",
-            "fdl_fabric.agent.registry", "fdl_fabric.agent.procs", "fdl_fabric.agent.children",
-            "fdl_fabric.agent.checks", "fdl_fabric.agent.codestore",
-            "fdl_fabric.agent.feeder", "fdl_fabric.agent.setupstep",
-            "fdl_fabric.agent.codeops",
-            "fdl_fabric.agent.versions",
-            "fdl_fabric.agent.stacks", "fdl_fabric.agent.watchdog", "fdl_fabric.agent.main",
-            "fdl_fabric.agent.relay")
+
+
+def _agent_modules() -> tuple[str, ...]:
+    folder = Path(__file__).resolve().parent.parent / "agent"
+    return tuple(f"fdl_fabric.agent.{p.stem}" for p in sorted(folder.glob("*.py"))
+                 if p.stem != "__init__")
+
+
+_MODULES = ("fdl_fabric.rank", *_agent_modules())
 #: Digits of the payload's length header.
 _HEADER_DIGITS = 10
 

@@ -18,7 +18,7 @@ from typing import Optional
 from invoke.config import Config as InvokeConfig
 from invoke.context import Context
 
-from . import bundle
+from . import bundle, kinds
 from .base import AgentProcess, ByteSink, ProbeResult, Transport
 from .runners import RUN_OPTIONS, LocalAgentProcess, RawLocal
 
@@ -45,7 +45,7 @@ def _ms(start: float) -> float:
 class LocalTransport(Transport):
     """The launcher's own machine."""
 
-    kind = "local"
+    kind = kinds.LOCAL
 
     def __init__(self, *args: object, python: str = sys.executable, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
 from ..limits import RANKS_MAX
 from ..shell import quote
-from . import bundle
+from . import bundle, kinds
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, launcher_address
 from .local import local_environment, start_local
 
@@ -270,7 +270,7 @@ def cancel_steps(steps: Sequence[str], *, run: Run = client) -> None:
 class SlurmTransport(Transport):
     """A node of the allocation this launch runs in: its agent is an srun step."""
 
-    kind = "slurm"
+    kind = kinds.SLURM
     #: srun to a node whose slurmd died waits for it: the agent's lease clears the node.
     sweep_after_loss = False
 

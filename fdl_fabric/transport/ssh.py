@@ -22,13 +22,13 @@ import paramiko
 from fabric import Config, Connection
 from fabric.runners import Remote
 
-from ..clusterfile import WorkerSpec
+from ..clusterfile import ClusterSpec, SshSpec, WorkerSpec
 from ..events import EventBus
 from ..shell import quote
-from . import bundle, channels, connerrors
+from . import bundle, channels, connerrors, kinds
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
 from .runners import RUN_OPTIONS, InvokeAgentProcess
-from .sshconfig import DEFAULT_KNOWN_HOSTS, SshSettings
+from .sshconfig import DEFAULT_KNOWN_HOSTS, SshSettings, resolve_all_settings
 from .tunnel import forwarding
 
 if TYPE_CHECKING:
@@ -409,7 +409,8 @@ def _ms(start: float) -> float:
 class SshTransport(Transport):
     """A host behind an SSH server: one Fabric Connection, one session per agent."""
 
-    kind = "ssh"
+    kind = kinds.SSH
+    tree_member = True
     #: Where the host was named (a cluster file's line, ``--hosts``): said when a connect
     #: fails (`connerrors.mark`).
     origin: Optional[connerrors.Origin] = None
@@ -441,7 +442,8 @@ class SshTransport(Transport):
     def _settings(self) -> SshSettings:
         if self.settings is None:
             raise TransportError(self.host, "no SSH settings for this host")
-        return self.settings
+        settings: SshSettings = self.settings
+        return settings
 
     def connect(self) -> None:
         if self.connection is not None and self.connection.is_connected:
@@ -465,6 +467,15 @@ class SshTransport(Transport):
     @property
     def connected(self) -> bool:
         return self.connection is not None and bool(self.connection.is_connected)
+
+    def shell(self) -> Optional[FdlConnection]:
+        return self.connection
+
+    @classmethod
+    def resolve_settings(cls, cluster: ClusterSpec, workers: tuple[WorkerSpec, ...],
+                         events: Optional[EventBus]) -> dict[str, Any]:
+        """Through ~/.ssh/config (or the file's ``config_file``), as ssh would."""
+        return resolve_all_settings(cluster, events)
 
     def close(self) -> None:
         conn, self.connection = self.connection, None
@@ -581,3 +592,10 @@ class SshTransport(Transport):
 
     def details(self) -> dict[str, Any]:
         return {"transport": self.kind, "ssh_target": self.worker.ssh_target}
+
+
+def adhoc_worker(index: int, host: str) -> WorkerSpec:
+    """A host named on the command line (``fab -H``), with no cluster file behind it."""
+    return WorkerSpec(index=index, host=host, nproc=1, local_devices=None, path="~",
+                      addr=host, nccl_socket_ifname=None, ssh=SshSpec(), tunnel=False,
+                      env={}, data_path=None, is_local=False, line=0, transport=kinds.SSH)

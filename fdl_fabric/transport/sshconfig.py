@@ -26,6 +26,7 @@ from ..clusterfile.names import (
 )
 from ..events import EventBus, Name
 from ..limits import PORT_MAX
+from .kinds import SSH, kind_name
 
 #: OpenSSH options we understand, by lowercase name.
 SUPPORTED_OPTIONS = {
@@ -266,7 +267,7 @@ def with_dialable_addrs(cluster: ClusterSpec) -> ClusterSpec:
     workers = []
     for w in cluster.workers:
         dest = (w.ssh.target or w.host).rpartition("@")[2]
-        if w.transport == "ssh" and w.addr == dest:
+        if kind_name(w) == SSH and w.addr == dest:
             try:
                 w = dataclasses.replace(w, addr=hostname_of(dest, w.ssh.config_file))
             except SshOptionError as exc:
@@ -283,7 +284,7 @@ def resolve_all_settings(
     settings: dict[str, SshSettings] = {}
     problems: list[Problem] = []
     for w in cluster.workers:
-        if w.transport != "ssh":  # only an SSH worker has SSH settings
+        if kind_name(w) != SSH:  # only an SSH worker has SSH settings
             continue
         option = batchmode_off(w.ssh.options)
         if option and events is not None:
