@@ -202,6 +202,19 @@ def _read_config() -> _Config:
     except (ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise RuntimeError(f"cluster rank: {ENV_CLUSTER_JSON} is not a valid envelope: "
                            f"{exc!r}") from None
+    rank, local_rank = _rank_of(ranks, world_size, worker_host)
+    device: Optional[int] = None
+    if isinstance(devices, list) and local_rank < len(devices):
+        device = int(devices[local_rank])
+    scale = _net_timeout_scale()
+    member = Membership(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                        host=worker_host)
+    return _Config(run_id, salt, host, port, member, scale)
+
+
+def _rank_of(ranks: List[int], world_size: int, worker_host: str) -> Tuple[int, int]:
+    """This rank and local rank, from `ENV_RANK` and `ENV_LOCAL_RANK` (either one found
+    from the other through the worker's ``ranks``), each checked against its range."""
     rank, local_rank = _env_int(ENV_RANK), _env_int(ENV_LOCAL_RANK)
     if local_rank is None and rank is not None and rank in ranks:
         local_rank = ranks.index(rank)
@@ -215,9 +228,10 @@ def _read_config() -> _Config:
     if not 0 <= rank < world_size:
         raise RuntimeError(f"cluster rank: {ENV_RANK}={rank} is out of range "
                            f"0..{world_size - 1}")
-    device: Optional[int] = None
-    if isinstance(devices, list) and local_rank < len(devices):
-        device = int(devices[local_rank])
+    return rank, local_rank
+
+
+def _net_timeout_scale() -> float:
     raw_scale = os.environ.get(ENV_NET_TIMEOUT_SCALE, "").strip() or "1"
     try:
         scale = float(raw_scale)
@@ -226,9 +240,7 @@ def _read_config() -> _Config:
     if not scale > 0:
         raise RuntimeError(f"cluster rank: {ENV_NET_TIMEOUT_SCALE}={raw_scale!r} must be a "
                            "positive number")
-    member = Membership(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-                        host=worker_host)
-    return _Config(run_id, salt, host, port, member, scale)
+    return scale
 
 
 # -- the client --------------------------------------------------------------------------------
