@@ -140,6 +140,11 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
     opts.on_event = on_event
     if on is not None:
         return _detached_on(on, values, words, opts)
+    return _run(opts)
+
+
+def _run(opts: Any) -> Any:
+    """The launch of ``opts`` here: its handle when detached, else its result."""
     if opts.detach:
         return _detached(opts)
     launch_ = execute(opts)
