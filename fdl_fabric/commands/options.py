@@ -44,19 +44,7 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
     settings = settings or {}
     per_node = flags.nproc_words(v.get("nproc_per_node"), this_machine=command == "run")
     grace = flags.seconds("--kill-grace", v.get("kill_grace"))
-    common = dict(
-        command=flags.command(v.get("cmd")), argv=list(argv),
-        verbosity=1 + flags.verbosity(v.get("verbose")), quiet=bool(v.get("quiet")),
-        max_failure=flags.max_failure(v.get("max_failure")),
-        max_restarts=flags.restarts("--max-restarts", v.get("max_restarts")),
-        log_dir=flags.log_dir(v.get("log_dir") or settings.get("log_dir") or None),
-        dry_run=bool(v.get("dry_run")), preflight=v.get("preflight") is not False,
-        agent_timeout=flags.agent_timeout(v.get("agent_timeout")),
-        hang_timeout=flags.seconds("--hang-timeout", v.get("hang_timeout")),
-        fanout=flags.fanout(v.get("fanout")), json=bool(v.get("json")),
-        env_overrides=dict(v.get("env") or {}),
-        on_exit=flags.on_exit(v.get("on_exit")), detach=bool(v.get("detach")),
-        sync=_sync_choice(v), python=flags.python(v.get("python")))
+    common = _common(v, argv, settings)
     if common["detach"] and common["dry_run"]:
         raise usage("--detach", "a dry run starts nothing to detach from: drop one")
     from_hosts = hosts_cluster(values, command=command, nproc_per_node=per_node,
@@ -72,6 +60,31 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
         return LaunchOptions(cluster_file=None, cluster=cluster,
                              kill_grace=RUN_KILL_GRACE if grace is None else grace,
                              **common)  # type: ignore[arg-type]
+    return _file_launch(v, command, settings, per_node, grace, common)
+
+
+def _common(v: _Values, argv: Sequence[str], settings: Mapping[str, str]
+            ) -> dict[str, Any]:
+    """The options every launch has, whatever names its hosts."""
+    return dict(
+        command=flags.command(v.get("cmd")), argv=list(argv),
+        verbosity=1 + flags.verbosity(v.get("verbose")), quiet=bool(v.get("quiet")),
+        max_failure=flags.max_failure(v.get("max_failure")),
+        max_restarts=flags.restarts("--max-restarts", v.get("max_restarts")),
+        log_dir=flags.log_dir(v.get("log_dir") or settings.get("log_dir") or None),
+        dry_run=bool(v.get("dry_run")), preflight=v.get("preflight") is not False,
+        agent_timeout=flags.agent_timeout(v.get("agent_timeout")),
+        hang_timeout=flags.seconds("--hang-timeout", v.get("hang_timeout")),
+        fanout=flags.fanout(v.get("fanout")), json=bool(v.get("json")),
+        env_overrides=dict(v.get("env") or {}),
+        on_exit=flags.on_exit(v.get("on_exit")), detach=bool(v.get("detach")),
+        sync=_sync_choice(v), python=flags.python(v.get("python")))
+
+
+def _file_launch(v: _Values, command: str, settings: Mapping[str, str],
+                 per_node: Optional[int], grace: Optional[float],
+                 common: dict[str, Any]) -> LaunchOptions:
+    """A launch of a cluster file (or of ``--slurm``'s allocation)."""
     slurm = bool(v.get("slurm"))
     if command == "run" and _nnodes(v.get("nnodes")) != (0, 0):
         raise usage("--nnodes", "with --cluster the file says it (elastic.min_hosts, "
@@ -105,12 +118,7 @@ def hosts_cluster(values: Mapping[str, Any], *, command: str,
         _refuse_with_file(v, "one host" if command == "run" and v.get("cluster") is None
                           else "a cluster file")
         return None
-    if hosts is not None and hostfile is not None:
-        raise usage("--hosts", "give --hosts or --hostfile, not both")
-    if v.get("cluster") is not None or v.get("slurm"):
-        raise usage("--hosts" if hosts is not None else "--hostfile",
-                    "the hosts come from the command line or from "
-                    f"{'--slurm' if v.get('slurm') else '--cluster'}, not both")
+    _refuse_two_sources(v)
     ssh = flags.ssh_defaults(v.get("ssh_config"), v.get("user"), v.get("port"),
                              v.get("identity"))
     slots = flags.host_slots(hosts, hostfile)
@@ -129,6 +137,18 @@ def hosts_cluster(values: Mapping[str, Any], *, command: str,
         raise FdlError(str(exc), EXIT_USAGE) from None
 
 
+def _refuse_two_sources(v: _Values) -> None:
+    """The hosts come from one place: ``--hosts`` or ``--hostfile``, and not with a
+    cluster file or ``--slurm``."""
+    hosts, hostfile = v.get("hosts"), v.get("hostfile")
+    if hosts is not None and hostfile is not None:
+        raise usage("--hosts", "give --hosts or --hostfile, not both")
+    if v.get("cluster") is not None or v.get("slurm"):
+        raise usage("--hosts" if hosts is not None else "--hostfile",
+                    "the hosts come from the command line or from "
+                    f"{'--slurm' if v.get('slurm') else '--cluster'}, not both")
+
+
 def _rendezvous(v: _Values, slots: Sequence[HostSlot],
                 config_file: Optional[str]) -> tuple[dict[str, Any], Optional[str]]:
     """Where the ranks meet: the coordinator on this machine (its address toward the first
@@ -136,12 +156,7 @@ def _rendezvous(v: _Values, slots: Sequence[HostSlot],
     the cluster keys and the first host's address when ``--master-addr`` gave it (the
     others' are the names ssh dials: `sshconfig.with_dialable_addrs`, at the launch)."""
     addrs = {s.host: flags.dialed(s.host, config_file) for s in slots}
-    endpoint = v.get("rdzv_endpoint")
-    rdzv_host, rdzv_port = flags.endpoint("--rdzv-endpoint", endpoint) if endpoint \
-        else (None, None)
-    for flag in ("controller_addr", "controller_port"):
-        if endpoint and v.get(flag) is not None:
-            raise usage("--rdzv-endpoint", f"give it or --{flag.replace('_', '-')}, not both")
+    rdzv_host, rdzv_port = _rdzv_endpoint(v)
     master_addr = flags.address("--master-addr", v.get("master_addr"))
     first = slots[0].host
     first_addr = master_addr or addrs.get(first, first)
@@ -162,6 +177,19 @@ def _rendezvous(v: _Values, slots: Sequence[HostSlot],
     if controller_host is not None:
         top["controller"]["host"] = controller_host
     return top, master_addr
+
+
+def _rdzv_endpoint(v: _Values) -> tuple[Optional[str], Optional[int]]:
+    """``--rdzv-endpoint HOST:PORT``, (None, None) when not given; refused with
+    ``--controller-addr`` or ``--controller-port``, which say the same."""
+    endpoint = v.get("rdzv_endpoint")
+    if not endpoint:
+        return None, None
+    given = flags.endpoint("--rdzv-endpoint", endpoint)
+    for flag in ("controller_addr", "controller_port"):
+        if v.get(flag) is not None:
+            raise usage("--rdzv-endpoint", f"give it or --{flag.replace('_', '-')}, not both")
+    return given
 
 
 def _refuse_with_file(v: _Values, where: str) -> None:
