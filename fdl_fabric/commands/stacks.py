@@ -57,14 +57,8 @@ def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
     runs = [r for rep in listed.values() for r in rep.runs]
     chosen = run_id or newest_live_run(runs)
     if chosen is None:
-        for host, why in sorted(problems.items()):
-            events(Name.STACKS_PROBLEM, host=host, problem=why)
-        # ``hosts``: those that answered (and have no live run), ``of``: all of them.
-        events(Name.STACKS_NO_LIVE_RUN, file=cluster.file, hosts=len(listed),
-               of=len(cluster.workers))
-        return EXIT_FAILURE
-    holders = {rep.host for rep in listed.values()
-               if any(r.get("run") == chosen for r in rep.runs)}
+        return _no_live_run(cluster, len(listed), problems, events)
+    holders = _holders(listed, chosen)
     if not holders:
         events(Name.STACKS_RUN_UNKNOWN, run_id=chosen, file=cluster.file)
         return EXIT_FAILURE
@@ -72,6 +66,31 @@ def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
         sessions[host].stacks(0, run=chosen, host=host)
     answers, late = collect(inbox, holders, reports.Stacks, ANSWER_TIMEOUT)
     problems.update(late)
+    events(Name.STACKS_VIEW, **_view(chosen, answers, problems))
+    return EXIT_FAILURE if problems else 0
+
+
+def _holders(listed: Mapping[str, reports.Runs], chosen: str) -> set[str]:
+    """The hosts that hold a part of run ``chosen``."""
+    return {rep.host for rep in listed.values() if any(r.get("run") == chosen
+                                                       for r in rep.runs)}
+
+
+def _no_live_run(cluster: ClusterSpec, answered: int, problems: Mapping[str, str],
+                 events: EventBus) -> int:
+    """Each host's problem, then that no live run was found."""
+    for host, why in sorted(problems.items()):
+        events(Name.STACKS_PROBLEM, host=host, problem=why)
+    # ``hosts``: those that answered (and have no live run), ``of``: all of them.
+    events(Name.STACKS_NO_LIVE_RUN, file=cluster.file, hosts=answered,
+           of=len(cluster.workers))
+    return EXIT_FAILURE
+
+
+def _view(chosen: str, answers: Mapping[str, reports.Stacks],
+          problems: dict[str, str]) -> dict[str, Any]:
+    """The grouped view's data from each host's answer (a host that sent only an error
+    joins ``problems``)."""
     data: dict[str, Any] = {"reason": f"run {chosen}", "ranks": {}, "hosts": {},
                             "problems": problems, "py_spy": {}}
     for host, rep in answers.items():
@@ -81,5 +100,4 @@ def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
         for rank, entry in rep.ranks.items():
             data["ranks"][str(rank)] = entry
             data["hosts"][str(rank)] = host
-    events(Name.STACKS_VIEW, **data)
-    return EXIT_FAILURE if problems else 0
+    return data
