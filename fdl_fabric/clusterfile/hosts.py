@@ -160,21 +160,9 @@ def cluster_from_hosts(hosts: Sequence[HostSlot], *, nproc_per_node: Optional[in
     name (an ssh_config alias's HostName, ``--master-addr``); hosts after the first
     ``max_hosts`` are spares (``--nnodes MIN:MAX``); ``top`` adds cluster keys."""
     folder = os.path.abspath(folder or os.getcwd())
-    workers = []
-    for i, h in enumerate(hosts):
-        worker: dict[str, Any] = {"host": h.host, "path": folder,
-                                  "nproc": h.slots or nproc_per_node or 1}
-        reach = {"config_file": os.path.abspath(ssh.config_file) if ssh.config_file else None,
-                 "user": h.user or ssh.user, "port": h.port or ssh.port,
-                 "identity_file": os.path.abspath(os.path.expanduser(ssh.identity_file))
-                 if ssh.identity_file else None}
-        if any(v is not None for v in reach.values()):
-            worker["ssh"] = {k: v for k, v in reach.items() if v is not None}
-        if addrs and h.host in addrs:
-            worker["addr"] = addrs[h.host]
-        if max_hosts is not None and i >= max_hosts:
-            worker["spare"] = True
-        workers.append(worker)
+    workers = [_worker(h, folder, nproc_per_node, ssh, addrs or {},
+                       spare=max_hosts is not None and i >= max_hosts)
+               for i, h in enumerate(hosts)]
     text = yaml.safe_dump({**top, "workers": workers}, sort_keys=False)
     try:
         return dataclasses.replace(
@@ -182,6 +170,30 @@ def cluster_from_hosts(hosts: Sequence[HostSlot], *, nproc_per_node: Optional[in
             named_by="--hostfile" if any(h.line is not None for h in hosts) else "--hosts")
     except ConfigError as exc:
         raise HostsError(_one_line(exc.problems, hosts, source)) from None
+
+
+def _worker(h: HostSlot, folder: str, nproc_per_node: Optional[int], ssh: SshDefaults,
+            addrs: dict[str, str], *, spare: bool) -> dict[str, Any]:
+    """One host's worker, as a cluster file would write it: only the keys it needs."""
+    worker: dict[str, Any] = {"host": h.host, "path": folder,
+                              "nproc": h.slots or nproc_per_node or 1}
+    reach = _reach(h, ssh)
+    if reach:
+        worker["ssh"] = reach
+    if h.host in addrs:
+        worker["addr"] = addrs[h.host]
+    if spare:
+        worker["spare"] = True
+    return worker
+
+
+def _reach(h: HostSlot, ssh: SshDefaults) -> dict[str, Any]:
+    """The worker's ``ssh:`` keys: its entry's user and port first, then the flags'."""
+    reach = {"config_file": os.path.abspath(ssh.config_file) if ssh.config_file else None,
+             "user": h.user or ssh.user, "port": h.port or ssh.port,
+             "identity_file": os.path.abspath(os.path.expanduser(ssh.identity_file))
+             if ssh.identity_file else None}
+    return {k: v for k, v in reach.items() if v is not None}
 
 
 def _one_line(problems: Sequence[Problem], hosts: Sequence[HostSlot], source: str) -> str:
