@@ -36,8 +36,8 @@ from fdl_fabric.clusterfile import (
     parse_cluster,
     parse_max_failure,
     this_host_name,
-    yamlread,
 )
+from fdl_fabric.clusterfile import yamlnodes as yamlread
 from fdl_fabric.clusterfile.names import host_name_problem
 from fdl_fabric.limits import (
     ARG_STRLEN_MAX,
