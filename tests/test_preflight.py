@@ -1,7 +1,8 @@
 """prebuild-check without SSH: sentinel parsing, every verdict, the report, local hosts.
 
-The verdicts are pure functions of what a host printed, so each rule is pinned here
-with a synthetic host; the local-worker tests run the real host script with bash.
+The verdicts are pure functions of what a host's agent and its sh probe said, so each
+rule is pinned here with a synthetic host; the local-worker tests start a real agent and
+run the real probe with bash.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Optional
 
 import pytest
 
+from fdl_fabric.agent import checks
 from fdl_fabric.clusterfile import WorkerSpec, load_cluster, parse_cluster
 from fdl_fabric.events import Name, event
 from fdl_fabric.planning.envelope import PrebuiltBinary
@@ -31,6 +33,7 @@ from fdl_fabric.preflight import (
     HostPlan,
     Report,
     Status,
+    agent_checks,
     check_cluster,
     evaluate,
     parse_libc,
@@ -106,7 +109,7 @@ def test_libc_is_told_from_the_first_line_of_ldd_version(line: str, want: tuple[
 
 def test_a_healthy_host_is_all_ok_and_fast_mode_keeps_only_the_launch_checks() -> None:
     dial = Dial("10.0.0.1", 1337, "tok", False, "10.0.0.1", 1337, 1337)
-    facts = HostFacts(_values(dial="fdl-preflight tok"), shell_ms=12, clock_ref=1000.4,
+    facts = HostFacts(_values(dial="ok"), shell_ms=12, clock_ref=1000.4,
                       clock_error=0.001)
     rows = evaluate(_plan(dial=dial), facts, CTL)
     assert [r.name for r in rows] == ["shell", "paths", "program", "platform", "stacks", "clock",
@@ -138,7 +141,7 @@ def test_paths_missing_fails_and_a_tilde_path_is_looked_up_in_the_home_there() -
     row = _row(evaluate(_plan(), HostFacts(_values(path="missing", prog="!nocwd")), CTL), "paths")
     assert row == Check("gpu1", "paths", Status.FAIL, "path /srv/proj does not exist")
     tilde = _plan(_worker(path="~/proj"))
-    assert 'P="$HOME"/proj' in probe_script(tilde)
+    assert agent_checks(tilde)["path"] == "~/proj"  # the agent expands it (test_agent_checks)
     row = _row(evaluate(_plan(), HostFacts(_values(path="unreadable")), CTL), "paths")
     assert "not readable" in row.reason
 
@@ -248,8 +251,8 @@ def _port(dial: Dial, worker: Optional[WorkerSpec] = None, **facts: Any) -> Chec
 
 def test_port_reached_only_with_this_controllers_token() -> None:
     dial = Dial("127.0.0.1", 5000, "tok", False, "127.0.0.1", 5000, 5000)
-    assert _port(dial, values={"dial": "fdl-preflight tok"}).status is Status.OK
-    other = _port(dial, values={"dial": "SSH-2.0-OpenSSH_9.2"})
+    assert _port(dial, values={"dial": "ok"}).status is Status.OK
+    other = _port(dial, values={"dial": "?bad tag"})
     assert other.status is Status.FAIL and "not this controller" in other.reason
     refused = _port(dial, values={"dial": "!Connection refused"})
     assert refused.status is Status.FAIL and "Connection refused" in refused.reason
@@ -259,10 +262,10 @@ def test_port_reached_only_with_this_controllers_token() -> None:
     fast = _row(evaluate(_plan(fast=True, dial=dial), facts, CTL), "port")
     assert fast.status is Status.WARN and "only ranks that join the cohort" in fast.reason
     bind_all = Dial("0.0.0.0", 5000, "tok", False, "0.0.0.0", 5000, 5000)
-    row = _port(bind_all, values={"dial": "fdl-preflight tok"})
+    row = _port(bind_all, values={"dial": "ok"})
     assert row.status is Status.FAIL and "means \"every address\"" in row.reason
     stand_in = Dial("10.0.0.1", 6000, "tok", False, "10.0.0.1", 6000, 5000)
-    row = _port(stand_in, values={"dial": "fdl-preflight tok"})
+    row = _port(stand_in, values={"dial": "ok"})
     assert row.status is Status.OK and "stand-in port 6000" in row.reason
 
 
@@ -272,7 +275,7 @@ def test_a_tunnel_to_a_host_sharing_the_controllers_loopback_is_explained() -> N
     assert same.status is Status.FAIL and "shares the controller's machine" in same.reason
     other = _port(dial, values={"netns": "net:[2] boot"}, tunnel_error="denied")
     assert other.status is Status.FAIL and "something listening there already" in other.reason
-    ok = _port(dial, values={"dial": "fdl-preflight tok"})
+    ok = _port(dial, values={"dial": "ok"})
     assert ok.status is Status.OK and "through the SSH tunnel" in ok.reason
 
 
@@ -330,17 +333,26 @@ def test_colors_only_on_a_tty_without_no_color(monkeypatch: pytest.MonkeyPatch) 
 # --------------------------------------------------------------------------------------------
 
 
-def test_the_script_quotes_hostile_paths(tmp_path: Path) -> None:
+def test_the_agent_takes_hostile_paths_as_data(tmp_path: Path) -> None:
     weird = tmp_path / "it's a $(touch pwned) `dir` \"x\""
     weird.mkdir()
     plan = _plan(_worker(path=str(weird), data_path=str(weird / "nope")), argv=("./run.sh",))
     (weird / "run.sh").write_text("#!/bin/sh\n")
     (weird / "run.sh").chmod(0o755)
-    out = subprocess.run(["bash", "-c", probe_script(plan)], capture_output=True, text=True,
-                         cwd=tmp_path, check=True).stdout
-    values = parse_sentinels(out)
-    assert values["path"] == "ok" and values["prog"] == "./run.sh" and values["data"] == "missing"
+    values = checks.gather(agent_checks(plan), b"k" * 16, "run", "gpu1")
+    assert values["path"] == "ok" and values["prog"] == os.path.join(weird, "./run.sh")
+    assert values["data"] == "missing"
     assert values["end"] == "1" and not (tmp_path / "pwned").exists()
+
+
+def test_the_sh_probe_measures_only_what_the_agent_cannot_say(tmp_path: Path) -> None:
+    out = subprocess.run(["bash", "-c", probe_script(_plan())], capture_output=True,
+                         text=True, cwd=tmp_path, check=True).stdout
+    values = parse_sentinels(out)
+    assert set(values) == {"clock", "python", "end"} and values["end"] == "1"
+    assert set(parse_sentinels(subprocess.run(
+        ["bash", "-c", probe_script(_plan(fast=True))], capture_output=True, text=True,
+        check=True).stdout)) == {"end"}
 
 
 def _local_cluster(tmp_path: Path, body: str) -> Path:
@@ -481,3 +493,98 @@ def test_the_script_or_module_of_a_python_command_is_read_past_its_options(
     from fdl_fabric.preflight.probe import python_target
 
     assert python_target(argv) == target
+
+
+# --------------------------------------------------------------------------------------------
+# One gatherer: the host's agent answers both pre-flights
+# --------------------------------------------------------------------------------------------
+
+
+def test_prebuild_check_asks_the_agent_what_a_launch_asks_and_more_only_in_full_mode() -> None:
+    dial = Dial("127.0.0.1", 5000, "tok", True, "127.0.0.1", 5000, 5000)
+    worker = _worker(local_devices=[0], data_path="/data")
+    fast, full = agent_checks(_plan(worker, fast=True, dial=dial)), \
+        agent_checks(_plan(worker, dial=dial))
+    assert {k for k, v in fast.items() if v} == {"path", "program", "pyscript", "dial", "netns"}
+    assert {k for k, v in full.items() if v} == {
+        "path", "program", "pyscript", "dial", "netns", "platform", "pyspy", "gpus", "data"}
+
+
+def test_the_agent_gathers_every_host_fact_of_the_full_preflight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "proj").mkdir()
+    plan = _plan(_worker(path="~/proj", local_devices=[0], data_path="~/proj"),
+                 dial=Dial("127.0.0.1", 5000, "tok", True, "127.0.0.1", 5000, 5000))
+    checks_ = {**agent_checks(plan), "dial": None}
+    values = checks.gather(checks_, b"k" * 16, "run", "gpu1")
+    assert values["path"] == "ok" and values["data"] == "ok"  # ~ is the home here
+    assert values["arch"] == os.uname().machine and "libc" in values and "pyspy" in values
+    assert values["gpu_rc"] in ("missing", "0") or values["gpu_rc"].isdigit()
+    assert values["netns"] == checks.loopback_identity() != ""
+    assert "dial" not in values and values["end"] == "1"
+
+
+def test_the_controller_is_measured_by_the_agents_own_gatherer(tmp_path: Path) -> None:
+    cluster = load_cluster(_local_cluster(tmp_path, f"""\
+        controller: {{port: {_free_port()}}}
+        workers: [{{host: localhost, nproc: 1, path: {tmp_path}}}]
+        """))
+    report = run_checks(cluster, argv=["true"])
+    platform = _row([c for c in report.checks if c.host == "localhost"], "platform")
+    assert platform.status is Status.OK and "(same as the controller)" in platform.reason
+
+
+def test_an_agent_that_gave_no_facts_is_one_probe_failure_beside_the_shell_row() -> None:
+    facts = HostFacts({"python": "3.6", "end": "1"}, shell_ms=5,
+                      agent_error="the agent never started")
+    rows = evaluate(_plan(), facts, CTL)
+    assert [(r.name, r.status) for r in rows] == [("shell", Status.FAIL), ("probe", Status.FAIL)]
+    assert rows[1].reason == "the host's agent gave no facts: the agent never started"
+    fast = evaluate(_plan(fast=True), facts, CTL)
+    assert [r.name for r in fast] == ["probe"]
+
+
+def test_a_tunnel_cannot_reach_a_stand_in_port_and_says_it_was_not_tested() -> None:
+    dial = Dial("127.0.0.1", 5000, "tok", True, "127.0.0.1", 6000, 5000)
+    row = _port(dial)
+    assert row.status is Status.WARN and row.reason.startswith("not tested: the tunnel")
+
+
+def test_the_listener_answers_only_a_probe_keyed_with_this_checks_salt() -> None:
+    from fdl_fabric.preflight.agents import CHECK_RUN, ProbeListener
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    listener = ProbeListener(sock, b"s" * 16)
+    try:
+        assert checks.dial("127.0.0.1", listener.port, b"s" * 16, CHECK_RUN, "h") == "ok"
+        other = checks.dial("127.0.0.1", listener.port, b"x" * 16, CHECK_RUN, "h")
+        assert other.startswith("?")  # another run's key: closed without a keyed reply
+        assert _port(Dial("127.0.0.1", 1, "t", False, "127.0.0.1", 1, 1),
+                     values={"dial": other}).status is Status.FAIL
+    finally:
+        listener.close()
+
+
+def test_a_local_workers_gpus_are_listed_by_its_agent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fakebin = tmp_path / "fakebin"
+    fakebin.mkdir()
+    (fakebin / "nvidia-smi").write_text(
+        "#!/bin/sh\ncase \"$*\" in\n"
+        "  *--query-gpu=index,uuid*) printf '0, GPU-a\\n1, GPU-b\\n' ;;\n"
+        "  *--query-gpu=index*) printf '0\\n1\\n' ;;\n"
+        "  *--query-compute-apps=*) printf 'GPU-b, 4242\\n' ;;\nesac\n")
+    (fakebin / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fakebin}:{os.environ['PATH']}")
+    cluster = load_cluster(_local_cluster(tmp_path, f"""\
+        controller: {{port: {_free_port()}}}
+        workers: [{{host: localhost, local_devices: [1, 2], path: {tmp_path}}}]
+        """))
+    row = _row([c for c in run_checks(cluster, argv=["true"]).checks], "gpus")
+    assert row == Check("localhost", "gpus", Status.FAIL, "GPU 2 not found (nvidia-smi lists 0, 1)")
+    assert checks.gpu_listing() == {"gpu_rc": "0", "gpus": "0, GPU-a;1, GPU-b;",
+                                    "gpu_apps": "GPU-b, 4242;"}
+    assert checks.gpu_indices() == {"gpus": [0, 1]}

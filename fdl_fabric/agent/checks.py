@@ -1,10 +1,13 @@
-"""The fast pre-flight on this host: facts only, gathered before any rank starts.
+"""The pre-flight on this host: facts only, gathered before any rank starts.
 
-What a launch relies on and can fail half-way without: the working directory, the
-program (resolved the way ``execvpe`` will), a ``python3 train.py`` script, free disk,
-and whether this host reaches *this* run's coordinator. The agent reports raw values
-under the names `fdl_fabric.preflight` judges (``path``, ``prog``, ``dial``...), so
-every verdict and its wording live in one place, on the controller.
+The one gatherer of host facts, for both pre-flights: a launch's (the cheap subset: the
+working directory, the program resolved the way ``execvpe`` will, a ``python3 train.py``
+script or a ``-m`` module, free disk, MASTER_ADDR, whether this host reaches *this*
+run's coordinator) and ``prebuild-check``'s (also the platform, py-spy, the GPUs, the
+data folder, this host's loopback identity). The spec's ``checks`` says what to look at;
+the agent reports raw values under the names `fdl_fabric.preflight` judges (``path``,
+``prog``, ``dial``...), so every verdict and its wording live in one place, on the
+controller.
 
 The coordinator check sends an authenticated ``probe`` frame (the run's salt keys it)
 and checks the authenticated reply, so a different service on that port, or another
@@ -16,13 +19,16 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fdl_fabric import rank
 
 DIAL_TIMEOUT = 3.0
 #: The ``dial`` value when the coordinator answered with this run's key.
 DIAL_OK = "ok"
+#: Seconds each nvidia-smi query gets (it can hang on a broken driver), and ``ldd``.
+GPU_TIMEOUT = 10.0
+TOOL_TIMEOUT = 10.0
 
 
 def dir_state(path: str) -> str:
@@ -115,34 +121,91 @@ def reach(host: str, port: int) -> str:
     return f"!{why}"
 
 
+def nvidia_smi(query: str) -> Tuple[str, str]:
+    """``(status, output)`` of one ``nvidia-smi <query> --format=csv,noheader``, stderr
+    included: status is the exit status as text, ``missing`` when there is no nvidia-smi
+    on PATH, ``error`` when it could not run or gave no answer within `GPU_TIMEOUT` (the
+    output then says why). The one way this package runs nvidia-smi."""
+    try:
+        proc = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=GPU_TIMEOUT, check=False)
+    except FileNotFoundError as exc:
+        return "missing", str(exc)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return "error", str(exc)
+    return str(proc.returncode), proc.stdout.decode("utf-8", "replace")
+
+
 def gpu_indices() -> Dict[str, Any]:
     """``{"gpus": [0, 1, ...]}`` from nvidia-smi, or ``{"gpus": None, "gpu_error": why}``.
 
-    The one GPU query of the package: agents answer `local_devices: all` with it, and the
+    The GPU indices of this host: agents answer `local_devices: all` with it, and the
     launcher uses it for its own machine (dry runs, ``fdl-fabric run --nproc-per-node gpu``).
     Inside a Slurm step the answer is the step's own GPUs (CUDA_VISIBLE_DEVICES, as Slurm
     set it): nvidia-smi may list GPUs that belong to other jobs.
     """
-    import subprocess
-
     if os.environ.get("SLURM_STEP_ID") is not None:
         listed = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
         if all(x.strip().isdigit() for x in listed):
             return {"gpus": [int(x) for x in listed]}
         return {"gpus": None, "gpu_error": "this Slurm step holds no GPU: ask the job for "
                 "them (--gpus-per-node=N or --gres=gpu:N)"}
-
-    try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=10,
-                              check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"gpus": None, "gpu_error": str(exc)}
-    text = proc.stdout.decode("utf-8", "replace")
+    status, text = nvidia_smi("--query-gpu=index")
+    if status in ("missing", "error"):
+        return {"gpus": None, "gpu_error": text}
     found = [int(x) for x in text.split() if x.strip().isdigit()]
-    if proc.returncode != 0 or not found:
-        return {"gpus": None, "gpu_error": text.strip()[:200] or f"status {proc.returncode}"}
+    if status != "0" or not found:
+        return {"gpus": None, "gpu_error": text.strip()[:200] or f"status {status}"}
     return {"gpus": found}
+
+
+def gpu_listing() -> Dict[str, str]:
+    """What prebuild-check judges of the GPUs: ``gpu_rc`` (nvidia-smi's status, or
+    ``missing``), ``gpus`` (``index, uuid`` lines) and ``gpu_apps`` (the compute processes
+    as ``gpu_uuid, pid`` lines), lines joined with ``;``. UUIDs, because nvidia-smi names a
+    compute process's GPU by UUID while ``local_devices`` names GPUs by index."""
+    status, text = nvidia_smi("--query-gpu=index,uuid")
+    if status == "missing":
+        return {"gpu_rc": "missing"}
+    values = {"gpu_rc": status, "gpus": _joined(text)}
+    apps_status, apps = nvidia_smi("--query-compute-apps=gpu_uuid,pid")
+    values["gpu_apps"] = _joined(apps) if apps_status == "0" else ""
+    return values
+
+
+def _joined(text: str) -> str:
+    return "".join(line + ";" for line in text.strip().splitlines())
+
+
+def platform_facts() -> Dict[str, str]:
+    """``arch`` (``uname -m``) and ``libc`` (the first line of ``ldd --version``, which
+    `fdl_fabric.preflight.probe.parse_libc` reads): the controller's own are gathered by
+    the same call, so a host and the controller are compared like for like."""
+    try:
+        done = subprocess.run(["ldd", "--version"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=TOOL_TIMEOUT, check=False)
+        first = (done.stdout.decode("utf-8", "replace").splitlines() or [""])[0]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        first = f"ldd: {getattr(exc, 'strerror', None) or exc}"
+    return {"arch": os.uname().machine, "libc": first.strip()}
+
+
+def loopback_identity() -> str:
+    """This host's network namespace and boot id: equal to the controller's means this
+    host's 127.0.0.1 is the controller's own (same machine, same namespace), where a
+    tunnel cannot bind. Empty where /proc does not say (then nothing is equal to it)."""
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    return f"{netns} {boot}" if netns and boot else ""
 
 
 #: How long the interpreter may take to find a module (it imports the module's parents);
@@ -171,45 +234,109 @@ def find_module(python: str, module: str, cwd: str, python_path: Optional[str] =
     return {0: "ok", 3: "missing"}.get(done.returncode, "unknown")
 
 
+class _Ask:
+    """One gather: the spec's ``checks``, what the dial needs, and the values so far."""
+
+    def __init__(self, checks: Dict[str, Any], salt: bytes, run_id: str, host: str) -> None:
+        self.checks = checks
+        self.salt, self.run_id, self.host = salt, run_id, host
+        self.path = os.path.expanduser(str(checks["path"]))
+        self.cwd = os.path.expanduser(str(checks.get("cwd") or checks["path"]))
+        self.values: Dict[str, str] = {}
+
+
+def _path(ask: _Ask, _: Any) -> None:
+    ask.values["path"] = dir_state(ask.path)
+    try:
+        st = os.statvfs(ask.path)
+        ask.values["disk_kb"] = str(st.f_bavail * st.f_frsize // 1024)
+    except OSError:
+        ask.values["disk_kb"] = ""
+
+
+def _cwd(ask: _Ask, _: Any) -> None:
+    ask.values["cwd"] = dir_state(ask.cwd)
+
+
+def _program(ask: _Ask, program: Any) -> None:
+    ask.values["prog"] = resolve_program(str(program), ask.cwd, ask.checks.get("path_env"))
+
+
+def _pyscript(ask: _Ask, script: Any) -> None:
+    script = str(script)
+    if not os.path.isabs(script) and not os.path.isdir(ask.cwd):
+        ask.values["pyscript"] = "nocwd"
+        return
+    path = os.path.join(ask.cwd, script)
+    ask.values["pyscript"] = "ok" if os.path.isfile(path) else \
+        "dir" if os.path.isdir(path) else "missing"
+
+
+def _pymodule(ask: _Ask, module: Any) -> None:
+    """Only with a resolved interpreter: the row says why the program is missing."""
+    python = ask.values.get("prog", "")
+    if python.startswith("/"):
+        ask.values["pymodule"] = find_module(python, str(module), ask.cwd,
+                                             ask.checks.get("pythonpath"))
+
+
+def _platform(ask: _Ask, _: Any) -> None:
+    ask.values.update(platform_facts())
+
+
+def _pyspy(ask: _Ask, _: Any) -> None:
+    """Where this agent would find py-spy for stack dumps (`stacks.find_py_spy`)."""
+    from fdl_fabric.agent import stacks
+
+    ask.values["pyspy"] = stacks.find_py_spy() or ""
+
+
+def _gpus(ask: _Ask, _: Any) -> None:
+    ask.values.update(gpu_listing())
+
+
+def _data(ask: _Ask, data_path: Any) -> None:
+    path = os.path.expanduser(str(data_path))
+    if not os.path.exists(path):
+        ask.values["data"] = "missing"
+    else:
+        ask.values["data"] = "ok" if os.access(path, os.R_OK) else "unreadable"
+
+
+def _netns(ask: _Ask, _: Any) -> None:
+    ask.values["netns"] = loopback_identity()
+
+
+def _master(ask: _Ask, master: Any) -> None:
+    ask.values["master"] = reach(str(master["host"]), int(master["port"]))
+
+
+def _dial(ask: _Ask, target: Any) -> None:
+    ask.values["dial"] = dial(str(target["host"]), int(target["port"]), ask.salt,
+                              ask.run_id, ask.host)
+
+
+#: What each key of the spec's ``checks`` gathers, in order (the program before its
+#: module; the dial, which may wait longest, last). A key that is absent or null is not
+#: asked. ``path`` is always asked.
+_GATHERERS: List[Tuple[str, Callable[[_Ask, Any], None]]] = [
+    ("path", _path), ("cwd", _cwd), ("program", _program), ("pyscript", _pyscript),
+    ("pymodule", _pymodule), ("platform", _platform), ("pyspy", _pyspy), ("gpus", _gpus),
+    ("data", _data), ("netns", _netns), ("master", _master), ("dial", _dial),
+]
+
+
 def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str,
            beat: Optional[Callable[[float], None]] = None) -> Dict[str, str]:
-    """Every fact the spec asks for, as ``name -> value`` strings. ``beat`` keeps the
-    agent heard by its launcher before the one step that may wait (the dial)."""
-    values: Dict[str, str] = {}
-    path = os.path.expanduser(str(checks["path"]))
-    values["path"] = dir_state(path)
-    try:
-        st = os.statvfs(path)
-        values["disk_kb"] = str(st.f_bavail * st.f_frsize // 1024)
-    except OSError:
-        values["disk_kb"] = ""
-    cwd = os.path.expanduser(str(checks.get("cwd") or checks["path"]))
-    if checks.get("cwd"):
-        values["cwd"] = dir_state(cwd)
-    program = checks.get("program")
-    if program:
-        values["prog"] = resolve_program(str(program), cwd, checks.get("path_env"))
-    script = checks.get("pyscript")
-    if script:
-        if not os.path.isabs(script) and not os.path.isdir(cwd):
-            values["pyscript"] = "nocwd"
-        else:
-            path = os.path.join(cwd, script)
-            values["pyscript"] = "ok" if os.path.isfile(path) else \
-                "dir" if os.path.isdir(path) else "missing"
-    module = checks.get("pymodule")
-    if module and values.get("prog", "").startswith("/"):
-        if beat is not None:
-            beat(0.0)
-        values["pymodule"] = find_module(values["prog"], str(module), cwd,
-                                         checks.get("pythonpath"))
-    master = checks.get("master")
-    if master:
-        values["master"] = reach(str(master["host"]), int(master["port"]))
-    target = checks.get("dial")
-    if target:
-        if beat is not None:
-            beat(0.0)
-        values["dial"] = dial(str(target["host"]), int(target["port"]), salt, run_id, host)
-    values["end"] = "1"
-    return values
+    """Every fact the spec asks for, as ``name -> value`` strings, ending ``end=1``.
+    ``beat`` keeps the agent heard by its launcher between steps, some of which may wait
+    (nvidia-smi, a module lookup, the dial)."""
+    ask = _Ask(checks, salt, run_id, host)
+    for key, gatherer in _GATHERERS:
+        arg = checks.get(key)
+        if arg:
+            if beat is not None:
+                beat(0.0)
+            gatherer(ask, arg)
+    ask.values["end"] = "1"
+    return ask.values

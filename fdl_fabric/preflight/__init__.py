@@ -10,20 +10,19 @@ table: one row per host and check, ``ok`` / ``warn`` / ``FAIL`` and a one-line
 reason. ``inv launch`` has each host's agent gather the cheap subset (paths, program,
 the controller dial) before any rank starts (`launch`).
 
-Why one script per host: a check must not cost a round trip each, or checking
-64 hosts over a slow link takes minutes. Every host runs one POSIX ``sh``
-script that prints ``__FDL_CHECK__ name=value`` sentinel lines; the verdicts
-are computed here, on the controller, from those values (so they are unit
-tested without any host). Sentinels are found anywhere in a line, so a noisy
-rc file that prints banners cannot hide them. Two measurements cannot live in
-the script and cost one short round trip each: the shell start-up time (a
-``true`` run, which is what every rank start pays) and the network round trip
-that bounds the clock-skew estimate.
+Each fact about a host is gathered once, by the host's agent (`fdl_fabric.agent.checks`):
+prebuild-check starts one on every host and asks it what a launch's agents are asked
+(`agents`), so both pre-flights judge the same values with the same `verdicts` (unit
+tested without any host). Around the agent, each host's transport runs one short POSIX
+``sh`` probe for what only it can measure: how the host was reached (the ``ssh`` row), the
+shell's start-up time (a ``true`` run, which every rank start pays), the clock against a
+network round trip, and the Python an agent would start under (`probe`).
 
 The package, one concern per module: `report` (the rows), `probe` (what is asked of a
-host and how its answer is read), `verdicts` (what the answers mean), `run` (asking every
-host), `launch` (the fast subset a launch's agents gather), `command` (the
-prebuild-check command).
+host: the agent's checks and the sh probe), `agents` (asking hosts' agents, and the
+controller's end of the port check), `verdicts` (what the answers mean), `run` (asking
+every host), `launch` (the fast subset a launch's agents gather), `command` (the
+prebuild-check command), `fleet` and `versions` (the versions across hosts).
 """
 
 from .command import check_cluster, main

@@ -1,20 +1,23 @@
 """The fast pre-flight of a launch: what each host's agent checks before any rank starts.
 
-The agent gathers the facts on the launch's own session (`fdl_fabric.agent.checks`); this
-says what to look at and judges the answers with the same `verdicts` as prebuild-check.
+The agent gathers the facts on the launch's own session (`fdl_fabric.agent.checks`), asked
+with the same `probe.agent_checks` as prebuild-check's agents; this says what to look at
+and judges the answers with the same `verdicts`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 from ..clusterfile import ClusterSpec, WorkerSpec
 from ..planning.envelope import PrebuiltBinary
 from ..planning.plan import controller_dial_host, coordinator_bind_host
-from .probe import Dial, HostPlan
+from .probe import Dial, HostPlan, agent_checks
 from .report import Check
-from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate
+from .verdicts import ControllerFacts, HostFacts, evaluate
+
+__all__ = ["agent_checks", "judge", "launch_plan"]
 
 
 def launch_plan(cluster: ClusterSpec, worker: WorkerSpec, argv: Sequence[str],
@@ -31,23 +34,6 @@ def launch_plan(cluster: ClusterSpec, worker: WorkerSpec, argv: Sequence[str],
                     path_env=worker.env.get("PATH", cluster.env.get("PATH")),
                     python_path=worker.env.get("PYTHONPATH", cluster.env.get("PYTHONPATH")),
                     master=master)
-
-
-def agent_checks(plan: HostPlan) -> dict[str, Any]:
-    """The ``checks`` part of an agent's spec: what to look at (the agent only reports)."""
-    assert plan.dial is not None
-    return {
-        "path": plan.worker.path,
-        "cwd": plan.cwd if plan.prebuilt and plan.prebuilt.cwd_subpath else None,
-        "program": plan.program,
-        "pyscript": plan.python_script,
-        "pymodule": plan.python_module,
-        "pythonpath": plan.python_path,
-        "path_env": plan.path_env,
-        "dial": {"host": plan.dial.host, "port": plan.dial.port}
-        if plan.dial.host not in BIND_ALL else None,
-        "master": {"host": plan.master[0], "port": plan.master[1]} if plan.master else None,
-    }
 
 
 def judge(plan: HostPlan, values: Mapping[str, str]) -> list[Check]:

@@ -1,9 +1,14 @@
-"""What to ask one host, as one POSIX sh script, and reading what it prints.
+"""What to ask one host, and reading what it says.
 
-A check must not cost a round trip each, or checking 64 hosts over a slow link takes
-minutes. Every host runs one script that prints ``__FDL_CHECK__ name=value`` sentinel
-lines; the verdicts are made on the controller (`verdicts`). Sentinels are found anywhere
-in a line, so a noisy rc file that prints banners cannot hide them.
+Each fact about a host is gathered once, by one gatherer. The host's agent gathers every
+fact of the host itself (`fdl_fabric.agent.checks`, asked with `agent_checks`), for
+prebuild-check as for a launch. What the agent cannot say is measured around it, by one
+POSIX ``sh`` script run through the host's transport (`probe_script`): the Python the
+agent would start under (an agent that cannot start cannot say so), and the host's clock,
+whose line's arrival the transport times (a measurement of the path to the host, not a
+fact on it). The script prints ``__FDL_CHECK__ name=value`` sentinel lines, found anywhere
+in a line, so a noisy rc file that prints banners cannot hide them. Every verdict is made
+on the controller (`verdicts`).
 """
 
 from __future__ import annotations
@@ -12,18 +17,15 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from ..clusterfile import WorkerSpec
 from ..planning.envelope import PrebuiltBinary
-from ..shell import quote
 
 #: Prefix of every value line the host script prints.
 SENTINEL = "__FDL_CHECK__"
-#: Seconds a worker waits to reach the controller port before calling it unreachable.
-DIAL_TIMEOUT = 3
-#: Seconds nvidia-smi gets (when ``timeout`` exists on the host).
-GPU_TIMEOUT = 10
+#: ``controller.host`` values that mean "every address" to a listener.
+BIND_ALL = ("0.0.0.0", "::", "")
 
 
 _SENTINEL_RE = re.compile(re.escape(SENTINEL) + r" ([A-Za-z0-9_.-]+)=(.*)")
@@ -69,11 +71,11 @@ def version_tuple(text: str) -> tuple[int, ...]:
 class Dial:
     """How a worker proves it can reach the coordinator port.
 
-    The controller listens on ``listen_host:listen_port`` and answers every
-    connection with ``fdl-preflight <token>``; the worker dials ``host:port``
-    (``127.0.0.1:<controller.port>`` through a remote forward for tunneled
-    workers). The token proves the worker reached *this* controller, not some
-    other service that happens to listen on that port on its side.
+    The controller listens on ``listen_host:listen_port`` and answers a ``probe`` frame
+    keyed with ``token`` (a salt, hex) as the coordinator answers a launch's agents; the
+    worker's agent dials ``host:port`` (``127.0.0.1:<controller.port>`` through a remote
+    forward for tunneled workers). The keyed reply proves the worker reached *this*
+    controller, not some other service that happens to listen on that port on its side.
     """
 
     host: str
@@ -165,165 +167,55 @@ def python_target(argv: Sequence[str]) -> Optional[tuple[str, str]]:
     return None
 
 
-def _q(value: str) -> str:
-    return quote(value)
-
-
-def _path_word(path: str) -> str:
-    """A host path as one shell word; ``~`` and ``~/x`` mean the user's home there, as
-    for the agent, which expands them."""
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
-        return '"$HOME"/' + quote(path[2:])
-    return quote(path)
-
-
-# Dial the controller and print the first line it sends (or "!reason"). bash's /dev/tcp
-# comes first: it starts in milliseconds, while python3 may be a slow pyenv shim.
-_DIAL_PY = (
-    "import socket,sys\n"
-    "try:\n"
-    f"    s=socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout={DIAL_TIMEOUT})\n"
-    f"    s.settimeout({DIAL_TIMEOUT}); d=b''\n"
-    "    while b'\\n' not in d:\n"
-    "        c=s.recv(256)\n"
-    "        if not c: break\n"
-    "        d+=c\n"
-    "    print(d.decode('utf-8','replace').strip() or '!connection closed without a reply')\n"
-    "except Exception as x: print('!'+(getattr(x,'strerror',None) or str(x) or type(x).__name__))\n"
-)
-_DIAL_BASH = (
-    'exec 3<>"/dev/tcp/$1/$2" || exit 1; IFS= read -r l <&3; '
-    'printf "%s\\n" "${l:-!connection closed without a reply}"'
-)
-
-
 def probe_script(plan: HostPlan) -> str:
-    """The POSIX sh script run on one host; it prints one sentinel line per value.
+    """The POSIX sh script run on one host: what only the shell can tell, one sentinel
+    line per value, ending ``end=1``.
 
-    It only *reports* (exists, missing, the output of a tool); every verdict is made
-    on the controller by `evaluate`, so changing a threshold never touches a host.
-    Every interpolated value is quoted once (`shell.quote`).
+    In full mode: the clock, first, so it is printed as early as possible (its arrival
+    time is the reference), and the Python the worker agent will start under (the host's
+    /usr/bin/python3, else python3 on PATH, as `transport.bundle` starts it). In fast mode
+    only the end: the run itself proves the transport reaches the host.
     """
-    w = plan.worker
-    s = [
-        "set -f\n",  # no globbing: paths are data
-        f"e() {{ printf '{SENTINEL} %s=%s\\n' \"$1\" \"$2\"; }}\n",
-        # exists / kind of a folder, as the wrapper will need it (cd needs x, listing r)
-        "dir_state() { if [ -d \"$1\" ]; then if [ -r \"$1\" ] && [ -x \"$1\" ]; then echo ok;"
-        " else echo unreadable; fi; elif [ -e \"$1\" ]; then echo notdir;"
-        " else echo missing; fi; }\n",
-    ]
+    s = [f"e() {{ printf '{SENTINEL} %s=%s\\n' \"$1\" \"$2\"; }}\n"]
     if not plan.fast:
-        # First, so it is printed as early as possible: its arrival time is the reference.
         s.append('e clock "$(date +%s.%N 2>/dev/null)"\n')
-        # The worker agent runs under the host's /usr/bin/python3 (else python3 on PATH).
         s.append("e python \"$( (p=/usr/bin/python3; [ -x \"$p\" ] || p=python3; \"$p\" -c "
                  "'import sys; print(\"%d.%d\" % sys.version_info[:2])') 2>/dev/null)\"\n")
-    s.append(f"P={_path_word(w.path)}\n")
-    s.append('e path "$(dir_state "$P")"\n')
-    s.append('e disk_kb "$(df -Pk -- "$P" 2>/dev/null | awk \'NR==2 {print $4}\')"\n')
-    s.append(f"C={_path_word(plan.cwd)}\n")
-    if plan.prebuilt and plan.prebuilt.cwd_subpath:
-        s.append('e cwd "$(dir_state "$C")"\n')
-    s.append(_program_section(plan))
-    if not plan.fast:
-        # Where the agent would find py-spy for stack dumps (agent/stacks.find_py_spy).
-        s.append('e pyspy "$(if [ -n "${FLODL_PY_SPY:-}" ]; then echo "$FLODL_PY_SPY"; else '
-                 'command -v py-spy 2>/dev/null || for f in "$HOME/.local/bin/py-spy" '
-                 '/usr/local/bin/py-spy; do [ -x "$f" ] && { echo "$f"; break; }; done; fi)"\n')
-        s.append('e arch "$(uname -m 2>/dev/null)"\n')
-        s.append('e libc "$(ldd --version 2>&1 | head -n 1)"\n')
-        if w.local_devices is not None:
-            s.append(_gpu_section())
-        if w.data_path is not None:
-            s.append(f"D={_path_word(w.data_path)}\n")
-            s.append('if [ -e "$D" ]; then if [ -r "$D" ]; then e data ok; else e data unreadable;'
-                     ' fi; else e data missing; fi\n')
-    if plan.dial is not None:
-        s.append(_dial_section(plan.dial))
     s.append("e end 1\n")
     return "".join(s)
 
 
-def _program_section(plan: HostPlan) -> str:
-    """Resolve the program the way ``setsid`` will exec it, from the rank's cwd.
-
-    ``command -v`` alone is not enough: it names builtins and functions (``echo``),
-    and dash's prints a relative path even for a file that is not executable.
-    """
-    program = plan.program
-    if program is None:
-        return ""
-    # The cd only matters for relative words (and relative PATH entries): an absolute
-    # prebuilt binary or a PATH lookup is still checked when the cwd is missing.
-    lines = ["(\n", '  N=; cd -- "$C" 2>/dev/null || N=1\n']
-    if plan.path_env is not None:
-        lines.append(f"  export PATH={_q(plan.path_env)}\n")
-    lines.append(f"  W={_q(program)}\n")
-    lines.append(
-        "  isexe() { if [ -f \"$1\" ] && [ -x \"$1\" ]; then e prog \"$1\";"
-        " elif [ -e \"$1\" ]; then e prog '!noexec'; else e prog '!missing'; fi; }\n"
-        '  case "$W" in\n'
-        '    /*) isexe "$W" ;;\n'
-        '    */*) if [ -n "$N" ]; then e prog \'!nocwd\'; else isexe "$W"; fi ;;\n'
-        '    *) R=$(command -v "$W" 2>/dev/null)\n'
-        '       case "$R" in\n'
-        "         /*) ;;\n"
-        # Not a path (builtin, function, alias, nothing): search PATH like execvp does.
-        "         *) R=; IFS=:; for d in $PATH; do d=${d:-.}\n"
-        '              if [ -f "$d/$W" ] && [ -x "$d/$W" ]; then R="$d/$W"; break; fi; done ;;\n'
-        "       esac\n"
-        '       e prog "${R:-!missing}" ;;\n'
-        "  esac\n"
-    )
-    script = plan.python_script
-    if script is not None:
-        lines.append(f"  S={_q(script)}\n")
-        lines.append('  case "$S" in /*) ;; *) [ -z "$N" ] || { e pyscript nocwd; exit 0; } ;;'
-                     ' esac\n'
-                     '  if [ -f "$S" ]; then e pyscript ok; elif [ -d "$S" ]; then e pyscript dir;'
-                     ' else e pyscript missing; fi\n')
-    lines.append(")\n")
-    return "".join(lines)
+def _dial_target(plan: HostPlan) -> Optional[dict[str, Any]]:
+    """Where the agent dials the controller; None with nothing to dial, or where the
+    address means "every address" to a remote worker (its row says so without a dial)."""
+    dial = plan.dial
+    if dial is None or not dial.host:
+        return None
+    if dial.host in BIND_ALL and not plan.worker.is_local:
+        return None
+    return {"host": dial.host, "port": dial.port}
 
 
-def _gpu_section() -> str:
-    """GPU indices with their UUIDs, and the compute processes by GPU UUID (one line each)."""
-    limit = f"timeout {GPU_TIMEOUT} " if GPU_TIMEOUT else ""
-    return (
-        "if command -v nvidia-smi >/dev/null 2>&1; then\n"
-        f'  T=; command -v timeout >/dev/null 2>&1 && T="{limit}"\n'
-        "  G=$($T nvidia-smi --query-gpu=index,uuid --format=csv,noheader 2>&1); e gpu_rc $?\n"
-        "  e gpus \"$(printf '%s' \"$G\" | tr '\\n' ';')\"\n"
-        "  A=$($T nvidia-smi --query-compute-apps=gpu_uuid,pid --format=csv,noheader 2>/dev/null)\n"
-        "  e gpu_apps \"$(printf '%s' \"$A\" | tr '\\n' ';')\"\n"
-        "else\n"
-        "  e gpu_rc missing\n"
-        "fi\n"
-    )
-
-
-def _dial_section(dial: Dial) -> str:
-    lines = [] if not dial.host else [
-        f"H={_q(dial.host)}; PT={dial.port}\n",
-        "if command -v bash >/dev/null 2>&1 && command -v timeout >/dev/null 2>&1; then\n",
-        f"  R=$(timeout {DIAL_TIMEOUT} bash -c {_q(_DIAL_BASH)} _ \"$H\" \"$PT\" 2>&1); RC=$?\n",
-        f'  if [ "$RC" -eq 124 ]; then R="!no answer within {DIAL_TIMEOUT} s"\n',
-        # bash says "bash: connect: Connection refused": keep the cause after the last colon
-        """  elif [ "$RC" -ne 0 ]; then"""
-        """ R="!$(printf '%s\\n' "$R" | tail -n 1 | sed 's/^.*: //')"\n""",
-        """  else R=$(printf '%s\\n' "$R" | tail -n 1); fi\n""",
-        "elif command -v python3 >/dev/null 2>&1; then\n",
-        f"  R=$(python3 -c {_q(_DIAL_PY)} \"$H\" \"$PT\" 2>&1 | tail -n 1)\n",
-        "else\n",
-        "  R='?nodial'\n",
-        "fi\n",
-        'e dial "$R"\n',
-    ]
-    if dial.tunnel:
-        # Which loopback is this? Equal to the controller's means a tunnel cannot work.
-        lines.append('e netns "$(readlink /proc/self/ns/net 2>/dev/null)'
-                     ' $(cat /proc/sys/kernel/random/boot_id 2>/dev/null)"\n')
-    return "".join(lines)
+def agent_checks(plan: HostPlan) -> dict[str, Any]:
+    """The ``checks`` part of an agent's spec: what to look at (the agent only reports,
+    `fdl_fabric.agent.checks.gather`). Fast (a launch, ``--fast``): the working folders,
+    the program, the controller dial and MASTER_ADDR; full: also the platform, py-spy,
+    the GPUs, the data folder. A tunneled worker also says which loopback it has."""
+    w = plan.worker
+    full = not plan.fast
+    return {
+        "path": w.path,
+        "cwd": plan.cwd if plan.prebuilt and plan.prebuilt.cwd_subpath else None,
+        "program": plan.program,
+        "pyscript": plan.python_script,
+        "pymodule": plan.python_module,
+        "pythonpath": plan.python_path,
+        "path_env": plan.path_env,
+        "dial": _dial_target(plan),
+        "master": {"host": plan.master[0], "port": plan.master[1]} if plan.master else None,
+        "platform": full,
+        "pyspy": full,
+        "gpus": full and w.local_devices is not None,
+        "data": w.data_path if full else None,
+        "netns": plan.dial is not None and plan.dial.tunnel,
+    }

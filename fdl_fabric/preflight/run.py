@@ -1,37 +1,36 @@
 """Running the full pre-flight (``inv prebuild-check``): every host in parallel, one report.
 
-Each host runs one script through its transport (`fdl_fabric.transport`): an SSH host
-gets one connection and one script run, plus a ``true`` and a keepalive round trip that
-time the shell and the clock; this machine runs it with bash; a Slurm node in an srun
-step. The controller answers the port check itself, on the coordinator's port.
+Each host is asked twice through its transport (`fdl_fabric.transport`), each thing once:
+the transport's probe measures what only it can (how the host was reached, the shell's
+start-up, the clock's line against a round trip, the Python an agent would start under:
+`probe.probe_script`), then the host's agent gathers every fact of the host, as before a
+launch (`agents.ask_agent`). The controller answers the port check itself, on the
+coordinator's port (`agents.ProbeListener`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import os
 import secrets
-import select
-import socket
-import subprocess
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from ..agent import procs
-from ..clusterfile import ClusterSpec
+from ..agent import checks, procs
+from ..clusterfile import ClusterSpec, WorkerSpec
 from ..planning.envelope import ENV_PREBUILD, EnvelopeError, PrebuiltBinary, parse_prebuilt
 from ..planning.plan import controller_dial_host, coordinator_bind_host, interpreted_argv
 from ..supervision.coordinator import bind_listener
 from ..transport import Transport, for_cluster
+from ..transport.fanout import close_all
 from ..transport.sshconfig import SshSettings, resolve_all_settings
-from .probe import SENTINEL, Dial, HostPlan, parse_sentinels, probe_script
+from .agents import ProbeListener, ask_agent
+from .probe import BIND_ALL, SENTINEL, Dial, HostPlan, parse_sentinels, probe_script
 from .report import CONTROLLER, Check, Report, Status
-from .verdicts import BIND_ALL, ControllerFacts, HostFacts, evaluate
+from .verdicts import ControllerFacts, HostFacts, evaluate
 
 #: Seconds the whole host script may take (nvidia-smi can hang on a broken driver).
 PROBE_TIMEOUT = 60.0
@@ -40,38 +39,6 @@ _ROW_ORDER = ("command", "prebuild", "ssh", "slurm", "probe", "shell", "paths", 
               "platform", "stacks", "gpus", "data_path", "clock", "port")
 
 
-
-
-class _TokenListener:
-    """The controller end of the port check: answer every connection with the token."""
-
-    def __init__(self, sock: socket.socket, token: str) -> None:
-        self.sock = sock
-        self.token = token
-        self.port = int(sock.getsockname()[1])
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="fdl-preflight-port",
-                                        daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        line = f"fdl-preflight {self.token}\n".encode()
-        while not self._stop.is_set():
-            ready, _, _ = select.select([self.sock], [], [], 0.1)
-            if not ready:
-                continue
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            with contextlib.suppress(OSError), conn:
-                conn.settimeout(1.0)
-                conn.sendall(line)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2.0)
-        self.sock.close()
 
 
 def port_owner(port: int) -> str:
@@ -120,14 +87,14 @@ def _own_runs_of(pid: int) -> list[str]:
                    and isinstance(r.get("launcher"), dict) and r["launcher"].get("pid") == pid})
 
 
-def _open_listener(cluster: ClusterSpec, token: str) -> tuple[Check, Optional[_TokenListener]]:
+def _open_listener(cluster: ClusterSpec, salt: bytes) -> tuple[Check, Optional[ProbeListener]]:
     """Check that the coordinator port is free and keep it open for the workers to dial."""
     host = coordinator_bind_host(cluster)
     port = cluster.controller.port
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         return (Check(CONTROLLER, "port", Status.OK, f"{address} is free (the coordinator "
-                      "binds it)"), _TokenListener(bind_listener(host, port), token))
+                      "binds it)"), ProbeListener(bind_listener(host, port), salt))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             row = Check(CONTROLLER, "port", Status.FAIL,
@@ -140,19 +107,18 @@ def _open_listener(cluster: ClusterSpec, token: str) -> tuple[Check, Optional[_T
         else:
             row = Check(CONTROLLER, "port", Status.FAIL, f"cannot bind {address}: {exc}")
     try:  # a stand-in port still tests routes and firewalls from every worker
-        return row, _TokenListener(bind_listener(host, 0), token)
+        return row, ProbeListener(bind_listener(host, 0), salt)
     except OSError:
         return row, None
 
 
-def _check_host(plan: HostPlan, transport: Transport, ctl: ControllerFacts) -> list[Check]:
-    """One host's checks: the script run through its transport, then the verdicts. How
-    the host was reached (an SSH connection, an srun step) is a row of its own, named
-    after the transport; nothing more is checked where that failed."""
-    dial = plan.dial
-    tunnel = (dial.configured_port, dial.listen_port) if dial is not None and dial.tunnel \
-        else None
-    result = transport.probe(probe_script(plan), timed=not plan.fast, tunnel=tunnel,
+def _check_host(plan: HostPlan, transport: Transport, ctl: ControllerFacts,
+                salt: bytes) -> list[Check]:
+    """One host's checks: the probe, then the host's agent, then the verdicts. How the
+    host was reached (an SSH connection, an srun step) is a row of its own, named after
+    the transport; nothing more is checked where that failed, and the agent is not asked
+    where the probe's script did not finish (that is the host's one row)."""
+    result = transport.probe(probe_script(plan), timed=not plan.fast,
                              timeout=PROBE_TIMEOUT, clock_marker=f"{SENTINEL} clock=")
     reach = []
     if result.reach is not None:
@@ -160,21 +126,18 @@ def _check_host(plan: HostPlan, transport: Transport, ctl: ControllerFacts) -> l
         reach = [Check(plan.host, transport.kind, status, result.reach)]
         if status is Status.FAIL:
             return reach
-    if result.tunnel_error is not None:
-        plan = _without_dial_run(plan)
-    facts = HostFacts(values=parse_sentinels(result.out), shell_ms=result.shell_ms,
+    measured = parse_sentinels(result.out)
+    facts = HostFacts(values=measured, shell_ms=result.shell_ms,
                       exit_status=result.exit_status, stderr=result.err,
-                      probe_ms=result.probe_ms, tunnel_error=result.tunnel_error)
+                      probe_ms=result.probe_ms)
+    if measured.get("end") == "1":
+        answer = ask_agent(plan, transport, salt)
+        facts.values = {**answer.values, **measured}
+        facts.agent_error, facts.tunnel_error = answer.error, answer.tunnel_error
     if result.clock_at is not None:
         facts.clock_ref = result.clock_at - result.rtt / 2
         facts.clock_error = result.rtt / 2
     return [*reach, *evaluate(plan, facts, ctl)]
-
-
-def _without_dial_run(plan: HostPlan) -> HostPlan:
-    """After a failed tunnel there is nothing to dial; keep asking for the netns identity."""
-    assert plan.dial is not None
-    return dataclasses.replace(plan, dial=dataclasses.replace(plan.dial, host="", port=0))
 
 
 def _guarded(host: str, fn: Callable[..., list[Check]], *args: Any) -> list[Check]:
@@ -186,21 +149,12 @@ def _guarded(host: str, fn: Callable[..., list[Check]], *args: Any) -> list[Chec
 
 
 def _controller_facts(cluster: ClusterSpec, fast: bool) -> ControllerFacts:
-    """The controller's own platform and loopback identity (what hosts are compared with)."""
-    arch = libc = ""
-    if not fast:
-        out = subprocess.run(
-            ["sh", "-c", "uname -m; ldd --version 2>&1 | head -n 1"], capture_output=True,
-            text=True, errors="replace", stdin=subprocess.DEVNULL, check=False).stdout
-        lines = out.splitlines() + ["", ""]
-        arch, libc = lines[0].strip(), lines[1].strip()
-    identity = ""
-    with contextlib.suppress(OSError):
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
-            boot = fh.read().strip()
-        identity = f"{os.readlink('/proc/self/ns/net')} {boot}"
-    host = coordinator_bind_host(cluster)
-    return ControllerFacts(arch=arch, libc=libc, identity=identity, bind_host=host,
+    """The controller's own platform and loopback identity (what hosts are compared with),
+    gathered by the agents' own functions, so both sides are measured alike."""
+    platform = checks.platform_facts() if not fast else {}
+    return ControllerFacts(arch=platform.get("arch", ""), libc=platform.get("libc", ""),
+                           identity=checks.loopback_identity(),
+                           bind_host=coordinator_bind_host(cluster),
                            port=cluster.controller.port)
 
 
@@ -252,50 +206,61 @@ def run_checks(
                           "no command to check: set `command:` in the cluster file or pass --cmd"))
     prebuild_rows, prebuilt = _prebuilt_rows(cluster, env)
     rows += prebuild_rows
-    token = secrets.token_hex(8)
-    port_row, listener = _open_listener(cluster, token)
+    salt = secrets.token_bytes(16)
+    port_row, listener = _open_listener(cluster, salt)
     rows.append(port_row)
     transports = for_cluster(cluster, settings, purpose="cleanup")
     try:
         ctl = _controller_facts(cluster, fast)
-        jobs: list[tuple[str, Callable[..., list[Check]], tuple[Any, ...]]] = []
-        for w in cluster.workers:
-            dial = None
-            if listener is not None:
-                dial = Dial(
-                    host="127.0.0.1" if w.tunnel else controller_dial_host(cluster, w),
-                    port=cluster.controller.port if w.tunnel else listener.port,
-                    token=token, tunnel=w.tunnel, listen_host=ctl.bind_host,
-                    listen_port=listener.port, configured_port=cluster.controller.port)
-            path_env = w.env.get("PATH", cluster.env.get("PATH"))
-            plan = HostPlan(worker=w, fast=fast, argv=interpreted_argv(cluster, w, argv),
-                            prebuilt=prebuilt.get(w.host),
-                            dial=dial, path_env=path_env)
-            if w.tunnel and dial is not None and ctl.bind_host not in ("127.0.0.1", *BIND_ALL):
-                jobs.append((w.host, _tunnel_mismatch, (plan, transports[w.host], ctl)))
-            else:
-                jobs.append((w.host, _check_host, (plan, transports[w.host], ctl)))
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(jobs)))) as pool:
-            futures = [pool.submit(_guarded, h, fn, *args) for h, fn, args in jobs]
+        plans = [_host_plan(cluster, w, argv, fast, prebuilt, ctl, listener, salt)
+                 for w in cluster.workers]
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(plans)))) as pool:
+            futures = [pool.submit(_guarded, p.host, _host_job(p, ctl), p,
+                                   transports[p.host], ctl, salt) for p in plans]
             for fut in futures:
                 rows += fut.result()
     finally:
+        close_all(transports.values())
         if listener is not None:
             listener.close()
     return Report(_ordered(rows), elapsed=time.monotonic() - started)
 
 
-def _tunnel_mismatch(plan: HostPlan, transport: Transport,
-                     ctl: ControllerFacts) -> list[Check]:
+def _host_plan(cluster: ClusterSpec, w: WorkerSpec, argv: Sequence[str], fast: bool,
+               prebuilt: Mapping[str, PrebuiltBinary], ctl: ControllerFacts,
+               listener: Optional[ProbeListener], salt: bytes) -> HostPlan:
+    """What to check on one worker; its dial only where a listener answers."""
+    dial = None
+    if listener is not None:
+        dial = Dial(host="127.0.0.1" if w.tunnel else controller_dial_host(cluster, w),
+                    port=cluster.controller.port if w.tunnel else listener.port,
+                    token=salt.hex(), tunnel=w.tunnel, listen_host=ctl.bind_host,
+                    listen_port=listener.port, configured_port=cluster.controller.port)
+    return HostPlan(worker=w, fast=fast, argv=interpreted_argv(cluster, w, argv),
+                    prebuilt=prebuilt.get(w.host), dial=dial,
+                    path_env=w.env.get("PATH", cluster.env.get("PATH")),
+                    python_path=w.env.get("PYTHONPATH", cluster.env.get("PYTHONPATH")))
+
+
+def _host_job(plan: HostPlan, ctl: ControllerFacts) -> Callable[..., list[Check]]:
+    """A tunneled worker whose coordinator binds a non-loopback address cannot work: it
+    is checked without its dial (`_tunnel_mismatch`); every other host as it is."""
+    if plan.dial is not None and plan.dial.tunnel \
+            and ctl.bind_host not in ("127.0.0.1", *BIND_ALL):
+        return _tunnel_mismatch
+    return _check_host
+
+
+def _tunnel_mismatch(plan: HostPlan, transport: Transport, ctl: ControllerFacts,
+                     salt: bytes) -> list[Check]:
     """A tunneled worker in a cluster whose coordinator binds a non-loopback address.
 
     The launcher's remote forward delivers to 127.0.0.1:<port> on the controller, where
     nothing listens when the coordinator binds ``controller.host`` (some workers dial it
-    directly). Reported without opening the forward: Fabric's forward handler raises in
-    paramiko's transport thread when the local connect is refused.
+    directly). Reported without opening the forward.
     """
     assert plan.dial is not None
-    rows = _check_host(dataclasses.replace(plan, dial=None), transport, ctl)
+    rows = _check_host(dataclasses.replace(plan, dial=None), transport, ctl, salt)
     if any(r.name == transport.kind and r.status is Status.FAIL for r in rows):
         return rows
     status, only_join = (Status.WARN, " (only ranks that join the cohort dial it)") \

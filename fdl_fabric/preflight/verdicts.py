@@ -1,16 +1,19 @@
 """The verdicts: what a host's values mean, as rows; pure, so every rule is unit tested.
 
-The same functions judge `inv prebuild-check`'s script and a launch agent's facts.
+The same functions judge prebuild-check's answers and a launch's: the values of the
+host's agent (`fdl_fabric.agent.checks`), with, for prebuild-check, what the transport's
+``sh`` probe measured around it (`probe.probe_script`). One row function per check, in
+`_ROWS`: adding a row is one function and its line there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from ..planning.envelope import ENV_PREBUILD
-from .probe import HostPlan, parse_libc, version_tuple
+from .probe import BIND_ALL, HostPlan, parse_libc, version_tuple
 from .report import Check, Status, worst
 
 #: The oldest Python the worker agent runs on.
@@ -29,7 +32,8 @@ SKEW_WARN_S = 2.0
 
 @dataclass
 class HostFacts:
-    """What was measured on one host: the script's values plus the timings around it."""
+    """What was measured on one host: the agent's values and the script's, plus the
+    timings around them."""
 
     values: dict[str, str]
     exit_status: Optional[int] = 0
@@ -41,6 +45,8 @@ class HostFacts:
     clock_ref: Optional[float] = None
     clock_error: float = 0.0
     tunnel_error: Optional[str] = None
+    #: Why the host's agent gave no values (it did not start, ended, or did not answer).
+    agent_error: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -64,34 +70,31 @@ def evaluate(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> list[Che
         status = "killed" if facts.exit_status is None else f"exit {facts.exit_status}"
         return [Check(plan.host, "probe", Status.FAIL,
                       f"the check script did not finish ({status}): {detail}")]
-    rows: list[Check] = []
-    if not plan.fast:
-        rows.append(_shell_row(plan, facts))
-    rows.append(_paths_row(plan, v))
-    program = _program_row(plan, v)
-    if program is not None:
-        rows.append(program)
-    if not plan.fast:
-        rows.append(_platform_row(plan, v, ctl))
-        rows.append(_stacks_row(plan, v))
-        if plan.worker.local_devices is not None:
-            rows.append(_gpus_row(plan, v))
-        if plan.worker.data_path is not None:
-            rows.append(_data_row(plan, v))
-        if facts.clock_ref is not None:
-            rows.append(_clock_row(plan, v, facts))
-    if plan.dial is not None:
-        rows.append(_port_row(plan, facts, ctl))
-    if plan.master is not None and "master" in v:
-        rows.append(_master_row(plan, v["master"]))
-    return rows
+    if facts.agent_error is not None:
+        shell = [] if plan.fast else [_shell_row(plan, facts)]
+        return [*shell, Check(plan.host, "probe", Status.FAIL,
+                              f"the host's agent gave no facts: {facts.agent_error}")]
+    rows = (row(plan, facts, ctl) for row in _ROWS)
+    return [r for r in rows if r is not None]
 
 
-def _master_row(plan: HostPlan, got: str) -> Check:
+def _full(row: Callable[[HostPlan, HostFacts, ControllerFacts], Optional[Check]]
+          ) -> Callable[[HostPlan, HostFacts, ControllerFacts], Optional[Check]]:
+    """A row of the full pre-flight only (prebuild-check without ``--fast``)."""
+    def only_full(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
+        return None if plan.fast else row(plan, facts, ctl)
+
+    only_full.__doc__ = row.__doc__
+    return only_full
+
+
+def _master_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
     """``MASTER_ADDR`` as this host's ranks will dial it, before rank 0 listens: a name
     that does not resolve here, or a host that does not answer, would leave them retrying
-    for torch's 30-minute default with no verdict."""
-    assert plan.master is not None
+    for torch's 30-minute default with no verdict. Only where a launch asked."""
+    got = facts.values.get("master")
+    if plan.master is None or got is None:
+        return None
     addr, port = plan.master
     target = f"MASTER_ADDR {addr}" + (f" (port {port})" if got.startswith("busy") else "")
     if got.startswith("ok"):
@@ -108,6 +111,7 @@ def _master_row(plan: HostPlan, got: str) -> Check:
 
 
 def _shell_row(plan: HostPlan, facts: HostFacts) -> Check:
+    """The shell's start-up and the Python the agent starts under (the ``sh`` probe's)."""
     v = facts.values
     statuses: list[Status] = []
     parts: list[str] = []
@@ -130,9 +134,9 @@ def _shell_row(plan: HostPlan, facts: HostFacts) -> Check:
     return Check(plan.host, "shell", worst(statuses), "; ".join(parts))
 
 
-def _stacks_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
+def _stacks_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
     """py-spy, for the stacks of a hung run and of ``fdl-fabric stacks`` (optional)."""
-    found = v.get("pyspy", "").strip()
+    found = facts.values.get("pyspy", "").strip()
     if found and found.lower() != "none":
         return Check(plan.host, "stacks", Status.OK,
                      f"py-spy {found}: a hung run shows every rank's Python stack")
@@ -158,7 +162,8 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover - the loop always returns
 
 
-def _paths_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
+def _paths_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
+    v = facts.values
     path = plan.worker.path
     if v.get("path") != "ok":
         return Check(plan.host, "paths", Status.FAIL, _dir_problem("path", path, v.get("path", "")))
@@ -185,48 +190,66 @@ def _paths_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
     return Check(plan.host, "paths", worst(statuses), "; ".join(parts))
 
 
-def _program_row(plan: HostPlan, v: Mapping[str, str]) -> Optional[Check]:
+def _program_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
+    """The program the rank will exec, resolved as ``setsid`` will (a prebuilt binary,
+    a path, a PATH lookup), then the script or module a Python command runs."""
     program = plan.program
     if program is None:
         return None  # no command at all: one controller row says so
-    got = v.get("prog", "")
-    where = f"from {plan.cwd}"
+    got = facts.values.get("prog", "")
     if plan.prebuilt:
-        label = f"prebuilt binary {program} ({ENV_PREBUILD})"
-        if got.startswith("/"):
-            return Check(plan.host, "program", Status.OK, f"{program} is executable")
-        if got == "!noexec":
-            return Check(plan.host, "program", Status.FAIL, f"{label} is not executable")
-        if got == "!nocwd":
-            return Check(plan.host, "program", Status.WARN,
-                         f"{label} not checked: the working directory is missing")
-        return Check(plan.host, "program", Status.FAIL, f"{label} does not exist")
+        return _prebuilt_row(plan, program, got)
+    return _unresolved_row(plan, program, got) or \
+        _python_target_row(plan, program, got, facts.values)
+
+
+def _prebuilt_row(plan: HostPlan, program: str, got: str) -> Check:
+    label = f"prebuilt binary {program} ({ENV_PREBUILD})"
+    if got.startswith("/"):
+        return Check(plan.host, "program", Status.OK, f"{program} is executable")
+    if got == "!noexec":
+        return Check(plan.host, "program", Status.FAIL, f"{label} is not executable")
+    if got == "!nocwd":
+        return Check(plan.host, "program", Status.WARN,
+                     f"{label} not checked: the working directory is missing")
+    return Check(plan.host, "program", Status.FAIL, f"{label} does not exist")
+
+
+def _unresolved_row(plan: HostPlan, program: str, got: str) -> Optional[Check]:
+    """The row of a program that did not resolve to a file the rank can exec, else None."""
+    where = f"from {plan.cwd}"
     if got == "!nocwd":
         return Check(plan.host, "program", Status.WARN,
                      f"`{program}` not checked: the working directory {plan.cwd} is missing")
     if got == "!noexec":
         return Check(plan.host, "program", Status.FAIL,
                      f"`{program}` exists {where} but is not executable")
-    if not got or got.startswith("!"):
-        if "/" in program:
-            why = f"`{program}` does not exist {where}"
-        else:
-            why = f"`{program}` not found on this host's PATH"
-            if plan.path_env is not None:
-                why += " (as set by the cluster/host env)"
-        return Check(plan.host, "program", Status.FAIL, why)
-    script = plan.python_script
-    if script is not None and v.get("pyscript") == "nocwd":
-        return Check(plan.host, "program", Status.WARN,
-                     f"{program} resolves to {got}; {script} not checked: the working directory "
-                     f"{plan.cwd} is missing")
-    if script is not None and v.get("pyscript") == "dir":
-        return Check(plan.host, "program", Status.FAIL,
-                     f"{_resolved(program, got)}: {script} is a folder, not a script {where}")
-    if script is not None and v.get("pyscript") != "ok":
-        return Check(plan.host, "program", Status.FAIL,
-                     f"{_resolved(program, got)}: {script} does not exist {where}")
-    module = plan.python_module
+    if got and not got.startswith("!"):
+        return None
+    if "/" in program:
+        why = f"`{program}` does not exist {where}"
+    else:
+        why = f"`{program}` not found on this host's PATH"
+        if plan.path_env is not None:
+            why += " (as set by the cluster/host env)"
+    return Check(plan.host, "program", Status.FAIL, why)
+
+
+def _python_target_row(plan: HostPlan, program: str, got: str,
+                       v: Mapping[str, str]) -> Check:
+    """The resolved program's row, with its Python script or module when it has one."""
+    where = f"from {plan.cwd}"
+    script, module = plan.python_script, plan.python_module
+    if script is not None:
+        state = v.get("pyscript")
+        if state == "nocwd":
+            return Check(plan.host, "program", Status.WARN,
+                         f"{program} resolves to {got}; {script} not checked: the working "
+                         f"directory {plan.cwd} is missing")
+        if state != "ok":
+            what = "is a folder, not a script" if state == "dir" else "does not exist"
+            return Check(plan.host, "program", Status.FAIL,
+                         f"{_resolved(program, got)}: {script} {what} {where}")
     if module is not None and v.get("pymodule") == "missing":
         return Check(plan.host, "program", Status.FAIL,
                      f"{_resolved(program, got)}: no module {module} {where}")
@@ -242,19 +265,15 @@ def _resolved(program: str, got: str) -> str:
     return got if got == program else f"{program} (-> {got})"
 
 
-def _platform_row(plan: HostPlan, v: Mapping[str, str], ctl: ControllerFacts) -> Check:
+def _platform_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
+    v = facts.values
     arch, libc_line = v.get("arch", ""), v.get("libc", "")
     kind, version = parse_libc(libc_line)
     ctl_kind, ctl_version = parse_libc(ctl.libc)
     here = f"{arch or '?'}, {kind}{(' ' + version) if version else ''}"
-    if ctl.arch and arch and arch != ctl.arch:
-        return Check(plan.host, "platform", Status.FAIL,
-                     f"{arch} here, {ctl.arch} on the controller: binaries and wheels built "
-                     "there will not run here")
-    if {kind, ctl_kind} == {"glibc", "musl"}:
-        return Check(plan.host, "platform", Status.FAIL,
-                     f"{kind} here, {ctl_kind} on the controller: native builds are not "
-                     "interchangeable")
+    mismatch = _platform_mismatch(plan, arch, kind, ctl, ctl_kind)
+    if mismatch is not None:
+        return mismatch
     if kind == "unknown" or not arch:
         return Check(plan.host, "platform", Status.WARN,
                      f"{here}: cannot tell the C library (ldd --version: "
@@ -268,13 +287,31 @@ def _platform_row(plan: HostPlan, v: Mapping[str, str], ctl: ControllerFacts) ->
                  if (arch, kind, version) == (ctl.arch, ctl_kind, ctl_version) else here)
 
 
+def _platform_mismatch(plan: HostPlan, arch: str, kind: str, ctl: ControllerFacts,
+                       ctl_kind: str) -> Optional[Check]:
+    """The FAIL row when what is built on the controller cannot run here, else None."""
+    if ctl.arch and arch and arch != ctl.arch:
+        return Check(plan.host, "platform", Status.FAIL,
+                     f"{arch} here, {ctl.arch} on the controller: binaries and wheels built "
+                     "there will not run here")
+    if {kind, ctl_kind} == {"glibc", "musl"}:
+        return Check(plan.host, "platform", Status.FAIL,
+                     f"{kind} here, {ctl_kind} on the controller: native builds are not "
+                     "interchangeable")
+    return None
+
+
 def _parse_csv_lines(text: str) -> list[list[str]]:
     return [[f.strip() for f in line.split(",")] for line in text.split(";") if line.strip()]
 
 
-def _gpus_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
-    """The ``gpus`` row: nvidia-smi ran, lists every GPU the worker wants, and no other
-    compute process holds one of them (it would share the GPU's memory with a rank)."""
+def _gpus_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
+    """The ``gpus`` row (only with ``local_devices``): nvidia-smi ran, lists every GPU
+    the worker wants, and no other compute process holds one of them (it would share the
+    GPU's memory with a rank)."""
+    if plan.worker.local_devices is None:
+        return None
+    v = facts.values
     listing = v.get("gpus", "")
     failed = _nvidia_smi_failure(plan, v.get("gpu_rc", ""), listing)
     if failed is not None:
@@ -290,8 +327,8 @@ def _gpus_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
 
 def _nvidia_smi_failure(plan: HostPlan, rc: str, listing: str) -> Optional[Check]:
     """The FAIL row when nvidia-smi is absent or failed (its listing is then no evidence
-    either way), else None. ``rc`` is the script's ``gpu_rc``: an exit status or
-    ``missing``; on failure ``listing`` holds what nvidia-smi printed instead."""
+    either way), else None. ``rc`` is the agent's ``gpu_rc``: an exit status, ``missing``
+    or ``error``; on failure ``listing`` holds what nvidia-smi printed instead."""
     if rc == "missing":
         return Check(plan.host, "gpus", Status.FAIL,
                      "local_devices is set but nvidia-smi is not on this host's PATH")
@@ -349,7 +386,7 @@ def _used_gpus(plan: HostPlan, found: list[int]) -> list[int]:
 
 def _busy_gpus(apps: str, uuid_to_index: Mapping[str, int],
                used: list[int]) -> dict[int, list[str]]:
-    """Pids of the compute processes (the script's ``gpu_apps``: ``uuid, pid`` lines) on
+    """Pids of the compute processes (the agent's ``gpu_apps``: ``uuid, pid`` lines) on
     each used GPU that has any. A GPU the worker does not use may be busy: not our
     concern. A line without a pid still counts, as pid ``?``."""
     busy: dict[int, list[str]] = {}
@@ -371,9 +408,11 @@ def _gpus_in_use_row(plan: HostPlan, used: list[int], busy: Mapping[int, list[st
     return Check(plan.host, "gpus", Status.OK, f"GPU {gpus} present, no compute process")
 
 
-def _data_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
-    path = plan.worker.data_path or ""
-    state = v.get("data", "")
+def _data_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
+    path = plan.worker.data_path
+    if path is None:
+        return None
+    state = facts.values.get("data", "")
     if state == "ok":
         return Check(plan.host, "data_path", Status.OK, f"{path} exists and is readable")
     what = {"missing": "does not exist", "unreadable": "is not readable by this user"}.get(
@@ -381,14 +420,16 @@ def _data_row(plan: HostPlan, v: Mapping[str, str]) -> Check:
     return Check(plan.host, "data_path", Status.FAIL, f"data_path {path} {what}")
 
 
-def _clock_row(plan: HostPlan, v: Mapping[str, str], facts: HostFacts) -> Check:
-    raw = v.get("clock", "")
+def _clock_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
+    """The host's clock against ours, when the transport timed its line (not a local host)."""
+    if facts.clock_ref is None:
+        return None
+    raw = facts.values.get("clock", "")
     try:
         remote = float(raw)
     except ValueError:
         return Check(plan.host, "clock", Status.WARN,
                      f"cannot read the clock (`date +%s.%N` printed {raw[:40]!r})")
-    assert facts.clock_ref is not None
     skew = remote - facts.clock_ref
     text = f"{skew:+.3f} s vs the controller (±{facts.clock_error:.3f} s)"
     if abs(skew) > SKEW_WARN_S:
@@ -398,57 +439,87 @@ def _clock_row(plan: HostPlan, v: Mapping[str, str], facts: HostFacts) -> Check:
     return Check(plan.host, "clock", Status.OK, text)
 
 
-BIND_ALL = ("0.0.0.0", "::", "")
-
-
 def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _port_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
+def _port_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
+    """Whether this host reaches the controller's port, as its ranks will dial it."""
     dial = plan.dial
-    assert dial is not None
-    target = f"{dial.host}:{dial.port}"
-    note = (f" (tested on stand-in port {dial.listen_port}: {dial.configured_port} is busy on "
-            "the controller)") if dial.stand_in else ""
+    if dial is None:
+        return None
     if facts.tunnel_error is not None:
-        reason = (f"tunnel: sshd could not listen on 127.0.0.1:{dial.configured_port} here "
-                  f"({facts.tunnel_error})")
-        here = facts.values.get("netns", "")
-        if ctl.identity and here == ctl.identity:
-            reason += ("; this host shares the controller's machine and network namespace, so "
-                       "its 127.0.0.1 port is the coordinator's own: use tunnel: false")
-        else:
-            reason += "; is something listening there already?"
-        return Check(plan.host, "port", Status.FAIL, reason)
-    # Only ranks that join the cohort (fdl_fabric.rank.join()) dial the coordinator; a plain
-    # script never does. So before a launch, where blocking would stop runs that work, an
-    # unreachable coordinator warns; prebuild-check, which is asked to be strict, fails.
-    unreachable, only_join = (Status.WARN, " (only ranks that join the cohort dial it)") \
-        if plan.fast else (Status.FAIL, "")
-    remote_direct = not dial.tunnel and not plan.worker.is_local
-    if remote_direct and dial.host in BIND_ALL:
+        return _tunnel_failed_row(plan, facts, ctl)
+    if dial.tunnel and dial.stand_in:
+        return Check(plan.host, "port", Status.WARN,
+                     f"not tested: the tunnel delivers to 127.0.0.1:{dial.configured_port} on "
+                     "the controller, which another process holds (the controller's port row)")
+    unreachable, only_join = _unreachable(plan)
+    if dial.host in BIND_ALL and not dial.tunnel and not plan.worker.is_local:
         return Check(plan.host, "port", unreachable,
                      f"controller.host {dial.host} means \"every address\" to the coordinator, "
                      "but workers dial it too: set an address of the controller this host "
                      f"reaches, or tunnel: true{only_join}")
-    got = facts.values.get("dial", "")
-    if got == f"fdl-preflight {dial.token}" or got == AGENT_DIAL_OK:
+    return _dial_row(plan, facts.values.get("dial", ""))
+
+
+def _unreachable(plan: HostPlan) -> tuple[Status, str]:
+    """The status of an unreachable coordinator, and the words that explain a WARN.
+
+    Only ranks that join the cohort (fdl_fabric.rank.join()) dial the coordinator; a plain
+    script never does. So before a launch, where blocking would stop runs that work, an
+    unreachable coordinator warns; prebuild-check, which is asked to be strict, fails."""
+    return (Status.WARN, " (only ranks that join the cohort dial it)") if plan.fast \
+        else (Status.FAIL, "")
+
+
+def _dial_row(plan: HostPlan, got: str) -> Check:
+    """The row of the agent's dial: ``ok`` (this controller answered with its key),
+    ``!why`` (not reached), anything else (something else answers there)."""
+    dial = plan.dial
+    assert dial is not None
+    unreachable, only_join = _unreachable(plan)
+    target = f"{dial.host}:{dial.port}"
+    note = (f" (tested on stand-in port {dial.listen_port}: {dial.configured_port} is busy on "
+            "the controller)") if dial.stand_in else ""
+    if got == AGENT_DIAL_OK:
         via = f" through the SSH tunnel to controller 127.0.0.1:{dial.listen_port}" \
             if dial.tunnel else ""
         return Check(plan.host, "port", Status.OK, f"reached the controller at {target}{via}{note}")
-    if got == "?nodial":
-        return Check(plan.host, "port", Status.WARN,
-                     f"cannot test {target}: neither bash+timeout nor python3 on this host")
     if got.startswith("!") or not got:
-        why = got[1:] or "no answer"
         hint = ""
-        if remote_direct and _is_loopback(dial.host):
+        if not dial.tunnel and not plan.worker.is_local and _is_loopback(dial.host):
             hint = ("; controller.host is a loopback address, which other machines cannot "
                     "dial: set controller.host to an address of the controller they reach, or "
                     "tunnel: true")
-        return Check(plan.host, "port", unreachable,
-                     f"cannot reach the controller at {target}: {why}{note}{hint}{only_join}")
+        return Check(plan.host, "port", unreachable, f"cannot reach the controller at {target}: "
+                     f"{got[1:] or 'no answer'}{note}{hint}{only_join}")
     return Check(plan.host, "port", unreachable,
                  f"{target} answers, but it is not this controller (got {got[:60]!r}): "
                  f"controller.host {dial.host} points elsewhere from this host{note}{only_join}")
+
+
+def _tunnel_failed_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
+    """The remote forward could not listen on the host: why, when the host says so (its
+    loopback is the controller's own)."""
+    assert plan.dial is not None
+    reason = (f"tunnel: sshd could not listen on 127.0.0.1:{plan.dial.configured_port} here "
+              f"({facts.tunnel_error})")
+    if ctl.identity and facts.values.get("netns", "") == ctl.identity:
+        reason += ("; this host shares the controller's machine and network namespace, so "
+                   "its 127.0.0.1 port is the coordinator's own: use tunnel: false")
+    else:
+        reason += "; is something listening there already?"
+    return Check(plan.host, "port", Status.FAIL, reason)
+
+
+def _shell(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
+    return _shell_row(plan, facts)
+
+
+#: Every row, in display order: each says None where it does not apply (a fast
+#: pre-flight, no ``local_devices``, no ``data_path``, a clock not timed...).
+_ROWS: tuple[Callable[[HostPlan, HostFacts, ControllerFacts], Optional[Check]], ...] = (
+    _full(_shell), _paths_row, _program_row, _full(_platform_row), _full(_stacks_row),
+    _full(_gpus_row), _full(_data_row), _full(_clock_row), _port_row, _master_row,
+)
