@@ -11,16 +11,19 @@ remembered until it is reaped; `stop_all` stops those groups and no others.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.metadata
+import math
 import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -122,14 +125,16 @@ def pssh_path() -> Optional[str]:
     return shutil.which("parallel-ssh") or shutil.which("pssh")
 
 
-def pssh_argv(lab: Any, hosts_file: Path, sessions: int, command: str) -> list[str]:
-    """``parallel-ssh -P``: every session at once, each line printed as it arrives."""
+def pssh_argv(lab: Any, hosts_file: Path, sessions: int, command: str,
+              timeout: int = 0) -> list[str]:
+    """``parallel-ssh -P``: every session at once (``-p``, so none waits for a slot), each
+    line printed as it arrives (``<addr>: up ?``); ``timeout`` s per session (0: none)."""
     pssh = pssh_path()
     assert pssh is not None
     extra = (f"-F /dev/null -i {lab.identity_file} -o IdentitiesOnly=yes "
              f"-o UserKnownHostsFile={lab.known_hosts} "
              "-o StrictHostKeyChecking=no -o BatchMode=yes -o LogLevel=ERROR")
-    return [pssh, "-P", "-p", str(sessions), "-t", "0", "-h", str(hosts_file),
+    return [pssh, "-P", "-p", str(sessions), "-t", str(timeout), "-h", str(hosts_file),
             "-x", extra, command]
 
 
@@ -179,8 +184,20 @@ def wait_for_quiet(limit: Optional[float], out: TextIO, *, patience: float = 120
     return loadavg()
 
 
+def arg_parser(doc: Optional[str], *, epilog: bool = False) -> argparse.ArgumentParser:
+    """A script's parser: its docstring's first paragraph as the description and, with
+    ``epilog``, the rest after the options (kept as written)."""
+    text = doc or ""
+    return argparse.ArgumentParser(
+        description=text.split("\n\n")[0],
+        epilog=text.split("\n\n", 1)[1] if epilog else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 # -- reporting ------------------------------------------------------------------------------
 def table(rows: list[list[str]], right: Sequence[bool]) -> str:
+    """``rows`` (the first is the header, underlined) in columns two spaces apart,
+    ``right[i]`` saying which columns are right-aligned (numbers)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
@@ -192,7 +209,70 @@ def table(rows: list[list[str]], right: Sequence[bool]) -> str:
     return "\n".join(lines)
 
 
-def _version(dist: str) -> str:
+def write_table(out: TextIO, rows: list[list[str]], right: Sequence[bool],
+                title: Optional[str] = None) -> None:
+    """`table` written to ``out``, after ``title`` (a blank line either side) if any."""
+    if title is not None:
+        out.write(f"\n{title}\n\n")
+    out.write(table(rows, right) + "\n")
+
+
+def med(values: Iterable[Optional[float]]) -> Optional[float]:
+    """The median of the values that are not None; None when there are none."""
+    clean = [v for v in values if v is not None]
+    return statistics.median(clean) if clean else None
+
+
+def fmt(value: Optional[float], digits: int = 2, scale: float = 1.0,
+        none: str = "n/a") -> str:
+    """``value * scale`` with ``digits`` decimals, or ``none`` for a missing value."""
+    return none if value is None else f"{value * scale:.{digits}f}"
+
+
+def ratio(a: Optional[float], b: Optional[float], digits: int = 2) -> str:
+    """``a / b`` as text; "n/a" when either is missing or ``b`` is 0."""
+    return "n/a" if a is None or not b else f"{a / b:.{digits}f}"
+
+
+def spread(values: Iterable[Optional[float]], digits: int = 2, scale: float = 1.0) -> str:
+    """``min-max`` of the values that are not None (times ``scale``), or "n/a"."""
+    clean = [v * scale for v in values if v is not None]
+    if not clean:
+        return "n/a"
+    return f"{min(clean):.{digits}f}-{max(clean):.{digits}f}"
+
+
+def mean_se(values: Sequence[float], digits: int = 3) -> str:
+    """``mean +- standard error`` of ``values``; "n/a" for fewer than two."""
+    if len(values) < 2:
+        return "n/a"
+    se = statistics.stdev(values) / len(values) ** 0.5
+    return f"{statistics.fmean(values):.{digits}f} +- {se:.{digits}f}"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q <= 1) of non-empty ``values``."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def fit(points: Sequence[tuple[float, float]]) -> tuple[Optional[float], Optional[float]]:
+    """Least-squares (slope, intercept); None when fewer than two distinct x."""
+    if len({x for x, _ in points}) < 2:
+        return None, None
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    slope = (sum((x - mx) * (y - my) for x, y in points)
+             / sum((x - mx) ** 2 for x, _ in points))
+    return slope, my - slope * mx
+
+
+def runs_cell(ok: int, failed: int) -> str:
+    """A table's "runs" cell: how many counted, and how many failed if any did."""
+    return f"{ok}" + (f" ({failed} failed)" if failed else "")
+
+
+def dist_version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -210,6 +290,14 @@ def tool_version(argv: Sequence[str]) -> str:
     return text[0] if text else "unknown"
 
 
+def checkout_commit() -> tuple[str, bool]:
+    """The checkout's short commit, and whether anything outside bench/ is uncommitted."""
+    commit = tool_version(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", ".",
+                            ":(exclude)bench"], capture_output=True, text=True).stdout.strip()
+    return commit, bool(dirty)
+
+
 def machine_notes() -> dict[str, str]:
     cpu = "?"
     with contextlib.suppress(OSError):
@@ -217,16 +305,14 @@ def machine_notes() -> dict[str, str]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    commit = tool_version(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", ".",
-                            ":(exclude)bench"], capture_output=True, text=True).stdout.strip()
+    commit, dirty = checkout_commit()
     pssh = pssh_path()
     return {
         "cpus": f"{len(os.sched_getaffinity(0))} x {cpu}; kernel {platform.release()}",
         "python": f"{platform.python_version()} ({sys.executable})",
         "openssh": tool_version(["ssh", "-V"]),
         "parallel-ssh": tool_version([pssh, "--version"]) if pssh else "not installed",
-        "fabric / invoke / paramiko": " / ".join(_version(d) for d in
+        "fabric / invoke / paramiko": " / ".join(dist_version(d) for d in
                                                  ("fabric", "invoke", "paramiko")),
         "fdl_fabric commit": commit + (" (+ uncommitted changes outside bench/)"
                                        if dirty else ""),
@@ -285,11 +371,13 @@ def kill_run(run_id: str) -> list[int]:
     return [p.pid for p in left]
 
 
-def write_machine_notes(out: TextIO, load_start: str, started: float) -> None:
-    """The closing block of a benchmark's report: the machine, the load at start and
-    end, and how long it took (``started``: time.monotonic() at the start)."""
+def write_machine_notes(out: TextIO, load_start: str, started: float,
+                        **extra: str) -> None:
+    """The closing block of a benchmark's report: the machine (and ``extra`` notes), the
+    load at start and end, and how long it took (``started``: time.monotonic() at the
+    start)."""
     out.write("\nmachine and method:\n")
-    notes = machine_notes()
+    notes = {**machine_notes(), **extra}
     notes["load average at start / end"] = f"{load_start} / {loadavg()}"
     notes["elapsed"] = f"{time.monotonic() - started:.0f} s"
     for k, v in notes.items():

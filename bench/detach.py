@@ -77,13 +77,14 @@ from detachlib import (
     fmt,
     json_records,
     med,
+    report_attach,
+    report_prompt,
     run_quiet,
-    runs_cell,
     started_since_boot,
     whatif,
     with_detach,
 )
-from launch import run_timed
+from launchlib import run_timed
 
 SECTIONS = ("prompt", "attach", "logs", "idle")
 #: What-if rows of the prompt section: a proposed change, applied in the front process
@@ -196,40 +197,6 @@ def prompt_section(args: argparse.Namespace, tmp: Path, env: dict[str, str], lab
             "floor": med(floors[1:])}
 
 
-def report_prompt(res: dict[str, Any], out: TextIO, targets: list[list[str]]) -> None:
-    samples = [s for s in res["samples"] if s.rep > 0]
-    out.write("\n1. --detach -> prompt, beside the foreground -> every rank running "
-              f"(s from Popen; medians of {len({s.rep for s in samples})} rounds)\n\n")
-    rows = [["scenario", "tool", "prompt / ARR line", "x fg", "supervisor created",
-             "launcher's ARR event", "ARR relayed", "`detached` read", "runs"]]
-    for scenario in res["plans"]:
-        meds = {}
-        for tool in res["tools"]:
-            got = [s for s in samples if s.scenario == scenario and s.tool == tool and s.ok]
-            bad = sum(1 for s in samples if s.scenario == scenario and s.tool == tool
-                      and not s.ok)
-            m = meds[tool] = med([s.prompt for s in got])
-            fg = meds["foreground"]
-            rows.append([scenario, tool, fmt(m), fmt(m / fg if m and fg else None, 2),
-                         fmt(med([s.supervisor_born for s in got])),
-                         fmt(med([s.arr_event for s in got])),
-                         fmt(med([s.relayed_arr for s in got])),
-                         fmt(med([s.said for s in got])),
-                         runs_cell(len(got), bad)])
-        if meds["foreground"] and meds["detached"]:
-            ratio = meds["detached"] / meds["foreground"]
-            targets.append([f"--detach prompt / foreground ARR, {scenario}", f"{ratio:.2f}x",
-                            "<= 1.1x", "met" if ratio <= 1.1 else "MISSED"])
-    out.write(benchlib.table(rows, [False, False] + [True] * 7) + "\n")
-    out.write("prompt / ARR line: foreground: its all_ranks_running record read; the others: "
-              "the process exited\n")
-    out.write(f"floor: `fdl-fabric run --help` to its exit (interpreter, imports, parse, the "
-              f"help text) {fmt(res['floor'])} s\n")
-    for s in res["samples"]:
-        if not s.ok:
-            out.write(f"  ! {s.scenario} {s.tool} round {s.rep + 1}: {s.error[:300]}\n")
-
-
 # -- 2. attach -------------------------------------------------------------------------------
 @dataclass
 class Attached:
@@ -311,36 +278,6 @@ def attach_section(args: argparse.Namespace, tmp: Path, env: dict[str, str],
     return {"samples": samples, "stop_code": code}
 
 
-def report_attach(res: dict[str, Any], out: TextIO, targets: list[list[str]]) -> None:
-    samples = [a for a in res["samples"] if a.rep > 0]
-    out.write(f"\n2. attach -> first live line (s from Popen; {len({a.rep for a in samples})} "
-              "rounds after a warm-up) and line latency (the rank's write -> read on the "
-              "follower's stdout, ms)\n\n")
-    rows = [["tool", "first live p50", "min", "max", "`attached` line", "latency p50 ms",
-             "latency p90 ms", "runs"]]
-    p50s = {}
-    for tool in ("fdl-fabric attach", "tail -n 20 -f"):
-        got = [a for a in samples if a.tool == tool and a.ok]
-        lat = sorted(x for a in got for x in a.latencies)
-        firsts = [a.first_live for a in got if a.first_live is not None]
-        p50s[tool] = med(firsts)
-        rows.append([tool, fmt(p50s[tool]), fmt(min(firsts, default=None)),
-                     fmt(max(firsts, default=None)), fmt(med([a.said for a in got])),
-                     fmt(1000 * lat[len(lat) // 2], 1) if lat else "n/a",
-                     fmt(1000 * lat[int(len(lat) * 0.9)], 1) if lat else "n/a",
-                     runs_cell(len(got), sum(1 for a in samples if a.tool == tool and not a.ok))])
-    out.write(benchlib.table(rows, [False] + [True] * 7) + "\n")
-    out.write("latency: lines written after the follower's first live line (steady state); "
-              f"the run, stopped with `fdl-fabric stop`: exit {res['stop_code']}\n")
-    p50 = p50s.get("fdl-fabric attach")
-    if p50 is not None:
-        targets.append(["attach -> first live line, p50", f"{p50:.3f} s", "<= 0.3 s",
-                        "met" if p50 <= 0.3 else "MISSED"])
-    for a in res["samples"]:
-        if not a.ok:
-            out.write(f"  ! {a.tool} round {a.rep + 1}: {a.error[:300]}\n")
-
-
 # -- the whole -------------------------------------------------------------------------------
 def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     global _LAB
@@ -388,9 +325,7 @@ def _cleanup() -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = benchlib.arg_parser(__doc__, epilog=True)
     ap.add_argument("--only", action="append", choices=SECTIONS,
                     help="run only this section (repeatable; default all)")
     ap.add_argument("--quick", action="store_true",

@@ -19,7 +19,7 @@ from typing import Any, Optional, TextIO
 import benchlib
 import psutil
 from detachlib import SUPERVISORS, Reader, detached_of, fdl, fmt, fmt_k, med, runs_cell, whatif
-from launch import run_timed
+from launchlib import run_timed
 
 #: A what-if row: ``logs -f`` with `reading.follow` polling every 10 ms instead of 50 ms
 #: (bench/detach_whatif.py; never counted against a target).
@@ -198,31 +198,43 @@ def logs_section(args: argparse.Namespace, tmp: Path, env: dict[str, str],
     return samples
 
 
+def _kept(samples: list[Followed], case: str, tool: str) -> list[Followed]:
+    """The runs of one case and tool that count (not the synthetic warm-up round)."""
+    return [f for f in samples if f.case == case and f.tool == tool and f.ok
+            and (case == "run" or f.rep > 0)]
+
+
+def _logs_row(case: str, tool: str, fs: list[Followed], bad: int,
+              tail_rate: Optional[float], tail_stream: Optional[float],
+              rows: list[list[str]]) -> Optional[float]:
+    """One follower's row beside tail -f's rates; its throughput / tail -f's."""
+    rate = med([f.rate for f in fs])
+    ratio = rate / tail_rate if rate and tail_rate else None
+    stream = med([f.stream for f in fs])
+    rows.append([case, tool, str(fs[0].lines) if fs else "n/a",
+                 fmt_k(rate), fmt(ratio, 2), fmt_k(stream),
+                 fmt(stream / tail_stream if stream and tail_stream else None, 2),
+                 fmt(med([f.cpu for f in fs]), 2),
+                 fmt_k(med([f.producer_rate for f in fs])) if case == "synthetic" else "",
+                 runs_cell(len(fs), bad)])
+    return ratio
+
+
 def report_logs(samples: list[Followed], out: TextIO, targets: list[list[str]]) -> None:
     out.write("\n3. logs -f beside tail -f of the same console.log (lines/s from go to the "
               "last line read; medians; the synthetic warm-up round left out)\n\n")
     rows = [["case", "tool", "lines", "lines/s", "x tail -f", "stream lines/s", "x tail -f",
              "CPU s", "writer's own lines/s", "runs"]]
     for case in ("synthetic", "run"):
-        got = {tool: [f for f in samples if f.case == case and f.tool == tool and f.ok
-                      and (case == "run" or f.rep > 0)]
+        got = {tool: _kept(samples, case, tool)
                for tool in ("fdl-fabric logs -f", "tail -f", WHATIF_LOGS)}
         tail_rate = med([f.rate for f in got["tail -f"]])
         tail_stream = med([f.stream for f in got["tail -f"]])
         for tool, fs in got.items():
             if not fs and tool == WHATIF_LOGS:
                 continue
-            rate = med([f.rate for f in fs])
-            ratio = rate / tail_rate if rate and tail_rate else None
-            stream = med([f.stream for f in fs])
             bad = sum(1 for f in samples if f.case == case and f.tool == tool and not f.ok)
-            rows.append([case, tool, str(fs[0].lines) if fs else "n/a",
-                         fmt_k(rate), fmt(ratio, 2), fmt_k(stream),
-                         fmt(stream / tail_stream if stream and tail_stream else None, 2),
-                         fmt(med([f.cpu for f in fs]), 2),
-                         fmt_k(med([f.producer_rate for f in fs])) if case == "synthetic"
-                         else "",
-                         runs_cell(len(fs), bad)])
+            ratio = _logs_row(case, tool, fs, bad, tail_rate, tail_stream, rows)
             if tool == "fdl-fabric logs -f" and ratio is not None:
                 targets.append([f"logs -f / tail -f throughput, {case}", f"{ratio:.2f}x",
                                 ">= 0.9x", "met" if ratio >= 0.9 else "MISSED"])
@@ -328,6 +340,22 @@ def idle_section(args: argparse.Namespace, tmp: Path, env: dict[str, str], lab: 
     return samples
 
 
+def _idle_row(tool: str, samples: list[Idle]) -> tuple[list[str],
+                                                         Optional[tuple[float, float]]]:
+    """A launcher's idle row, and its median CPU with the standard error of its slices."""
+    got = [s for s in samples if s.tool == tool and s.ok]
+    slices = [x for s in got for x in s.slices]
+    cpu = med([s.cpu_pct for s in got])
+    sd = statistics.stdev(slices) if len(slices) > 1 else 0.0
+    name = "fdl-fabric launch (foreground)" if tool == "foreground" else "detached supervisor"
+    row = [name, fmt(med([s.up_after for s in got]), 1), fmt(cpu, 2),
+           fmt(statistics.mean(slices) if slices else None, 2), fmt(sd, 2),
+           fmt(max(slices, default=None), 1),
+           str(max((s.threads or 0 for s in got), default=0)),
+           runs_cell(len(got), sum(1 for s in samples if s.tool == tool and not s.ok))]
+    return row, None if cpu is None else (cpu, sd / math.sqrt(max(1, len(slices))))
+
+
 def report_idle(samples: list[Idle], args: argparse.Namespace, out: TextIO,
                 targets: list[list[str]]) -> None:
     out.write(f"\n4. idle CPU at {args.hosts} hosts x {args.per_host} sleeping ranks: the "
@@ -337,19 +365,10 @@ def report_idle(samples: list[Idle], args: argparse.Namespace, out: TextIO,
              "runs"]]
     stats: dict[str, tuple[float, float]] = {}
     for tool in ("foreground", "detached"):
-        got = [s for s in samples if s.tool == tool and s.ok]
-        slices = [x for s in got for x in s.slices]
-        cpu = med([s.cpu_pct for s in got])
-        sd = statistics.stdev(slices) if len(slices) > 1 else 0.0
-        if cpu is not None:
-            stats[tool] = (cpu, sd / math.sqrt(max(1, len(slices))))
-        name = "fdl-fabric launch (foreground)" if tool == "foreground" else \
-            "detached supervisor"
-        rows.append([name, fmt(med([s.up_after for s in got]), 1), fmt(cpu, 2),
-                     fmt(statistics.mean(slices) if slices else None, 2), fmt(sd, 2),
-                     fmt(max(slices, default=None), 1),
-                     str(max((s.threads or 0 for s in got), default=0)),
-                     runs_cell(len(got), sum(1 for s in samples if s.tool == tool and not s.ok))])
+        row, stat = _idle_row(tool, samples)
+        rows.append(row)
+        if stat is not None:
+            stats[tool] = stat
     out.write(benchlib.table(rows, [False] + [True] * 7) + "\n")
     if len(stats) == 2:
         (fg, fg_se), (dt, dt_se) = stats["foreground"], stats["detached"]

@@ -12,16 +12,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, TextIO
 
 import benchlib
 import psutil
+from benchlib import med, runs_cell
 
 
 def fdl(*words: str) -> list[str]:
@@ -45,17 +45,8 @@ def with_detach(argv: list[str]) -> list[str]:
     return argv[:at] + ["--detach"] + argv[at:]
 
 
-def runs_cell(ok: int, failed: int) -> str:
-    return f"{ok}" + (f" ({failed} failed)" if failed else "")
-
-
-def med(values: Sequence[Optional[float]]) -> Optional[float]:
-    clean = [v for v in values if v is not None]
-    return statistics.median(clean) if clean else None
-
-
 def fmt(value: Optional[float], digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
+    return benchlib.fmt(value, digits)
 
 
 def fmt_k(value: Optional[float]) -> str:
@@ -176,3 +167,80 @@ class Reader:
             if self.keep:
                 self.lines.extend((now, line) for line in whole.splitlines())
 
+
+
+def _prompt_rows(samples: list[Any], scenario: str, tools: list[str],
+                 rows: list[list[str]]) -> dict[str, Optional[float]]:
+    """One row a tool for ``scenario``; each tool's median prompt."""
+    meds: dict[str, Optional[float]] = {}
+    for tool in tools:
+        got = [s for s in samples if s.scenario == scenario and s.tool == tool and s.ok]
+        bad = sum(1 for s in samples if s.scenario == scenario and s.tool == tool
+                  and not s.ok)
+        m = meds[tool] = med([s.prompt for s in got])
+        fg = meds["foreground"]
+        rows.append([scenario, tool, fmt(m), fmt(m / fg if m and fg else None, 2),
+                     fmt(med([s.supervisor_born for s in got])),
+                     fmt(med([s.arr_event for s in got])),
+                     fmt(med([s.relayed_arr for s in got])),
+                     fmt(med([s.said for s in got])),
+                     runs_cell(len(got), bad)])
+    return meds
+
+
+def report_prompt(res: dict[str, Any], out: TextIO, targets: list[list[str]]) -> None:
+    samples = [s for s in res["samples"] if s.rep > 0]
+    out.write("\n1. --detach -> prompt, beside the foreground -> every rank running "
+              f"(s from Popen; medians of {len({s.rep for s in samples})} rounds)\n\n")
+    rows = [["scenario", "tool", "prompt / ARR line", "x fg", "supervisor created",
+             "launcher's ARR event", "ARR relayed", "`detached` read", "runs"]]
+    for scenario in res["plans"]:
+        meds = _prompt_rows(samples, scenario, res["tools"], rows)
+        if meds["foreground"] and meds["detached"]:
+            ratio = meds["detached"] / meds["foreground"]
+            targets.append([f"--detach prompt / foreground ARR, {scenario}", f"{ratio:.2f}x",
+                            "<= 1.1x", "met" if ratio <= 1.1 else "MISSED"])
+    out.write(benchlib.table(rows, [False, False] + [True] * 7) + "\n")
+    out.write("prompt / ARR line: foreground: its all_ranks_running record read; the others: "
+              "the process exited\n")
+    out.write(f"floor: `fdl-fabric run --help` to its exit (interpreter, imports, parse, the "
+              f"help text) {fmt(res['floor'])} s\n")
+    for s in res["samples"]:
+        if not s.ok:
+            out.write(f"  ! {s.scenario} {s.tool} round {s.rep + 1}: {s.error[:300]}\n")
+
+
+def _attach_row(tool: str, samples: list[Any]) -> tuple[list[str], Optional[float]]:
+    """A follower's row (first live line, `attached` line, latencies) and its p50."""
+    got = [a for a in samples if a.tool == tool and a.ok]
+    lat = sorted(x for a in got for x in a.latencies)
+    firsts = [a.first_live for a in got if a.first_live is not None]
+    p50 = med(firsts)
+    return [tool, fmt(p50), fmt(min(firsts, default=None)),
+            fmt(max(firsts, default=None)), fmt(med([a.said for a in got])),
+            fmt(1000 * lat[len(lat) // 2], 1) if lat else "n/a",
+            fmt(1000 * lat[int(len(lat) * 0.9)], 1) if lat else "n/a",
+            runs_cell(len(got), sum(1 for a in samples if a.tool == tool and not a.ok))], p50
+
+
+def report_attach(res: dict[str, Any], out: TextIO, targets: list[list[str]]) -> None:
+    samples = [a for a in res["samples"] if a.rep > 0]
+    out.write(f"\n2. attach -> first live line (s from Popen; {len({a.rep for a in samples})} "
+              "rounds after a warm-up) and line latency (the rank's write -> read on the "
+              "follower's stdout, ms)\n\n")
+    rows = [["tool", "first live p50", "min", "max", "`attached` line", "latency p50 ms",
+             "latency p90 ms", "runs"]]
+    p50s = {}
+    for tool in ("fdl-fabric attach", "tail -n 20 -f"):
+        row, p50s[tool] = _attach_row(tool, samples)
+        rows.append(row)
+    out.write(benchlib.table(rows, [False] + [True] * 7) + "\n")
+    out.write("latency: lines written after the follower's first live line (steady state); "
+              f"the run, stopped with `fdl-fabric stop`: exit {res['stop_code']}\n")
+    p50 = p50s.get("fdl-fabric attach")
+    if p50 is not None:
+        targets.append(["attach -> first live line, p50", f"{p50:.3f} s", "<= 0.3 s",
+                        "met" if p50 <= 0.3 else "MISSED"])
+    for a in res["samples"]:
+        if not a.ok:
+            out.write(f"  ! {a.tool} round {a.rep + 1}: {a.error[:300]}\n")

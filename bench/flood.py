@@ -47,249 +47,43 @@ a process group of its own, and only those are stopped.
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Optional, TextIO
 
 import benchlib
+from floodlib import ROOT, SCENARIOS, Sample, run_once
 
-from fdl_fabric.testing.flood import FLOODER, HOLD
-
-ROOT = benchlib.ROOT
-SALT = bytes(range(16))
-RUN_ID = "20250101-000000-f100d22"
-
-#: The coordinator's process: prints its port, runs until stdin closes, then prints what
-#: it heard (rank, sequence number, monotonic time of each heartbeat) and what it said.
-SERVER = r"""
-import json, sys, time
-from fdl_fabric.events import EventBus, EventLog, Name
-from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec
-world, timeout, run_id = int(sys.argv[1]), float(sys.argv[2]), sys.argv[4]
-salt = bytes.fromhex(sys.argv[3])
-if len(sys.argv) > 5 and sys.argv[5]:
-    import fdl_fabric.supervision.coordinator as module
-    module.ACCEPT_PER_TURN = int(sys.argv[5])
-heard = []
-class Noting(Coordinator):
-    def _handle(self, conn, message):
-        if message.get("type") == "heartbeat":
-            heard.append((conn.rank, conn.rx_seq - 1, time.monotonic()))
-        super()._handle(conn, message)
-log = EventLog()
-coord = Noting(CoordinatorSpec(run_id=run_id, salt=salt, world_size=world, bind_host="127.0.0.1",
-                               port=0, heartbeat_timeout=timeout), EventBus(log))
-coord.start()
-print(json.dumps({"port": coord.port, "module": sys.modules[Coordinator.__module__].__file__}),
-      flush=True)
-sys.stdin.read()
-coord.stop()
-refused = sum(e.data.get("refused", 0) for e in log.events
-              if e.name in (Name.PEER_DROPPED, Name.PEERS_REFUSED))
-print(json.dumps({"heard": heard, "refused": refused, "formed": coord.cohort_formed,
-                  "dead": [e.rank for e in log.events if e.name is Name.RANK_DECLARED_DEAD]}),
-      flush=True)
-"""
-
-#: A rank: notes the time of each heartbeat it sends, joins, beats for a while, exits
-#: cleanly, and prints its join time and its notes.
-RANK = r"""
-import json, sys, time
-import fdl_fabric.rank as rank
-rank.HEARTBEAT_INTERVAL = float(sys.argv[1])
-seconds = float(sys.argv[2])
-sent = []
-send = rank._Client.send
-def noting_send(self, message):
-    seq, now = self.tx_seq, time.monotonic()
-    done = send(self, message)
-    if done and message.get("type") == "heartbeat":  # not one that exiting() overtook
-        sent.append((seq, now))
-    return done
-rank._Client.send = noting_send
-started = time.monotonic()
-try:
-    me = rank.join(timeout=30)
-except RuntimeError as exc:
-    print(json.dumps({"error": str(exc), "join": time.monotonic() - started}), flush=True)
-    sys.exit(1)
-joined = time.monotonic()
-time.sleep(seconds)
-rank.exiting()
-print(json.dumps({"rank": me.rank, "join": joined - started, "sent": sent}), flush=True)
-"""
-
-
-SCENARIOS = ("quiet", "flood", "cpu hog")
-#: The control: as many spinning processes as the flooder has threads, and no connection.
-HOG = "while True: pass"
-
-
-@dataclass
-class Sample:
-    tree: str
-    scenario: str
-    rep: int
-    ok: bool = True
-    error: str = ""
-    latencies: list[float] = field(default_factory=list)
-    lost: int = 0
-    joins: list[float] = field(default_factory=list)
-    connects_per_s: Optional[float] = None
-    refused: int = 0
-    dead: list[int] = field(default_factory=list)
-    #: The coordinator process's CPU while the ranks ran, % of one core.
-    cpu: Optional[float] = None
-
-
-def _envelope(port: int, world: int, ranks: Sequence[int]) -> str:
-    from fdl_fabric.planning.envelope import SlimEnvelope
-
-    return SlimEnvelope(run_id=RUN_ID, controller_host="127.0.0.1", controller_port=port,
-                        world_size=world, num_workers=1, host="localhost", ranks=tuple(ranks),
-                        local_devices=None, nccl_socket_ifname=None, path="/tmp",
-                        salt=SALT).to_hex()
-
-
-def _env(tree: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
-    env.update({"PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"})
-    return env
-
-
-def _json_line(proc: subprocess.Popen[bytes], what: str, timeout: float) -> dict[str, Any]:
-    """The next stdout line of ``proc`` as JSON (read in a thread-free way: the process
-    prints one line and waits, so a blocking read with a watchdog is enough)."""
-    import select
-
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise benchlib.BenchError(f"no line from the {what} within {timeout:g}s")
-    line = proc.stdout.readline()
-    if not line:
-        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-        raise benchlib.BenchError(f"the {what} exited without a line: {err[-500:]}")
-    result: dict[str, Any] = json.loads(line)
-    return result
-
-
-@dataclass(frozen=True)
-class Pinning:
-    """``taskset`` prefixes: the flooder (or hog) on the last CPU, the coordinator and the
-    ranks on the others (``--pin``); empty when not pinned."""
-
-    attacker: tuple[str, ...] = ()
-    victim: tuple[str, ...] = ()
-
-
-def pinning(args: argparse.Namespace) -> Pinning:
-    cpus = sorted(os.sched_getaffinity(0))
-    if not args.pin or len(cpus) < 2:
-        return Pinning()
-    rest = ",".join(str(c) for c in cpus[:-1])
-    return Pinning(("taskset", "-c", str(cpus[-1])), ("taskset", "-c", rest))
-
-
-def run_once(args: argparse.Namespace, tree_name: str, tree: Path, scenario: str,
-             rep: int) -> Sample:
-    sample = Sample(tree_name, scenario, rep)
-    pin = pinning(args)
-    env = _env(tree)
-    # Its own session, as benchlib.start does, but with a pipe on stdin: it runs until EOF.
-    server = benchlib.adopt(subprocess.Popen(
-        [*pin.victim, sys.executable, "-c", SERVER, str(args.ranks), "30", SALT.hex(), RUN_ID,
-         str(args.accept_per_turn or "")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-        cwd=str(tree), start_new_session=True))
-    flooder: Optional[subprocess.Popen[bytes]] = None
-    ranks: list[subprocess.Popen[bytes]] = []
-    hogs: list[subprocess.Popen[bytes]] = []
-    try:
-        hello = _json_line(server, "coordinator", 20)
-        port = int(hello["port"])
-        if not str(hello["module"]).startswith(str(tree)):
-            raise benchlib.BenchError(f"the coordinator came from {hello['module']}, not {tree}")
-        flood_started = 0.0
-        if scenario == "cpu hog":
-            hogs = [benchlib.start([*pin.attacker, sys.executable, "-I", "-S", "-c", HOG])
-                    for _ in range(args.threads)]
-            time.sleep(args.warm)
-        if scenario == "flood":
-            flooder = benchlib.start([*pin.attacker, sys.executable, "-I", "-S", "-c", FLOODER,
-                                      "127.0.0.1", str(port), str(args.hold),
-                                      str(args.threads)])
-            assert flooder.stdout is not None
-            if flooder.stdout.readline() != b"flooding\n":
-                raise benchlib.BenchError("the flooder did not start")
-            flood_started = time.monotonic()
-            time.sleep(args.warm)
-        for r in range(args.ranks):
-            renv = {**env, "FLODL_INTERNAL_CLUSTER_JSON":
-                    _envelope(port, args.ranks, range(args.ranks)),
-                    "RANK": str(r), "FLODL_INTERNAL_LOCAL_RANK": str(r)}
-            ranks.append(benchlib.start([*pin.victim, sys.executable, "-c", RANK,
-                                         str(args.interval), str(args.seconds)],
-                                        env=renv, cwd=str(tree)))
-        cpu0, t0 = benchlib.cpu_seconds(server.pid), time.monotonic()
-        said = [_json_line(p, f"rank {r}", args.seconds + 60) for r, p in enumerate(ranks)]
-        cpu1 = benchlib.cpu_seconds(server.pid)
-        if cpu0 is not None and cpu1 is not None:
-            sample.cpu = 100 * (cpu1 - cpu0) / (time.monotonic() - t0)
-        for p in ranks:
-            p.wait(10)
-            benchlib.forget(p)
-        for p in hogs:
-            benchlib.stop(p, grace=2.0)
-        if flooder is not None:
-            benchlib.stop(flooder, grace=5.0)
-            assert flooder.stdout is not None
-            counts = json.loads(flooder.stdout.read().decode().strip().splitlines()[-1])
-            sample.connects_per_s = counts["connected"] / (time.monotonic() - flood_started)
-            flooder = None
-        assert server.stdin is not None
-        server.stdin.close()
-        heard = _json_line(server, "coordinator", 20)
-        server.wait(10)
-        benchlib.forget(server)
-        sample.refused, sample.dead = int(heard["refused"]), list(heard["dead"])
-        handled = {(r, seq): t for r, seq, t in heard["heard"]}
-        errors = [s["error"] for s in said if "error" in s]
-        if errors:
-            raise benchlib.BenchError("join failed: " + errors[0])
-        for s in said:
-            sample.joins.append(float(s["join"]))
-            for seq, t in s["sent"]:
-                got = handled.get((s["rank"], seq))
-                if got is None:
-                    sample.lost += 1
-                else:
-                    sample.latencies.append(got - t)
-    except (benchlib.BenchError, OSError, ValueError, KeyError,
-            subprocess.SubprocessError) as exc:
-        sample.ok, sample.error = False, f"{type(exc).__name__}: {exc}"
-    finally:
-        for p in [*ranks, *hogs, *([flooder] if flooder else []), server]:
-            if p.poll() is None or p.pid in benchlib._LIVE:
-                benchlib.stop(p, grace=2.0)
-    return sample
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+from fdl_fabric.testing.flood import HOLD
 
 
 def _ms(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x * 1000:.1f}"
+    return benchlib.fmt(x, 1, 1000, none="-")
+
+
+def _row(tree: str, scenario: str, samples: Sequence[Sample]) -> list[str]:
+    got = [s for s in samples if s.tree == tree and s.scenario == scenario and s.ok]
+    lat = [x for s in got for x in s.latencies]
+    joins = [x for s in got for x in s.joins]
+    failed = sum(1 for s in samples if s.tree == tree and s.scenario == scenario and not s.ok)
+    return [tree, scenario, str(len(lat)), str(sum(s.lost for s in got)),
+            _ms(benchlib.med(lat)), _ms(benchlib.percentile(lat, 0.99) if lat else None),
+            _ms(max(lat, default=None)), _ms(benchlib.med(joins)),
+            _ms(max(joins, default=None)),
+            benchlib.fmt(benchlib.med(s.connects_per_s for s in got), 0, none="-"),
+            str(sum(s.refused for s in got)),
+            benchlib.fmt(benchlib.med(s.cpu for s in got), 0, none="-"),
+            str(sum(len(s.dead) for s in got)),
+            f"{len(got)}" + (f" (+{failed} failed)" if failed else "")]
+
+
+def _p99(tree: str, scenario: str, samples: Sequence[Sample]) -> Optional[float]:
+    lat = [x for s in samples if s.tree == tree and s.scenario == scenario and s.ok
+           for x in s.latencies]
+    return benchlib.percentile(lat, 0.99) if lat else None
 
 
 def report(args: argparse.Namespace, samples: Sequence[Sample], trees: Sequence[str],
@@ -297,37 +91,14 @@ def report(args: argparse.Namespace, samples: Sequence[Sample], trees: Sequence[
     head = ["tree", "scenario", "beats", "lost", "latency p50 ms", "p99 ms", "max ms",
             "join p50 ms", "join max ms", "connects/s", "refused", "coord CPU %", "dead",
             "runs"]
-    rows = [head]
-    p99: dict[tuple[str, str], float] = {}
-    for tree in trees:
-        for scenario in SCENARIOS:
-            got = [s for s in samples if s.tree == tree and s.scenario == scenario and s.ok]
-            lat = [x for s in got for x in s.latencies]
-            joins = [x for s in got for x in s.joins]
-            rates = [s.connects_per_s for s in got if s.connects_per_s is not None]
-            cpus = [s.cpu for s in got if s.cpu is not None]
-            failed = sum(1 for s in samples if s.tree == tree and s.scenario == scenario
-                         and not s.ok)
-            if lat:
-                p99[(tree, scenario)] = _pct(lat, 0.99)
-            rows.append([
-                tree, scenario, str(len(lat)), str(sum(s.lost for s in got)),
-                _ms(statistics.median(lat)) if lat else "-",
-                _ms(_pct(lat, 0.99)) if lat else "-", _ms(max(lat)) if lat else "-",
-                _ms(statistics.median(joins)) if joins else "-",
-                _ms(max(joins)) if joins else "-",
-                f"{statistics.median(rates):.0f}" if rates else "-",
-                str(sum(s.refused for s in got)),
-                f"{statistics.median(cpus):.0f}" if cpus else "-",
-                str(sum(len(s.dead) for s in got)),
-                f"{len(got)}" + (f" (+{failed} failed)" if failed else "")])
+    rows = [head] + [_row(tree, scenario, samples) for tree in trees for scenario in SCENARIOS]
     out.write(f"\nHeartbeat latency (coordinator handled - rank sent) and join time: "
               f"{args.ranks} ranks beating every {args.interval:g} s for {args.seconds:g} s "
               f"a run; flood = {args.threads}-thread flooder holding the last {args.hold} "
               f"idle connections, from {args.warm:g} s before the ranks start\n\n")
     out.write(benchlib.table(rows, [False, False] + [True] * (len(head) - 2)) + "\n")
     for tree in trees:
-        quiet, flood = p99.get((tree, "quiet")), p99.get((tree, "flood"))
+        quiet, flood = _p99(tree, "quiet", samples), _p99(tree, "flood", samples)
         if quiet and flood:
             verdict = "met" if flood <= 2 * quiet else "NOT met"
             out.write(f"\n{tree}: target p99 under flood <= 2 x quiet p99: {_ms(flood)} ms vs "
@@ -342,8 +113,7 @@ def report(args: argparse.Namespace, samples: Sequence[Sample], trees: Sequence[
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchlib.arg_parser(__doc__)
     ap.add_argument("--repeat", type=int, default=3, help="rounds of every scenario (3)")
     ap.add_argument("--ranks", type=int, default=4, help="rank processes (4)")
     ap.add_argument("--seconds", type=float, default=20.0,
@@ -390,8 +160,9 @@ def _bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
                 s = run_once(args, name, tree, scenario, rep)
                 samples.append(s)
                 if s.ok:
-                    status = (f"p99 {_ms(_pct(s.latencies, 0.99)) if s.latencies else '-'} ms, "
-                              f"join max {_ms(max(s.joins)) if s.joins else '-'} ms, "
+                    p99 = benchlib.percentile(s.latencies, 0.99) if s.latencies else None
+                    status = (f"p99 {_ms(p99)} ms, "
+                              f"join max {_ms(max(s.joins, default=None))} ms, "
                               f"lost {s.lost}, dead {len(s.dead)}")
                 else:
                     status = "FAILED: " + s.error

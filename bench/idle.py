@@ -34,7 +34,6 @@ import re
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -188,13 +187,16 @@ def _wait_hosts_quiet(lab: Any, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def _fmt(value: Optional[float], digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def _med(values: Sequence[Optional[float]]) -> Optional[float]:
-    clean = [v for v in values if v is not None]
-    return statistics.median(clean) if clean else None
+def _cells(got: list[Sample]) -> list[str]:
+    """A shape's and tool's figures: all up, CPU, threads, largest slice, the hosts' side."""
+    return [benchlib.fmt(benchlib.med([s.up_after for s in got]), 1),
+            benchlib.fmt(benchlib.med([s.cpu_pct for s in got])),
+            benchlib.fmt(benchlib.med([s.cpu_with_children_pct for s in got])),
+            str(max((s.threads or 0) for s in got)) if got else "n/a",
+            benchlib.fmt(max((max(s.slices) for s in got if s.slices), default=None)),
+            benchlib.fmt(benchlib.med([s.agents_pct for s in got])),
+            benchlib.fmt(benchlib.med([s.sshd_pct for s in got])),
+            benchlib.fmt(benchlib.med([s.ranks_pct for s in got]))]
 
 
 def report(samples: list[Sample], shapes: list[str], tools: list[str], out: TextIO,
@@ -205,26 +207,16 @@ def report(samples: list[Sample], shapes: list[str], tools: list[str], out: Text
              "threads", "max 1 s slice %", "agents %", "sshd sessions %", "ranks %", "runs"]]
     for shape in shapes:
         for tool in tools:
-            got = [s for s in samples if s.shape == shape and s.tool == tool and s.ok]
-            bad = [s for s in samples if s.shape == shape and s.tool == tool and not s.ok]
-            if not got and not bad:
-                continue
-            rows.append([
-                shape, tool, _fmt(_med([s.up_after for s in got]), 1),
-                _fmt(_med([s.cpu_pct for s in got])),
-                _fmt(_med([s.cpu_with_children_pct for s in got])),
-                str(max((s.threads or 0) for s in got)) if got else "n/a",
-                _fmt(max((max(s.slices) for s in got if s.slices), default=None)),
-                _fmt(_med([s.agents_pct for s in got])),
-                _fmt(_med([s.sshd_pct for s in got])),
-                _fmt(_med([s.ranks_pct for s in got])),
-                f"{len(got)}" + (f" ({len(bad)} failed)" if bad else "")])
+            runs = [s for s in samples if s.shape == shape and s.tool == tool]
+            got = [s for s in runs if s.ok]
+            if runs:
+                rows.append([shape, tool, *_cells(got),
+                             benchlib.runs_cell(len(got), len(runs) - len(got))])
     out.write(benchlib.table(rows, [False, False] + [True] * 9) + "\n")
-    fdl = [s for s in samples if s.ok and s.tool == "fdl-fabric"]
-    big = [s for s in fdl if s.shape == "32x8"]
+    big = [s for s in samples if s.ok and s.tool == "fdl-fabric" and s.shape == "32x8"]
     if big:
-        cpu = _med([s.cpu_pct for s in big])
-        out.write(f"\ntarget: launcher CPU <= 2 % of one core at 32x8: {_fmt(cpu)} % -> "
+        cpu = benchlib.med([s.cpu_pct for s in big])
+        out.write(f"\ntarget: launcher CPU <= 2 % of one core at 32x8: {benchlib.fmt(cpu)} % -> "
                   f"{'met' if cpu is not None and cpu <= 2.0 else 'NOT met'}\n")
     for s in samples:
         if not s.ok:
@@ -232,8 +224,7 @@ def report(samples: list[Sample], shapes: list[str], tools: list[str], out: Text
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchlib.arg_parser(__doc__)
     ap.add_argument("--shapes", default="8x8,8x32,32x8",
                     help="comma-separated HOSTSxRANKS shapes (default 8x8,8x32,32x8)")
     ap.add_argument("--window", type=float, default=10.0, help="sampling window, s (10)")
@@ -290,7 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     s = measure(lab, shape, tool.split(" -")[0] if tool.startswith("fdl")
                                 else tool, rep, run_argv, world, args)
                     samples.append(s)
-                    out.write(f"{_fmt(s.cpu_pct)} %\n" if s.ok else f"FAILED: {s.error}\n")
+                    out.write(f"{benchlib.fmt(s.cpu_pct)} %\n" if s.ok else f"FAILED: {s.error}\n")
                     out.flush()
             shapes = list(dict.fromkeys(p[0] for p in plans))
             tools = list(dict.fromkeys(("fdl-fabric" if p[1].startswith("fdl") else p[1])

@@ -32,189 +32,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import selectors
 import shlex
 import shutil
-import statistics
 import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence, TextIO
 
 import benchlib
-
-#: argv: N [R]; R defaults to $RANK. Lines ``r<R> <i>``, 8192 a write, all of them written
-#: even when the pipe is full (os.write may write less than asked).
-GEN_SCRIPT = """\
-import os, sys
-n = int(sys.argv[1])
-r = int(sys.argv[2]) if len(sys.argv) > 2 else int(os.environ.get("RANK", "0"))
-step = 8192
-for a in range(0, n, step):
-    buf = b"".join([b"r%d %d\\n" % (r, i) for i in range(a, min(n, a + step))])
-    view = memoryview(buf)
-    while view:
-        view = view[os.write(1, view):]
-"""
-
-#: One of the launcher's prefixed lines: label, rank in the label, payload.
-FDL_LINE = re.compile(rb"^\[([^\]:]+):[^\]:]+:r(\d+)\] (.*)$", re.M)
-
-
-@dataclass
-class Sample:
-    scenario: str
-    tool: str
-    rep: int
-    warmup: bool
-    ok: bool = False
-    error: str = ""
-    lines: int = 0  # lines received on stdout
-    expected: int = 0
-    lost: int = 0
-    merged: int = 0
-    out_of_order: int = 0
-    first: Optional[float] = None  # s from Popen to the first stdout byte
-    last: Optional[float] = None  # ... to the last stdout byte
-    done: Optional[float] = None  # ... to the last exit
-    launcher_cpu_pct: Optional[float] = None
-    bytes: int = 0
-    returncodes: list[Optional[int]] = field(default_factory=list)
-
-    @property
-    def stream_rate(self) -> Optional[float]:
-        if self.first is None or self.last is None or self.last <= self.first:
-            return None
-        return self.expected / (self.last - self.first)
-
-
-def run_streams(argvs: Sequence[Sequence[str]], *, timeout: float,
-                cpu_of_first: bool = False) -> tuple[list[bytes], list[Optional[int]],
-                                                     Optional[float], Optional[float],
-                                                     Optional[float], Optional[float], str]:
-    """Start ``argvs`` at once; collect each one's stdout. Returns (stdouts, codes, first,
-    last, done, cpu % of the first process, error)."""
-    sel = selectors.DefaultSelector()
-    procs = []
-    chunks: list[list[bytes]] = []
-    first = last = None
-    error = ""
-    t0 = time.perf_counter()
-    for i, argv in enumerate(argvs):
-        proc = benchlib.start(argv, stdout=benchlib.subprocess.PIPE,
-                              stderr=benchlib.subprocess.PIPE, bufsize=0)
-        procs.append(proc)
-        chunks.append([])
-        sel.register(proc.stdout, selectors.EVENT_READ, (i, "out"))
-        sel.register(proc.stderr, selectors.EVENT_READ, (i, "err"))
-    errs: list[list[bytes]] = [[] for _ in argvs]
-    deadline = t0 + timeout
-    try:
-        while sel.get_map():
-            now = time.perf_counter()
-            if now > deadline:
-                error = f"timed out after {timeout:g}s"
-                break
-            for key, _ in sel.select(deadline - now):
-                i, what = key.data
-                data = os.read(key.fd, 1 << 20)
-                stamp = time.perf_counter() - t0
-                if not data:
-                    sel.unregister(key.fileobj)
-                    continue
-                if what == "out":
-                    chunks[i].append(data)
-                    if first is None:
-                        first = stamp
-                    last = stamp
-                else:
-                    errs[i].append(data)
-        codes = []
-        cpu_pct = None
-        for i, proc in enumerate(procs):
-            while proc.returncode is None:
-                # wait4 rather than Popen.wait: it also returns the child's CPU usage.
-                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    proc.returncode = os.waitstatus_to_exitcode(status)
-                    benchlib.forget(proc)
-                    if i == 0 and cpu_of_first:
-                        cpu_of_launcher = usage.ru_utime + usage.ru_stime
-                        cpu_pct = cpu_of_launcher
-                    break
-                if time.perf_counter() > deadline:
-                    error = error or "still running"
-                    break
-                time.sleep(0.002)
-        done = time.perf_counter() - t0
-        if cpu_pct is not None:
-            cpu_pct = 100.0 * cpu_pct / done
-        codes = [proc.returncode for proc in procs]
-    finally:
-        sel.close()
-        for proc in procs:
-            benchlib.stop(proc)
-    if any(c != 0 for c in codes) and not error:
-        tails = b" | ".join(b"".join(e)[-300:] for e in errs if e)
-        error = f"exit status {codes}: {tails.decode(errors='replace')}"
-    return [b"".join(c) for c in chunks], codes, first, last, done, cpu_pct, error
-
-
-def check_prefixed(data: bytes, ranks: Sequence[int], n: int, s: Sample) -> None:
-    """fdl-fabric's stdout: every line one rank line behind its own prefix, all in order."""
-    s.lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
-    per_rank: dict[int, list[bytes]] = {r: [] for r in ranks}
-    foreign = 0
-    for m in FDL_LINE.finditer(data):
-        r = int(m.group(2))
-        if r in per_rank:
-            per_rank[r].append(m.group(3))
-        else:
-            foreign += 1
-    matched = sum(len(v) for v in per_rank.values())
-    s.merged = (s.lines - matched) + foreign  # lines without a prefix count as merged
-    for r, got in per_rank.items():
-        _check_rank(r, got, n, s)
-
-
-def check_plain(data: bytes, rank: int, n: int, s: Sample) -> None:
-    """One ssh session's stdout: the rank's lines, nothing else."""
-    s.lines += data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
-    got = data.split(b"\n")
-    if got and got[-1] == b"":
-        got.pop()
-    _check_rank(rank, got, n, s)
-
-
-def _check_rank(r: int, got: list[bytes], n: int, s: Sample) -> None:
-    expected = [b"r%d %d" % (r, i) for i in range(n)]
-    s.expected += n
-    if got == expected:
-        return
-    pattern = re.compile(rb"^r%d (\d+)$" % r)
-    values = []
-    for payload in got:
-        m = pattern.match(payload)
-        if m is None:
-            s.merged += 1
-        else:
-            values.append(int(m.group(1)))
-    s.lost += n - len(set(values) & set(range(n)))
-    if values != sorted(values):
-        s.out_of_order += 1
-
+from outputlib import GEN_SCRIPT, Sample, check_plain, check_prefixed, run_streams
 
 # --------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------
-
-
-def _med(values: Sequence[Optional[float]]) -> Optional[float]:
-    clean = [v for v in values if v is not None]
-    return statistics.median(clean) if clean else None
 
 
 def _k(value: Optional[float]) -> str:
@@ -240,41 +71,49 @@ def report(samples: list[Sample], rows: list[tuple[str, str]], out: TextIO,
         got = [s for s in samples if s.scenario == scenario and s.tool == tool
                and not s.warmup]
         good = [s for s in got if s.ok]
-        rate = _med([s.stream_rate for s in good])
+        rate = benchlib.med([s.stream_rate for s in good])
         if tool.startswith("fdl-fabric"):
             base[scenario] = rate
         b = base.get(scenario)
-        e2e = _med([s.done for s in good])
+        e2e = benchlib.med([s.done for s in good])
         table.append([scenario, tool, _k(rate),
-                      "n/a" if rate is None or not b else f"{rate / b:.2f}", _s(e2e),
+                      benchlib.ratio(rate, b), _s(e2e),
                       _k(None if e2e is None else good[0].expected / e2e),
-                      _s(_med([s.launcher_cpu_pct for s in good])),
+                      _s(benchlib.med([s.launcher_cpu_pct for s in good])),
                       str(sum(s.lost for s in got)), str(sum(s.merged for s in got)),
                       str(sum(s.out_of_order for s in got)),
-                      f"{len(good)}" + (f" ({len(got) - len(good)} failed)"
-                                        if len(got) > len(good) else "")])
+                      benchlib.runs_cell(len(good), len(got) - len(good))])
     out.write(benchlib.table(table, [False, False] + [True] * 9) + "\n")
+    _targets(samples, out)
+    for s in samples:
+        if not s.ok:
+            out.write(f"  ! {s.scenario} / {s.tool} run {s.rep}: {s.error}\n")
+
+
+def _target_row(scenario: str, target: float, samples: list[Sample]) -> list[str]:
+    """fdl-fabric's stream rate beside OpenSSH's, and whether it met ``target`` with every
+    line intact; [] if fdl-fabric did not run in ``scenario``."""
+    runs = [s for s in samples if s.scenario == scenario and not s.warmup]
+    fdl = [s for s in runs if s.tool.startswith("fdl")]
+    if not fdl:
+        return []
+    rate = benchlib.med([s.stream_rate for s in fdl if s.ok])
+    peer = benchlib.med([s.stream_rate for s in runs if s.tool.startswith("OpenSSH") and s.ok])
+    intact = all(s.ok and not (s.lost or s.merged or s.out_of_order) for s in fdl)
+    met = rate is not None and rate >= target and intact
+    return [scenario, _k(rate), _k(peer), benchlib.ratio(rate, peer),
+            f">= {target / 1000:.0f}k, intact", "yes" if met else "NO"]
+
+
+def _targets(samples: list[Sample], out: TextIO) -> None:
     out.write("\nTargets (fdl-fabric stream lines/s, 0 lost, 0 merged)\n\n")
     trows = [["scenario", "fdl-fabric lines/s", "OpenSSH lines/s", "fdl / ssh", "target",
               "met"]]
     for scenario, target in TARGETS.items():
-        fdl = [s for s in samples if s.scenario == scenario and s.tool.startswith("fdl")
-               and not s.warmup]
-        ssh = [s for s in samples if s.scenario == scenario and s.tool.startswith("OpenSSH")
-               and not s.warmup and s.ok]
-        if not fdl:
-            continue
-        rate = _med([s.stream_rate for s in fdl if s.ok])
-        peer = _med([s.stream_rate for s in ssh])
-        intact = all(s.ok and not s.lost and not s.merged and not s.out_of_order for s in fdl)
-        met = rate is not None and rate >= target and intact
-        trows.append([scenario, _k(rate), _k(peer),
-                      "n/a" if rate is None or not peer else f"{rate / peer:.2f}",
-                      f">= {target / 1000:.0f}k, intact", "yes" if met else "NO"])
+        row = _target_row(scenario, target, samples)
+        if row:
+            trows.append(row)
     out.write(benchlib.table(trows, [False, True, True, True, True, False]) + "\n")
-    bad = [s for s in samples if not s.ok]
-    for s in bad:
-        out.write(f"  ! {s.scenario} / {s.tool} run {s.rep}: {s.error}\n")
 
 
 # --------------------------------------------------------------------------------------
@@ -283,8 +122,7 @@ def report(samples: list[Sample], rows: list[tuple[str, str]], out: TextIO,
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchlib.arg_parser(__doc__)
     ap.add_argument("--lines", type=int, default=1_000_000, help="lines per rank (1000000)")
     ap.add_argument("--repeat", type=int, default=3, help="measured runs per tool (3)")
     ap.add_argument("--only", action="append", choices=("one", "agg"),
@@ -315,6 +153,61 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+#: (scenario, tool, kind, argvs, ranks)
+Job = tuple[str, str, str, list[list[str]], list[int]]
+
+
+def _jobs(args: argparse.Namespace, lab: Any, gen: Path,
+          gen_cmd: Callable[..., str]) -> list[Job]:
+    """fdl-fabric, OpenSSH and the floor, in each scenario asked for."""
+    py, n = sys.executable, args.lines
+    # (scenario, tool, kind, argvs, ranks)
+    jobs: list[tuple[str, str, str, list[list[str]], list[int]]] = []
+    if "one" in args.scenarios:
+        sc = "1 rank / 1 host"
+        cluster = lab.write_cluster([lab.worker(lab.hosts[0], nproc=1)],
+                                    filename="one.yml")
+        jobs.append((sc, "fdl-fabric (inv launch)", "fdl",
+                     [benchlib.inv_launch_argv(cluster, gen_cmd())], [0]))
+        jobs.append((sc, "OpenSSH (ssh host gen.py)", "plain",
+                     [lab.ssh_argv(lab.hosts[0], gen_cmd(0))], [0]))
+        if not args.no_floor:
+            jobs.append((sc, "floor: gen.py into a pipe", "plain",
+                         [[py, str(gen), str(n), "0"]], [0]))
+    if "agg" in args.scenarios:
+        sc = "8 ranks / 4 hosts"
+        cluster = lab.write_cluster([lab.worker(h, nproc=2) for h in lab.hosts],
+                                    filename="agg.yml")
+        jobs.append((sc, "fdl-fabric (inv launch)", "fdl",
+                     [benchlib.inv_launch_argv(cluster, gen_cmd())], list(range(8))))
+        jobs.append((sc, "OpenSSH (8 x ssh host gen.py)", "plain",
+                     [lab.ssh_argv(lab.hosts[r // 2], gen_cmd(r)) for r in range(8)],
+                     list(range(8))))
+        if not args.no_floor:
+            jobs.append((sc, "floor: 8 x gen.py into pipes", "plain",
+                         [[py, str(gen), str(n), str(r)] for r in range(8)],
+                         list(range(8))))
+    return jobs
+
+
+def _measure(args: argparse.Namespace, sc: str, tool: str, kind: str,
+             argvs: list[list[str]], ranks: list[int], rep: int) -> Sample:
+    n = args.lines
+    s = Sample(sc, tool, rep, rep == 0)
+    stdouts, codes, s.first, s.last, s.done, cpu, s.error = run_streams(
+        argvs, timeout=args.timeout, cpu_of_first=kind == "fdl")
+    s.returncodes = codes
+    s.launcher_cpu_pct = cpu
+    s.bytes = sum(len(d) for d in stdouts)
+    if kind == "fdl":
+        check_prefixed(stdouts[0], ranks, n, s)
+    else:
+        for data, r in zip(stdouts, ranks):
+            check_plain(data, r, n, s)
+    s.ok = not s.error
+    return s
+
+
 def _bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     load_start = benchlib.wait_for_quiet(args.wait_load, out)
     gen = tmp / "gen.py"
@@ -328,50 +221,14 @@ def _bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
 
     lab = benchlib.start_lab(tmp / "lab", 4, out)
     try:
-        # (scenario, tool, kind, argvs, ranks)
-        jobs: list[tuple[str, str, str, list[list[str]], list[int]]] = []
-        if "one" in args.scenarios:
-            sc = "1 rank / 1 host"
-            cluster = lab.write_cluster([lab.worker(lab.hosts[0], nproc=1)],
-                                        filename="one.yml")
-            jobs.append((sc, "fdl-fabric (inv launch)", "fdl",
-                         [benchlib.inv_launch_argv(cluster, gen_cmd())], [0]))
-            jobs.append((sc, "OpenSSH (ssh host gen.py)", "plain",
-                         [lab.ssh_argv(lab.hosts[0], gen_cmd(0))], [0]))
-            if not args.no_floor:
-                jobs.append((sc, "floor: gen.py into a pipe", "plain",
-                             [[py, str(gen), str(n), "0"]], [0]))
-        if "agg" in args.scenarios:
-            sc = "8 ranks / 4 hosts"
-            cluster = lab.write_cluster([lab.worker(h, nproc=2) for h in lab.hosts],
-                                        filename="agg.yml")
-            jobs.append((sc, "fdl-fabric (inv launch)", "fdl",
-                         [benchlib.inv_launch_argv(cluster, gen_cmd())], list(range(8))))
-            jobs.append((sc, "OpenSSH (8 x ssh host gen.py)", "plain",
-                         [lab.ssh_argv(lab.hosts[r // 2], gen_cmd(r)) for r in range(8)],
-                         list(range(8))))
-            if not args.no_floor:
-                jobs.append((sc, "floor: 8 x gen.py into pipes", "plain",
-                             [[py, str(gen), str(n), str(r)] for r in range(8)],
-                             list(range(8))))
+        jobs = _jobs(args, lab, gen, gen_cmd)
         samples: list[Sample] = []
         for rep in range(args.repeat + 1):
             for sc, tool, kind, argvs, ranks in jobs:
                 out.write(f"{'warm-up' if rep == 0 else f'run {rep}'}: {sc} / {tool} "
                           f"(load {benchlib.loadavg()})... ")
                 out.flush()
-                s = Sample(sc, tool, rep, rep == 0)
-                stdouts, codes, s.first, s.last, s.done, cpu, s.error = run_streams(
-                    argvs, timeout=args.timeout, cpu_of_first=kind == "fdl")
-                s.returncodes = codes
-                s.launcher_cpu_pct = cpu
-                s.bytes = sum(len(d) for d in stdouts)
-                if kind == "fdl":
-                    check_prefixed(stdouts[0], ranks, n, s)
-                else:
-                    for data, r in zip(stdouts, ranks):
-                        check_plain(data, r, n, s)
-                s.ok = not s.error
+                s = _measure(args, sc, tool, kind, argvs, ranks, rep)
                 samples.append(s)
                 rate = s.stream_rate
                 out.write(f"{_k(rate)} lines/s, lost {s.lost}, merged {s.merged}"

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, TextIO
 
 import benchlib
 
@@ -252,8 +252,7 @@ def timeline(cluster: Path, cmd: str, repeat: int, extra: Sequence[str] = ()) ->
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchlib.arg_parser(__doc__)
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--per-host", type=int, default=2)
     ap.add_argument("--rank", default="trivial", help="trivial | sleep:S | lines:N")
@@ -270,6 +269,49 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                          "their steps")
     ap.add_argument("--keep", action="store_true")
     return ap.parse_args(argv)
+
+
+def _record(args: argparse.Namespace, spy: list[str], launch_argv: list[str],
+            kind: str) -> tuple[subprocess.Popen[bytes], bytes]:
+    """py-spy over the whole launch, or (``--rank sleep``) over the launcher once every
+    rank is up; py-spy's process (reaped) and its stderr."""
+    if kind == "sleep":
+        # The idle phase only: start the launch, wait for every `up` line, then
+        # attach py-spy to the launcher for --duration seconds.
+        launch = benchlib.start(launch_argv, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL)
+        ups = 0
+        assert launch.stdout is not None
+        for line in launch.stdout:
+            ups += b"] up " in line
+            if ups >= args.hosts * args.per_host:
+                break
+        time.sleep(2.0)
+        proc = benchlib.start([*spy, "--duration", f"{args.duration:g}", "--pid",
+                               str(launch.pid)])
+        _, err = proc.communicate(timeout=args.duration + 60)
+        benchlib.forget(proc)
+        benchlib.stop(launch, grace=30)  # TERM: the launcher stops its ranks
+    else:
+        proc = benchlib.start([*spy, "--", *launch_argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+        _, err = proc.communicate(timeout=600)
+        benchlib.forget(proc)
+    return proc, err
+
+
+def _write_profile(args: argparse.Namespace, raw: Path, lab: Any, out: TextIO) -> None:
+    """The top frames of each thread, then what --importtime and --agent ask for."""
+    stacks = parse_raw(raw, per_thread=args.mode == "wall")
+    for thread, st in sorted(stacks.items(), key=lambda kv: -sum(c for _, c in kv[1])):
+        out.write(f"\n== {thread or 'all threads'} ==\n")
+        out.write(top(st, args.top))
+    if args.importtime:
+        out.write("\n== python -X importtime, inv launch --help ==\n")
+        out.write(importtime(args.top))
+    if args.agent:
+        out.write("\n== agent start ==\n")
+        out.write(agent_boot(lab, 5))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -308,28 +350,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 spy.append("--idle")
             launch_argv = benchlib.inv_launch_argv(cluster, cmd, *extra)
             t0 = time.perf_counter()
-            if kind == "sleep":
-                # The idle phase only: start the launch, wait for every `up` line, then
-                # attach py-spy to the launcher for --duration seconds.
-                launch = benchlib.start(launch_argv, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL)
-                ups = 0
-                assert launch.stdout is not None
-                for line in launch.stdout:
-                    ups += b"] up " in line
-                    if ups >= args.hosts * args.per_host:
-                        break
-                time.sleep(2.0)
-                proc = benchlib.start([*spy, "--duration", f"{args.duration:g}", "--pid",
-                                       str(launch.pid)])
-                _, err = proc.communicate(timeout=args.duration + 60)
-                benchlib.forget(proc)
-                benchlib.stop(launch, grace=30)  # TERM: the launcher stops its ranks
-            else:
-                proc = benchlib.start([*spy, "--", *launch_argv], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE)
-                _, err = proc.communicate(timeout=600)
-                benchlib.forget(proc)
+            proc, err = _record(args, spy, launch_argv, kind)
             wall = time.perf_counter() - t0
             out.write(f"\n{args.hosts} hosts x {args.per_host} ranks, rank {args.rank}, "
                       f"mode {args.mode}: launch took {wall:.2f} s under py-spy "
@@ -337,16 +358,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not raw.exists():
                 out.write(err.decode(errors="replace")[-2000:] + "\n")
                 return 1
-            stacks = parse_raw(raw, per_thread=args.mode == "wall")
-            for thread, st in sorted(stacks.items(), key=lambda kv: -sum(c for _, c in kv[1])):
-                out.write(f"\n== {thread or 'all threads'} ==\n")
-                out.write(top(st, args.top))
-            if args.importtime:
-                out.write("\n== python -X importtime, inv launch --help ==\n")
-                out.write(importtime(args.top))
-            if args.agent:
-                out.write("\n== agent start ==\n")
-                out.write(agent_boot(lab, 5))
+            _write_profile(args, raw, lab, out)
             if args.keep:
                 out.write(f"raw profile: {raw}\n")
             return 0

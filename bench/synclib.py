@@ -9,13 +9,13 @@ group of its own, stopped by group and by nothing else).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import re
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TextIO
 
 import benchlib
 
@@ -380,15 +380,6 @@ def sent_by(pid: int, ports: set[int]) -> tuple[int, int]:
 
 
 # -- formatting ---------------------------------------------------------------------------------
-def med(values: Sequence[Optional[float]]) -> Optional[float]:
-    clean = [v for v in values if v is not None]
-    return statistics.median(clean) if clean else None
-
-
-def fmt(value: Optional[float], digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def mib(n: Optional[float]) -> str:
     """Bytes in MiB, or KiB / B below a MiB."""
     if n is None:
@@ -398,8 +389,37 @@ def mib(n: Optional[float]) -> str:
     return f"{n / 1024:.1f} KiB" if abs(n) >= 1024 else f"{n:.0f} B"
 
 
-def spread(values: Sequence[Optional[float]], digits: int = 2) -> str:
-    clean = [v for v in values if v is not None]
-    if not clean:
-        return "n/a"
-    return f"{min(clean):.{digits}f}-{max(clean):.{digits}f}"
+class Bench:
+    """The lab, the project, the cluster files and the launcher's environment."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path, lab: Any, out: TextIO) -> None:
+        self.args, self.tmp, self.lab, self.out = args, tmp, lab, out
+        self.env = bench_env(tmp)
+        (tmp / "runs").mkdir(mode=0o700, exist_ok=True)
+        self.project: Project
+        self.small_project: Project
+
+    def cluster(self, hosts: Sequence[Any], src: Path, name: str, **top: Any) -> Path:
+        workers = [self.lab.worker(h, nproc=1) for h in hosts]
+        path: Path = self.lab.write_cluster(workers, filename=f"clusters/{name}.yml",
+                                            command="true", sync={"src": str(src)}, **top)
+        return path
+
+    def launch(self, cluster: Path, *extra: str, **kw: Any) -> Launch:
+        return launch(fdl_argv("launch", "--json", "--cluster", str(cluster), *extra), self.env,
+                      **kw)
+
+    def clear_stores(self, hosts: Sequence[Any], *, hashes: bool = False) -> None:
+        """Every host's ``.fdl-code`` and, with ``hashes``, the controller's hash cache."""
+        for h in hosts:
+            shutil.rmtree(Path(h.path) / ".fdl-code", ignore_errors=True)
+        if hashes:
+            shutil.rmtree(hash_cache(self.tmp), ignore_errors=True)
+
+    def clear_rsync(self, hosts: Sequence[Any]) -> None:
+        for h in hosts:
+            shutil.rmtree(Path(h.path) / RSYNC_DIR, ignore_errors=True)
+
+    def say(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
