@@ -134,7 +134,8 @@ def test_the_live_table_stays_readable_at_80_columns() -> None:
     from rich.console import Console as RichConsole
 
     from fdl_fabric.presentation.output import status_table
-    from fdl_fabric.supervision.supervisor import Rank, RankState
+    from fdl_fabric.states import RankState
+    from fdl_fabric.supervision.records import Rank
 
     cluster = parse_cluster("workers:\n  - host: localhost\n    nproc: 3\n    path: /srv\n",
                             local_hostname="x")

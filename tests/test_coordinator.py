@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fdl_fabric.causes import cause_data
 from fdl_fabric.events import Event, EventBus, EventLog, Kind, Name, event
-from fdl_fabric.presentation.words import cause_data
 from fdl_fabric.rank import (
     MAX_FRAME,
     FrameError,
@@ -31,18 +31,16 @@ from fdl_fabric.rank import (
     frame_tag,
     take_frame,
 )
-from fdl_fabric.supervision.coordinator import (
+from fdl_fabric.supervision.admission import (
     ACCEPT_PER_TURN,
     BUSY_REASON,
     HELLO_PROMPT,
     PENDING_PER_SOURCE,
     PRE_AUTH_FRAME,
-    Coordinator,
-    CoordinatorError,
-    CoordinatorSpec,
-    DeadRanks,
     PendingPeers,
 )
+from fdl_fabric.supervision.cohort import DeadRanks
+from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
 
 SALT = bytes(range(16))
 #: How the supervisor marks a rank that exited with status 1.

@@ -61,7 +61,7 @@ def test_any_flag_values_give_options_or_a_usage_error_naming_the_flag(
 def _hostile_peers(port: int, count: int) -> list[socket.socket]:
     """Each announces a frame just under the pre-hello limit and sends all of it but the
     last byte: the most a peer without the salt can make the coordinator hold."""
-    from fdl_fabric.supervision.coordinator import PRE_AUTH_FRAME
+    from fdl_fabric.supervision.admission import PRE_AUTH_FRAME
 
     body = PRE_AUTH_FRAME - 1
     peers = []

@@ -213,7 +213,7 @@ def test_the_live_tables_last_output_is_inert() -> None:
     from types import SimpleNamespace
 
     from fdl_fabric.presentation.output import render_status
-    from fdl_fabric.supervision.supervisor import RankState
+    from fdl_fabric.states import RankState
 
     rank = SimpleNamespace(host="h", rank=0, device_name="cpu", pid=7,
                            state=RankState.RUNNING, duration=1.0,

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fdl_fabric import reports
 from fdl_fabric.clusterfile import parse_cluster
 from fdl_fabric.planning.envelope import new_salt
 from fdl_fabric.planning.plan import build_plan
-from fdl_fabric.supervision import reports
 from fdl_fabric.transport import for_worker
 from fdl_fabric.transport.session import AgentSession
 from fdl_fabric.transport.sshconfig import resolve_settings

@@ -34,7 +34,8 @@ import fdl_fabric.rank as rank_mod
 from fdl_fabric.events import EventBus, EventLog, Kind, Name, event
 from fdl_fabric.planning.envelope import ENV_CLUSTER_JSON, ENV_LOCAL_RANK, SlimEnvelope
 from fdl_fabric.rank import encode_frame
-from fdl_fabric.supervision.coordinator import BUSY_REASON, Coordinator, CoordinatorSpec
+from fdl_fabric.supervision.admission import BUSY_REASON
+from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_PY = ROOT / "fdl_fabric" / "rank.py"

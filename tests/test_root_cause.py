@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 
+from fdl_fabric import reports
 from fdl_fabric.clusterfile import parse_cluster
 from fdl_fabric.events import EventBus, EventLog, Name
 from fdl_fabric.planning.plan import LaunchPlan, build_plan
-from fdl_fabric.presentation.rankoutput import RankOutput
-from fdl_fabric.supervision import reports
 from fdl_fabric.supervision.errorfile import RankError
+from fdl_fabric.supervision.rankoutput import RankOutput
+from fdl_fabric.supervision.records import RankExit
 from fdl_fabric.supervision.rootcause import is_python, record_would_help
-from fdl_fabric.supervision.supervisor import RankExit
 from fdl_fabric.supervision.tail import LINE_CHARS, TAIL_LINES, RankTail, visible
 
 

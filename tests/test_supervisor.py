@@ -17,14 +17,14 @@ from typing import Optional
 
 import pytest
 
-import fdl_fabric.supervision.supervisor as sup_module
+import fdl_fabric.supervision.timing as sup_module
+from fdl_fabric import reports
 from fdl_fabric.clusterfile import parse_cluster
 from fdl_fabric.events import Event, EventBus, EventLog, Kind, Name, event
 from fdl_fabric.planning.plan import RankPlan, build_plan
 from fdl_fabric.presentation import stacks
-from fdl_fabric.presentation.rankoutput import RankOutput
-from fdl_fabric.supervision import reports
 from fdl_fabric.supervision.policy import Elastic
+from fdl_fabric.supervision.rankoutput import RankOutput
 from fdl_fabric.supervision.supervisor import RankState, RunResult, Supervisor
 from fdl_fabric.supervision.verdict import Verdict
 
@@ -771,7 +771,7 @@ def test_a_pause_of_the_launcher_restarts_every_silence_clock_and_blames_no_host
 
 def test_agents_are_pinged_a_third_of_the_shorter_timeout_apart_and_never_under_2_s() -> None:
     from fdl_fabric.agent import wire
-    from fdl_fabric.supervision.supervisor import ping_interval
+    from fdl_fabric.supervision.timing import ping_interval
 
     assert ping_interval(10.0, 30.0) == pytest.approx(10.0 / 3), "the defaults: 3.3 s"
     assert ping_interval(30.0, 9.0) == pytest.approx(3.0), "a short lease is renewed in time"

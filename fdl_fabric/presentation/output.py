@@ -27,14 +27,15 @@ from typing import IO, Any, Callable, Optional, Protocol, TextIO
 
 from ..events import Event, Kind, Name
 from ..inert import clean, json_inert, neutralize, shown_lines
-from ..supervision.supervisor import RankState
+from ..states import RankState
 from .interrupted import Interrupted
+from .layout import fit
 from .ranklines import cut_to_width, rank_block
 from .records import Attempts, record
 from .rotating import RotatingFile
 from .screen import ERR, OUT, Screen
 from .stacks import dump_text
-from .words import fit, render
+from .words import render
 
 #: Event kinds shown only with -v: routine progress that would drown the rank output.
 _VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.JOIN}
@@ -166,6 +167,12 @@ class Console:
             if self.verbosity >= 0:
                 self._say(event)
             return
+        self._tell_screen(event)
+        if self._shown(event):
+            self._say(event)
+
+    def _tell_screen(self, event: Event) -> None:
+        """What the writer thread must know before the line: an interrupt, the verdict."""
         if event.kind is Kind.STOPPING and event.data.get("signal") and self.screen is not None:
             # Ctrl-C or TERM: the verdict must show within the grace, whatever the
             # terminal still has to take of the ranks' output; what the ranks print now
@@ -176,13 +183,13 @@ class Console:
                                        f"({event.data['signal']})")
         if event.kind is Kind.VERDICT and self.screen is not None:
             self.screen.seal()
+
+    def _shown(self, event: Event) -> bool:
+        """Whether the verbosity (``-q``, ``-v``) shows this event's line."""
         if self.verbosity <= 0 and event.kind not in (Kind.VERDICT, Kind.WARNING, Kind.DEATH):
-            return
-        if self.verbosity < 2 and (
-            event.kind in _VERBOSE_KINDS or (event.kind is Kind.EXIT and event.data.get("ok"))
-        ):
-            return
-        self._say(event)
+            return False
+        return not (self.verbosity < 2 and (
+            event.kind in _VERBOSE_KINDS or (event.kind is Kind.EXIT and event.data.get("ok"))))
 
     def _result_text(self, event: Event) -> str:
         event = clean(event)  # its strings came from hosts

@@ -7,28 +7,35 @@ entry in `_WORDS`, which a test checks.
 
 The launcher's lines begin ``cluster launcher:`` and the coordinator's ``cluster
 coordinator:``, as in flodl, so a log can be grepped by speaker. A verdict line is the
-rendering of the event that caused it (`render_verdict`).
+rendering of the event that caused it (`_verdict`).
 
-It imports nothing of ours but `events`, so any layer that must put words somewhere
-other than a console (a shutdown reason on the wire to the ranks, a result's message
-for a caller of the Python API) renders through it too.
+It imports only vocabulary (`events`, `causes`) and its own wording modules, so any
+layer above presentation that must put words somewhere other than a console (a
+result's message for a caller of the Python API) renders through it too. Supervision,
+below, never does: a save-and-shutdown's reason on the wire is the protocol's sentence
+(`fdl_fabric.shutdown`), which the table here gives its two names as well.
 
 The words are one line per message, whatever its length: pipes, logs and greps get them
 whole. Only a terminal gets them laid out for its width (``render(event, width)``,
-`fit`): a line that fits stays as it is, a longer one is wrapped between words with its
-continuation indented, and the end-of-run tables wrap their cause column in place.
+`layout.fit`); the end-of-run tables wrap their cause column in place (`layout.table`).
 """
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
+from ..causes import cause_data as cause_data  # a verdict's cause, as callers build it
+from ..causes import cause_event as cause_event  # and back, for what reads a record
 from ..events import Event, Name
+from ..shutdown import SHUTDOWN_REASONS
 from .codewords import CODE_WORDS
+from .commandwords import COMMAND_WORDS
 from .dryrunwords import dry_run_text
+from .layout import HANG as HANG  # the continuation indent, as tests measure it
+from .layout import fit, table
 from .runwords import RUN_WORDS
+from .setupwords import SETUP_WORDS
 from .speakers import C, L
 from .stacks import stacks_text
 
@@ -42,42 +49,6 @@ def render(event: Event, width: Optional[int] = None) -> str:
     if fitted is not None:
         return fitted(event, event.data, width)
     return fit(_WORDS[event.name](event, event.data), width)
-
-
-#: Continuation lines of a wrapped line are indented this much more than the line.
-HANG = "  "
-#: Narrower than this, no layout helps: lines are left to the terminal.
-MIN_WIDTH = 20
-
-
-def fit(text: str, width: int) -> str:
-    """``text`` for a terminal ``width`` columns wide: each line that fits stays as it is;
-    a longer one is wrapped between words (never inside one, never at a hyphen, so no
-    ``)`` or half a word starts a line), its continuation lines indented by `HANG` more
-    than it. A word longer than a whole line is left to the terminal."""
-    if width < MIN_WIDTH:
-        return text
-    return "\n".join(_fit_line(line, width) for line in text.split("\n"))
-
-
-def _fit_line(line: str, width: int) -> str:
-    if len(line) <= width:
-        return line
-    indent = line[:len(line) - len(line.lstrip(" "))]
-    hang = indent + HANG if len(indent + HANG) < width // 2 else indent
-    lines = textwrap.wrap(line, width, subsequent_indent=hang, break_long_words=False,
-                          break_on_hyphens=False)
-    if len(lines) > 1 and len(lines[-1].strip()) <= _WIDOW and " " in lines[-2].strip():
-        # A last line of one short word (``2``, ``r1)``) takes the word before it along.
-        head, word = lines[-2].rsplit(" ", 1)
-        last = f"{hang}{word} {lines[-1].strip()}"
-        if len(last) <= width:
-            lines[-2:] = [head.rstrip(), last]
-    return "\n".join(lines) if lines else line
-
-
-#: A wrapped line's last line is never this short a word alone.
-_WIDOW = 3
 
 
 def has_words(name: Name) -> bool:
@@ -138,82 +109,6 @@ def _s(seconds: float) -> str:
 
 
 # -- the launch -------------------------------------------------------------------------------
-def _launch(e: Event, d: Mapping[str, Any]) -> str:
-    hosts = ", ".join(f"{h}: r{rs[0]}-r{rs[-1]}" if len(rs) > 1 else f"{h}: r{rs[0]}"
-                      for h, rs in d["ranks"].items())
-    return (f"{L}run {d['run_id']}: {d['world_size']} rank(s) on {len(d['ranks'])} host(s) "
-            f"({hosts})")
-
-
-def _tunnel_turning_away(e: Event, d: Mapping[str, Any]) -> str:
-    why = {"busy": f"more than {d['limit']} open at once",
-           "files": "too few open files left to the launcher",
-           "silent": f"more than {d['waiting_max']} waiting for a first frame, or waiting "
-                     f"{_s(d['waiting_seconds'])}",
-           "garbled": "first bytes that are no frame"}.get(d["why"], d["why"])
-    return (f"{L}tunnel {e.host}:127.0.0.1:{d['port']}: turning away forwarded connections "
-            f"({why}); someone on {e.host} may be flooding the port. Open connections stay "
-            "open; the count follows when the tunnel closes")
-
-
-def _tunnel_turned_away(e: Event, d: Mapping[str, Any]) -> str:
-    parts = []
-    if d.get("busy"):
-        parts.append(f"{d['busy']:,} beyond {d['limit']} open at once")
-    if d.get("files"):
-        parts.append(f"{d['files']:,} for want of open files")
-    if d.get("silent"):
-        parts.append(f"{d['silent']:,} that sent no first frame")
-    if d.get("garbled"):
-        parts.append(f"{d['garbled']:,} whose first bytes were no frame")
-    return (f"{L}tunnel {e.host}:127.0.0.1:{d['port']}: turned away {d['turned_away']:,} "
-            f"forwarded connection(s) ({'; '.join(parts)})")
-
-
-def _tunnel_exposed(e: Event, d: Mapping[str, Any]) -> str:
-    return (f"{L}tunnel {e.host}:127.0.0.1:{d['port']} listens on "
-            f"{' and '.join(d['addresses'])} too, not only on loopback (GatewayPorts in "
-            f"{e.host}'s sshd_config): anyone who reaches {e.host} can connect to the "
-            "coordinator through it (a join still needs the run's key); set GatewayPorts no "
-            "or clientspecified there")
-
-
-def _open_files_raised(e: Event, d: Mapping[str, Any]) -> str:
-    hard = "unlimited" if d.get("hard") is None else d["hard"]
-    return (f"{L}raised the open-file limit (RLIMIT_NOFILE) from {d['was']} to {d['now']} "
-            f"(hard limit {hard}): this run needs about {d['needed']}")
-
-
-def _loopback_master(e: Event, d: Mapping[str, Any]) -> str:
-    fix = ("pass --master-addr ADDR, an address of the first host that the others reach"
-           if d.get("flags") else "give the first worker an `addr:` the others reach")
-    return (f"{L}MASTER_ADDR is {d['address']}, a loopback address, but {_remote(d)} dial it "
-            f"from another machine: {fix}")
-
-
-def _loopback_controller(e: Event, d: Mapping[str, Any]) -> str:
-    """For a cluster file, its keys; for ``--hosts``/``--hostfile`` (no file), the flag."""
-    if d.get("flags"):
-        return (f"{L}the coordinator listens on {d['address']}, a loopback address, but "
-                f"{_remote(d)} dial it from another machine: pass --controller-addr ADDR, an "
-                "address of this machine that they reach")
-    return (f"{L}controller.host is {d['address']}, a loopback address, but {_remote(d)} dial "
-            "the coordinator from another machine: set controller.host to an address they "
-            "reach, or tunnel: true")
-
-
-#: Hosts a warning names one by one; beyond, it says how many more (1,024 hosts would
-#: make one warning of 30 KB).
-HOSTS_NAMED = 8
-
-
-def _remote(d: Mapping[str, Any]) -> str:
-    items = list(d["remote"].items())
-    named = ", ".join(f"{h} ({a})" for h, a in items[:HOSTS_NAMED])
-    more = len(items) - HOSTS_NAMED
-    return named + (f" and {more} more host{'s' if more > 1 else ''}" if more > 0 else "")
-
-
 def _tree_replanned(e: Event, d: Mapping[str, Any]) -> str:
     lost = ", ".join(d["lost"])
     gateways = d["tree"].get("gateways") or {}
@@ -253,17 +148,6 @@ def attempt_cause(cause: Mapping[str, Any]) -> str:
     text = render(cause_event(cause)).removeprefix(L)
     error = cause.get("error")
     return f"{text}: {error}" if error and error not in text else text
-
-
-def cause_event(cause: Mapping[str, Any]) -> Event:
-    """The event a verdict's ``cause`` (`cause_data`) describes."""
-    return Event(_NAMES[cause["name"]], host=cause.get("host"), rank=cause.get("rank"),
-                 data=dict(cause.get("data") or {}))
-
-
-def cause_data(e: Event, **extra: Any) -> dict[str, Any]:
-    """An event as the JSON-able ``cause`` of a verdict or a restart."""
-    return {"name": e.name.value, "host": e.host, "rank": e.rank, "data": dict(e.data), **extra}
 
 
 def _sweep_unreachable(e: Event, d: Mapping[str, Any]) -> str:
@@ -408,49 +292,20 @@ def _summary(e: Event, d: Mapping[str, Any], width: Optional[int] = None) -> str
     """The end-of-run table: rank, host, exit, cause, duration; plain aligned text."""
     rows = [(str(r["rank"]), r["host"], exit_cell(r.get("exit")), cause_cell(r),
              f"{r['duration']:.1f}s") for r in d["ranks"]]
-    return _table(("rank", "host", "exit", "cause", "duration"), rows, width)
+    return table(("rank", "host", "exit", "cause", "duration"), rows, width)
 
 
 def _attempts(e: Event, d: Mapping[str, Any], width: Optional[int] = None) -> str:
     """One row per attempt: what ended it."""
     rows = [(str(i), _hosts_cell(a.get("hosts") or ()), a["verdict"],
              attempt_cause(a["cause"])) for i, a in enumerate(d["attempts"])]
-    return _table(("attempt", "hosts", "verdict", "cause"), rows, width)
+    return table(("attempt", "hosts", "verdict", "cause"), rows, width)
 
 
 def _hosts_cell(hosts: Sequence[str]) -> str:
     """An attempt's hosts in a table cell: their names while they fit, else how many."""
     names = ",".join(hosts)
     return names if len(names) <= 30 else f"{len(hosts)} hosts" if hosts else "-"
-
-
-#: The column of an end-of-run table that wraps when the table is wider than the
-#: terminal (the cause, in both), and the narrowest it is made.
-_WRAPPED_COLUMN = 3
-_WRAPPED_MIN = 16
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
-           width: Optional[int] = None) -> str:
-    """Aligned columns, two spaces apart. With ``width`` (a terminal) and a table wider
-    than that, the cause column is narrowed and its cells wrapped between words inside
-    it, the other cells on their row's first line; what still does not fit is `fit`."""
-    table = [tuple(header), *[tuple(r) for r in rows]]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    over = sum(widths) + 2 * (len(widths) - 1) - (width or 0)
-    col = _WRAPPED_COLUMN
-    if width is None or over <= 0 or widths[col] <= _WRAPPED_MIN:
-        text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-                         for r in table)
-        return text if width is None else fit(text, width)
-    widths[col] = max(_WRAPPED_MIN, len(header[col]), widths[col] - over)
-    lines = []
-    for row in table:
-        pieces = textwrap.wrap(row[col], widths[col], break_on_hyphens=False) or [""]
-        for i, piece in enumerate(pieces):
-            cells = [piece if j == col else (c if i == 0 else "") for j, c in enumerate(row)]
-            lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
-    return fit("\n".join(lines), width)
 
 
 def _root_cause(e: Event, d: Mapping[str, Any]) -> str:
@@ -495,43 +350,6 @@ def _log_line(d: Mapping[str, Any]) -> list[str]:
     return [f"  its stderr: {d['log']}"] if d.get("log") else []
 
 
-# -- the other commands -----------------------------------------------------------------------
-def _cleanup_host(e: Event, d: Mapping[str, Any]) -> str:
-    """One host's sweep, in one line."""
-    if d.get("error"):
-        return f"cleanup: {e.host}: cleanup FAILED: {d['error']}"
-    what = [f"{len(s['pids'])} process(es) matching {s['pattern']!r}" if "pattern" in s
-            else f"run {s['run']} ranks {s.get('ranks')} (pids {s['pids']})"
-            for s in d["stopped"]]
-    parts = ["stopped " + ", ".join(what) if what else "nothing to stop"]
-    parts += [f"run {item.get('run')} is live ({item.get('launcher')}): left alone (name it "
-              "with --run-id, or --force, to stop it)" for item in d["live"]]
-    if d["leftovers"]:
-        parts.append(f"LEFTOVER: {d['leftovers']}")
-    return f"cleanup: {e.host}: " + "; ".join(parts)
-
-
-def _check_verdict(e: Event, d: Mapping[str, Any]) -> str:
-    counts = ", ".join(f"{n} {s}" for s in ("FAIL", "warn", "ok") if (n := d["counts"].get(s)))
-    verdict = "FAILED" if d["failed"] else "passed"
-    return (f"prebuild-check: {verdict}: {counts or 'no checks'} ({d['hosts']} host(s) in "
-            f"{d['elapsed']:.2f} s)")
-
-
-def _check_report(e: Event, d: Mapping[str, Any]) -> str:
-    """A pre-flight report as plain aligned columns, one check a line (greppable)."""
-    rows = [(c["host"], c["check"], c["status"], c["reason"]) for c in d["checks"]]
-    widths = [max(len(r[i]) for r in [("host", "check", "status"), *rows]) for i in range(3)]
-    lines = ["  ".join([*(h.ljust(w) for h, w in zip(("host", "check", "status"), widths)),
-                        "detail"]),
-             "  ".join(["-" * w for w in widths] + ["-" * 6])]
-    lines += ["  ".join([*(r[j].ljust(widths[j]) for j in range(3)), r[3]]).rstrip()
-              for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-_NAMES = {n.value: n for n in Name}
-
 Words = Callable[[Event, Mapping[str, Any]], str]
 
 #: The words that lay themselves out for a terminal's width (the others are `fit`).
@@ -542,16 +360,6 @@ _FITTED: dict[Name, Callable[[Event, Mapping[str, Any], int], str]] = {
 
 _WORDS: dict[Name, Words] = {
     # the launch
-    Name.LAUNCH: _launch,
-    Name.CONNECTED: lambda e, d: f"{L}connected to {e.host}",
-    Name.TUNNEL_OPENED: lambda e, d: (f"{L}tunnel {e.host}:127.0.0.1:{d['port']} -> controller "
-                                      f"{d['target']}:{d['port']}"),
-    Name.TUNNEL_TURNING_AWAY: _tunnel_turning_away,
-    Name.TUNNEL_TURNED_AWAY: _tunnel_turned_away,
-    Name.TUNNEL_EXPOSED: _tunnel_exposed,
-    Name.OPEN_FILES_RAISED: _open_files_raised,
-    Name.PLAN_LOOPBACK_MASTER: _loopback_master,
-    Name.PLAN_LOOPBACK_CONTROLLER: _loopback_controller,
     Name.OMP_DEFAULTED: lambda e, d: (
         f"{L}setting OMP_NUM_THREADS=1 for each rank of a host that runs more than one, where "
         "it is not set already, to avoid overloading the system; tune it for your program "
@@ -680,10 +488,8 @@ _WORDS: dict[Name, Words] = {
     Name.EVERY_RANK_LOST: lambda e, d: (f"{L}every rank was lost; consensus checkpoint saved if "
                                         "a save path was armed"),
     Name.MAX_FAILURE_EXCEEDED: _max_failure_exceeded,
-    Name.MAX_FAILURE_REACHED: lambda e, d: (f"max_failure reached ({d['dead']}/{d['world_size']} "
-                                            f"dead, threshold {d['limit']})"),
-    Name.ALL_RANKS_DEAD: lambda e, d: (f"every rank was lost ({d['dead']}/{d['world_size']} "
-                                       "dead)"),
+    Name.MAX_FAILURE_REACHED: lambda e, d: SHUTDOWN_REASONS[e.name](d),
+    Name.ALL_RANKS_DEAD: lambda e, d: SHUTDOWN_REASONS[e.name](d),
     Name.PREFLIGHT_FAILED: lambda e, d: (
         f"{L}pre-flight failed on {d['failures']} check(s), nothing was started "
         "(`fdl-fabric prebuild-check` with the same hosts checks more; --no-preflight "
@@ -715,59 +521,8 @@ _WORDS: dict[Name, Words] = {
     Name.LOGS_KEPT: _logs_kept,
     Name.VERDICT: _verdict,
     Name.DRY_RUN: lambda e, d: dry_run_text(d),
-    # the other commands
-    Name.REFUSED: lambda e, d: (f"{d['command']}: {d['error']}" if d.get("command")
-                                else str(d["error"])),
-    Name.CLEANUP_HOST: _cleanup_host,
-    Name.STEPS_CANCELLED: lambda e, d: (f"cleanup: cancelled agent steps {', '.join(d['steps'])} "
-                                        f"of job {d['job']}"),
-    Name.STEPS_NOT_CANCELLED: lambda e, d: (f"cleanup: could not list or cancel the agent steps "
-                                            f"of job {d['job']}: {d['error']}"),
-    Name.CLEANUP_FAILED: lambda e, d: (f"cleanup: FAILED — leftovers or errors on "
-                                       f"{', '.join(d['hosts'])}"),
-    Name.CLEANUP_VERIFIED: lambda e, d: (f"cleanup: verified — nothing of the selected runs "
-                                         f"remains on {d['hosts']} host(s) ({d['stopped']} "
-                                         "run(s) stopped)"),
-    Name.CHECK_REPORT: _check_report,
-    Name.CHECK_VERDICT: _check_verdict,
-    Name.STACKS_PROBLEM: lambda e, d: f"stacks: {e.host}: {d['problem']}",
-    Name.STACKS_NO_LIVE_RUN: lambda e, d: (f"stacks: no live run of {d['file']} on "
-                                           f"{_answered(d)} host(s)"),
-    Name.STACKS_RUN_UNKNOWN: lambda e, d: (f"stacks: run {d['run_id']} is not recorded on any "
-                                           f"host of {d['file']}"),
-    Name.STACKS_VIEW: _stacks,
-    Name.STATUS_VIEW: lambda e, d: status_text(d),
-    Name.PLOT_FAILED: lambda e, d: f"plot-run: cannot draw {d['run_dir']}: {d['error']}",
-    Name.PLOT_DRAWN: lambda e, d: str(d["path"]),
+    **SETUP_WORDS,
+    **COMMAND_WORDS,
     **RUN_WORDS,
     **CODE_WORDS,
 }
-
-
-def _answered(d: Mapping[str, Any]) -> str:
-    """``the 3`` when every host asked answered, ``2 of the 3`` when one did not."""
-    asked = d.get("of", d["hosts"])
-    return f"the {asked}" if asked == d["hosts"] else f"{d['hosts']} of the {asked}"
-
-
-def status_text(d: Mapping[str, Any]) -> str:
-    """``status``: each live run, its launcher, uptime and hosts with their ranks."""
-    lines = [f"{len(d['runs'])} live run(s) on {_answered(d)} host(s) of {d['file']}"]
-    for run in d["runs"]:
-        launcher = run["launcher"]
-        who = f"{launcher.get('host', '?')} pid {launcher.get('pid', '?')}" if launcher else "?"
-        up = "" if run["uptime"] is None else f", up {_duration(run['uptime'])}"
-        lines.append(f"run {run['run']}: launcher {who}{up}")
-        for host, ranks in run["hosts"].items():
-            states = sorted({r["state"] for r in ranks})
-            numbers = [r["rank"] for r in ranks]
-            span = f"{numbers[0]}-{numbers[-1]}" if len(numbers) > 1 else str(numbers[0])
-            lines.append(f"  {host}: ranks {span} {'/'.join(states)}")
-    lines += [f"{host}: not asked: {why}" for host, why in d["problems"].items()]
-    return "\n".join(lines)
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

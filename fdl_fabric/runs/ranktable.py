@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..events import Name
-from ..supervision.supervisor import RankState
+from ..states import RankState
 
 #: A rank's line in console.log: ``[host:device:rN] text`` (a host may hold colons).
 RANK_LINE = re.compile(rb"\[(?P<host>.*):(?P<device>[^:\]]*):r(?P<rank>[0-9]+)\] ")

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Callable, Optional
 
 from ..events import Event, Name, event
-from .supervisor import RankExit, RunResult
+from .records import RankExit, RunResult
 from .verdict import Verdict
 
 #: A Python interpreter's name: python, python3, python3.11, pypy3.

@@ -1,0 +1,43 @@
+"""The supervisor's clocks and bounds: how long it waits for what, in one place.
+
+Every wait of the supervision loop is bounded by one of these. The modules of the
+supervisor read them here when they act (``timing.FORCE_MARGIN``), not at import, so a
+test can shorten one for a run.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..agent import wire
+
+#: Longest the loop sleeps with nothing in its inbox; bounds the elastic checks' delay.
+TICK = 0.05
+#: Seconds between two walks over every host for a silent agent, at most (a twentieth of
+#: ``agent_timeout`` when that is less: 0.3 s at its 6 s minimum).
+HOST_CHECK_EVERY = 0.5
+#: Extra seconds past the kill grace before hosts that did not report are sent KILL.
+FORCE_MARGIN = 3.0
+#: Extra seconds past that before a host that still reports nothing is abandoned.
+ABANDON_MARGIN = 3.0
+#: Seconds an agent has to end its session after saying it is done.
+GONE_MARGIN = 5.0
+#: Seconds survivors get to save and exit after a save-and-shutdown broadcast,
+#: before the launcher stops them (a checkpoint can take a while to write).
+SHUTDOWN_GRACE = 120.0
+#: Seconds every agent has to answer a request for stacks (its collector bounds py-spy
+#: at 10 s per process, and they run in parallel).
+STACKS_TIMEOUT = 15.0
+#: A gap this long between two turns of the loop means this process was stopped
+#: (Ctrl-Z, SIGSTOP): every silence clock starts again, nobody is blamed for it.
+PAUSE_GAP = 2.0
+
+
+def ping_interval(agent_timeout: Optional[float], lease: Optional[float]) -> float:
+    """Seconds between two pings of every agent: a third of the shorter of ``agent_timeout``
+    (an agent answers a ping with a heartbeat when it had nothing else to say) and the
+    agents' ``lease`` (they stop their ranks without a ping for that long), and never
+    less than `wire.PING_INTERVAL`. At the defaults (10 s, 30 s) that is 3.3 s rather
+    than 2 s: at 1,024 hosts each ping round is 1,024 frames down and as many up."""
+    bounds = [t for t in (agent_timeout, lease) if t is not None]
+    return max(wire.PING_INTERVAL, min(bounds) / 3) if bounds else wire.PING_INTERVAL
