@@ -268,7 +268,7 @@ def _usage_errors_exit_2() -> None:
         except ParseError as exc:
             name = str(getattr(exc.context, "name", "") or "")
             if name.rpartition(".")[2] in TASK_NAMES:
-                from .commands.cli import usage_line
+                from .commands.usage import usage_line
 
                 raise Exit(usage_line(exc, sys.argv, binary="inv"), code=2) from None
             raise

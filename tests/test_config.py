@@ -1753,3 +1753,26 @@ def test_shell_words_splits_exactly_like_shlex(text: str) -> None:
 def test_shell_words_is_linear_in_the_length_of_a_word() -> None:
     with returns_fast(1.0):
         assert shell_words("a" * (4 << 20)) == ["a" * (4 << 20)]
+
+
+def test_a_workers_transport_is_a_name_or_a_block_naming_its_kind() -> None:
+    def worker(transport: str) -> str:
+        return ("workers:\n  - host: a\n    nproc: 1\n    path: /w\n    addr: 127.0.0.1\n"
+                f"    transport: {transport}\n")
+
+    named = parse_cluster(worker("ssh"), file="c.yml", folder="/tmp").workers[0]
+    assert (named.transport, dict(named.transport_settings), named.transport_line) == \
+        ("ssh", {}, 6)
+    block = parse_cluster(worker("\n      kind: pod\n      namespace: train\n      gpus: [0, 1]"),
+                          file="c.yml", folder="/tmp").workers[0]
+    assert block.transport == "pod"
+    assert dict(block.transport_settings) == {"namespace": "train", "gpus": [0, 1]}
+    inferred = parse_cluster(worker("ssh").replace("    transport: ssh\n", ""), file="c.yml",
+                             folder="/tmp").workers[0]
+    assert inferred.transport is None, "the transport package infers it, nobody else"
+    for bad, line, said in (
+            ("Kube Pods", 6, "a transport is named by a short lowercase word"),
+            ("\n      namespace: train", 7, "a transport block names its kind")):
+        with pytest.raises(ConfigError) as info:
+            parse_cluster(worker(bad), file="c.yml", folder="/tmp")
+        assert f"c.yml:{line}: workers[0].transport: {said}" in str(info.value)

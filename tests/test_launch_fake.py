@@ -153,3 +153,184 @@ def test_a_restart_reconnects_a_host_whose_connection_is_gone(
     assert status == 0, err
     assert any("restarting every rank (restart 1 of 1)" in line for line in err)
     assert sorted(fake.connects) == ["fake1", "fake2", "fake2"], fake.connects
+
+
+# -- a plug-in named in a cluster file --------------------------------------------------
+
+def _cluster_file(tmp_path: Path, kind: str, hosts: int = 2, extra: str = "") -> Path:
+    """A cluster file whose workers name their transport, as a user of a plug-in writes."""
+    lines = [f"controller:\n  port: {_free_port()}", f"master_port: {_free_port()}",
+             "kill_grace: 1", "workers:"]
+    for i in range(hosts):
+        lines += [f"  - host: {kind}{i + 1}", "    nproc: 1", f"    path: {tmp_path}",
+                  "    addr: 127.0.0.1", f"    transport: {kind}" if not extra else
+                  f"    transport:\n      kind: {kind}\n{extra}"]
+    path = tmp_path / "cluster.yml"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_plugin_transport_named_in_a_cluster_file_runs_launch_status_and_cleanup(
+        fake: type[FakeTransport], tmp_path: Path) -> None:
+    from fdl_fabric.commands.cleanup import run_cleanup
+    from fdl_fabric.commands.status import run_status
+
+    file = _cluster_file(tmp_path, "fake")
+    out, err = io.StringIO(), io.StringIO()
+    options = LaunchOptions(cluster_file=str(file),
+                            argv=[sys.executable, "-c", "import time; time.sleep(60)"])
+    ended: list[int] = []
+    launcher = threading.Thread(
+        target=lambda: ended.append(launch(options, console=Console(out, err, color=False))),
+        daemon=True)
+    launcher.start()
+    deadline = time.monotonic() + 30
+    seen = ""
+    while time.monotonic() < deadline:
+        status_out, status_err = io.StringIO(), io.StringIO()
+        code = run_status(str(file), console=Console(status_out, status_err, color=False))
+        seen = status_out.getvalue() + status_err.getvalue()
+        if code == 0 and "fake1" in seen and "fake2" in seen and "rank" in seen:
+            break
+        time.sleep(0.3)
+    assert "fake1" in seen and "fake2" in seen, seen
+    assert sorted(fake.agents) == ["fake1", "fake2"]
+
+    kept_out, kept_err = io.StringIO(), io.StringIO()
+    assert run_cleanup(str(file), console=Console(kept_out, kept_err, color=False)) == 0
+    assert launcher.is_alive(), "cleanup never touches a run whose launcher is alive"
+
+    swept_out, swept_err = io.StringIO(), io.StringIO()
+    code = run_cleanup(str(file), force=True,
+                       console=Console(swept_out, swept_err, color=False))
+    said = swept_out.getvalue() + swept_err.getvalue()
+    assert code == 0, said
+    launcher.join(30)
+    assert not launcher.is_alive() and ended and ended[0] != 0, err.getvalue()
+    verdict = err.getvalue().splitlines()[-1]
+    assert verdict.startswith("cluster launcher: stopped by inv cleanup --force") and \
+        verdict.endswith("every rank was stopped"), err.getvalue()
+
+
+def test_a_transport_the_file_names_but_nobody_registered_is_refused_at_its_key(
+        fake: type[FakeTransport], tmp_path: Path) -> None:
+    file = _cluster_file(tmp_path, "fakr")
+    out, err = io.StringIO(), io.StringIO()
+    options = LaunchOptions(cluster_file=str(file), argv=[sys.executable, "-c", "pass"])
+    status = launch(options, console=Console(out, err, color=False))
+    assert status == 2
+    text = err.getvalue()
+    assert (f"{file}:10: workers[0].transport: unknown transport 'fakr' (did you mean "
+            "'fake'?); known: local, ssh, slurm, fake") in text, text
+    assert f"{file}:15: workers[1].transport:" in text, "every worker's problem, at once"
+    assert fake.connects == [], "nothing was contacted"
+
+
+def test_a_plugin_reads_its_own_settings_from_its_transport_block(
+        fake: type[FakeTransport], tmp_path: Path) -> None:
+    file = _cluster_file(tmp_path, "fake", hosts=1, extra="      zone: blue\n      slots: [1, 2]")
+    spec = transport.resolve_cluster(str(file))
+    made = transport.for_cluster(spec, transport.resolve_settings(spec))
+    assert made["fake1"].settings == {"zone": "blue", "slots": [1, 2]}
+    assert type(made["fake1"]) is FakeTransport
+
+
+# -- a worker that dials in --------------------------------------------------------------
+
+class Rendezvous:
+    """One loopback port where agents dial in, each saying its host first (the fake's
+    hello; `fdl-fabric join` will authenticate it)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.arrived: dict[str, socket.socket] = {}
+        self.ready = threading.Condition()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            conn.settimeout(5)
+            name = b""
+            while not name.endswith(b"\n") and len(name) < 256:
+                chunk = conn.recv(1)
+                if not chunk:
+                    break
+                name += chunk
+            conn.settimeout(None)
+            with self.ready:
+                self.arrived[name.decode().strip()] = conn
+                self.ready.notify_all()
+
+    def take(self, host: str, timeout: float) -> socket.socket:
+        with self.ready:
+            if not self.ready.wait_for(lambda: host in self.arrived, timeout):
+                raise TransportError(host, f"its agent did not dial in within {timeout:.0f} s")
+            return self.arrived.pop(host)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+class DialInTransport(transport.Transport):
+    """A kind whose agents dial in: the launcher starts nothing on the host; its agent,
+    started there by whoever runs the host, connects and is handed to the launch."""
+
+    kind = "dialin"
+    dials_in = True
+    sweep_after_loss = False
+    rendezvous: Rendezvous
+
+    def start_agent(self, stdout: ByteSink, stderr: ByteSink) -> AgentProcess:
+        from fdl_fabric.transport.streams import SocketAgentProcess
+
+        return SocketAgentProcess(self.rendezvous.take(self.host, 30), stdout, stderr)
+
+    def probe(self, script: str, *, timed: bool, tunnel: Any = None, timeout: float = 60.0,
+              clock_marker: str = "") -> Any:
+        raise TransportError(self.host, "a worker that dials in has no shell to probe")
+
+    def describe(self) -> str:
+        return f"its agent dials in to 127.0.0.1:{self.rendezvous.port}"
+
+
+def test_workers_that_dial_in_run_a_launch_to_its_verdict_and_are_leashed_by_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import subprocess
+
+    import psutil
+
+    monkeypatch.setattr(transport, "EXTRA_KINDS", dict(transport.EXTRA_KINDS))  # undone after
+    transport.register(DialInTransport)  # the one registration a plug-in makes
+    rendezvous = DialInTransport.rendezvous = Rendezvous()
+    worker = Path(__file__).parent / "progs" / "dialin_worker.py"
+    hosts = [subprocess.Popen([sys.executable, str(worker), str(rendezvous.port), name])
+             for name in ("dialin1", "dialin2")]
+    try:
+        file = _cluster_file(tmp_path, "dialin")
+        status, err, out = run_file(file, "import os; print('rank', os.environ['RANK'])")
+        assert status == 0, err
+        assert err[-1] == "cluster launcher: run completed — all 2 ranks exited 0"
+        assert sorted(out.splitlines()) == ["[dialin1:cpu:r0] rank 0",
+                                            "[dialin2:cpu:r1] rank 1"]
+        for host in hosts:  # the stream's end is the agent's leash: the host's agent ends
+            assert host.wait(30) == 0
+            assert not psutil.pid_exists(host.pid) or \
+                psutil.Process(host.pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        rendezvous.close()
+        for host in hosts:
+            if host.poll() is None:
+                host.kill()
+                host.wait(10)
+
+
+def run_file(file: Path, code: str) -> tuple[int, list[str], str]:
+    out, err = io.StringIO(), io.StringIO()
+    options = LaunchOptions(cluster_file=str(file), argv=[sys.executable, "-c", code])
+    status = launch(options, console=Console(out, err, color=False))
+    return status, err.getvalue().splitlines(), out.getvalue()

@@ -67,6 +67,8 @@ class WorkerSpec:
     #: The rest of a ``transport: {kind: NAME, ...}`` block: the kind's own settings, as
     #: plain values, read by that kind (`Transport.resolve_settings`).
     transport_settings: Mapping[str, Any] = field(default_factory=dict)
+    #: The line of the ``transport:`` key (0: none), where a kind's refusal points.
+    transport_line: int = 0
     #: ``spare: true``: not started unless a host of the roster is lost
     #: (`supervision.membership`).
     spare: bool = False

@@ -413,6 +413,7 @@ def _read_worker(
         is_local=is_local,
         transport=kind,
         transport_settings=kind_settings,
+        transport_line=_line_or_zero(w.field("transport").node),
         line=line_of(w.node),
         env_forward=env_forward,
         spare=bool(spare),
@@ -453,6 +454,10 @@ def _read_worker_ranks(
     elif not w.has("nproc") and not w.has("local_devices"):
         r.problem(field, "set nproc (CPU ranks) or local_devices (GPU ranks)")
     return nproc, local_devices
+
+
+def _line_or_zero(node: Optional[Node]) -> int:
+    return 0 if node is None else line_of(node)
 
 
 def _is_local(host: Optional[str], local_hostname: str) -> bool:

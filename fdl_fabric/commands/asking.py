@@ -15,10 +15,9 @@ from typing import Any, Optional
 
 from ..clusterfile import ClusterSpec
 from ..supervision import reports
-from ..transport import for_cluster
+from ..transport import HostSettings, for_cluster
 from ..transport.fanout import close_all, connect_each, start_each
 from ..transport.session import AgentSession
-from ..transport.sshconfig import SshSettings
 
 #: Seconds every host has to list its runs, and then to report its ranks' stacks.
 ANSWER_TIMEOUT = 30.0
@@ -27,7 +26,7 @@ Asked = tuple[dict[str, AgentSession], "queue.SimpleQueue[reports.Report]", dict
 
 
 @contextlib.contextmanager
-def asking_agents(cluster: ClusterSpec, settings: Mapping[str, SshSettings]
+def asking_agents(cluster: ClusterSpec, settings: HostSettings
                   ) -> Iterator[Asked]:
     """An agent on every host that can be reached: the sessions, their one inbox, and why
     each other host could not be asked. Everything is closed on the way out."""

@@ -27,8 +27,9 @@ from ..presentation.screen import OUT
 from ..runs.ranktable import RankTable
 from ..runs.reading import RunView, ended_check, follow, last_lines, view
 from ..runs.record import CONSOLE, RunState
-from .follow import find_run, write
-from .stopping import ended, send_stop
+from .follow import write
+from .runref import ended, find_run
+from .stopping import send_stop
 
 #: Lines of what came before, shown first.
 ATTACH_TAIL = 20

@@ -4,9 +4,7 @@
 
 from __future__ import annotations
 
-import ast
 import os
-import re
 import sys
 from collections.abc import Container, Sequence
 from typing import Optional
@@ -19,6 +17,7 @@ from invoke.program import Program
 from .. import __version__
 from ..errors import EXIT_USAGE, FdlError
 from . import prestart
+from .usage import usage_line as usage_line
 from .vocabulary import COMMANDS as COMMANDS
 from .vocabulary import write_page
 
@@ -122,36 +121,6 @@ def _typed(arg: Argument, argv: Sequence[str], taken: Container[str] = ()) -> st
         if word.split("=", 1)[0] in spellings:
             return word.split("=", 1)[0]
     return f"--{arg.name}"
-
-
-def usage_line(exc: ParseError, argv: Sequence[str] = (), binary: str = "fdl-fabric") -> str:
-    """invoke's parse error as one line that names the flag as typed: ``--kill-grace:
-    expected a value``, not ``Flag <Argument: kill_grace (k)> needed value ...``."""
-    text = str(exc)
-    task = getattr(exc.context, "name", None)
-    where = f"{binary} {task} --help" if task else f"{binary} --help"
-    flag = re.fullmatch(r"Flag <Argument: ([\w-]+)[^>]*> (needed value and was not given one|"
-                        r"doesn't take any value)!", text)
-    if flag is not None:
-        name = f"--{flag.group(1).replace('_', '-')}"
-        what = "expected a value" if flag.group(2).startswith("needed") else "takes no value"
-        return f"{name}: {what} ({where} lists the flags)"
-    unknown = re.fullmatch(r"No idea what (.*) is!", text, re.DOTALL)
-    try:
-        word = ast.literal_eval(unknown.group(1)) if unknown is not None else None
-    except (ValueError, SyntaxError):
-        word = None
-    if not isinstance(word, str):
-        return " ".join(text.split())
-    if word.startswith("-"):
-        return f"{word}: no such flag ({where} lists the flags)"
-    for given in argv:  # `--dry-run=1`: invoke hands the value on as a word of its own
-        if given.endswith(f"={word}") and given.startswith("-"):
-            return (f"{given.split('=', 1)[0]}: takes no value, got {given!r} ({where} "
-                    "lists the flags)")
-    if task is None:
-        return f"{word}: no such command ({binary} --help lists them)"
-    return f"{word!r}: unexpected word ({where} lists the flags and arguments)"
 
 
 def program() -> FdlProgram:

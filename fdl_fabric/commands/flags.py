@@ -318,12 +318,13 @@ def host_slots(hosts: Optional[str], hostfile: Optional[str]) -> list[HostSlot]:
 
 
 def dialed(host: str, config_file: Optional[str]) -> str:
-    """The name ssh dials for ``host`` (`sshconfig.hostname_of`), its error naming -F."""
-    from ..transport.sshconfig import SshOptionError, hostname_of
+    """The name ``host`` is dialled by (`transport.dialed_name`: an ssh_config alias's
+    HostName), its error naming the flag."""
+    from ..transport import dialed_name
 
     try:
-        return hostname_of(host, config_file)
-    except SshOptionError as exc:
+        return dialed_name(host, config_file)
+    except ValueError as exc:
         raise usage("--ssh-config", str(exc)) from None
 
 

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 from typing import IO, Optional
 
 from ..errors import EXIT_USAGE
-from ..events import EventBus, Name
+from ..events import EventBus
 from ..presentation.output import Console
-from ..runs import place
 from ..runs.ranktable import RANK_LINE
 from ..runs.reading import ended_check, follow, last_lines, view
 from ..runs.record import CONSOLE, RunState
-from .stopping import ended
+from .runref import ended, find_run
 
 #: Launcher lines a filtered view keeps: those that name an attempt (a restart).
 ATTEMPT_LINE = re.compile(rb"cluster launcher: (attempt [0-9]+|run [0-9-a-f]+: )")
@@ -59,16 +57,6 @@ class LineFilter:
         if not self.active:
             return data
         return b"".join(line for line in data.splitlines(keepends=True) if self.keep(line))
-
-
-def find_run(spec: Optional[str], command: str, events: EventBus) -> Optional[Path]:
-    """The record ``spec`` names, or None after saying why (a RUN that names none is
-    bad input: exit 2)."""
-    try:
-        return place.find(spec)
-    except (LookupError, OSError) as exc:
-        events(Name.RUN_NOT_FOUND, command=command, error=str(exc))
-        return None
 
 
 def write(out: IO[bytes], data: bytes) -> None:
@@ -112,4 +100,4 @@ def run_logs(spec: Optional[str], *, follow_on: bool = False, rank: Optional[int
     return 0
 
 
-__all__ = ["LineFilter", "find_run", "run_logs", "write"]
+__all__ = ["LineFilter", "run_logs", "write"]

@@ -245,7 +245,7 @@ def _this_machine(v: _Values, per_node: Optional[int]) -> ClusterSpec:
     worker = WorkerSpec(index=0, host="localhost", nproc=per_node or 1,
                         local_devices=None, path=cwd, addr=addr,
                         nccl_socket_ifname=None, ssh=SshSpec(), tunnel=False, env={},
-                        data_path=None, is_local=True, line=0, transport="local")
+                        data_path=None, is_local=True, line=0)
     return ClusterSpec(
         file="fdl-fabric run", folder=cwd,
         controller=ControllerSpec(host="127.0.0.1", port=coordinator_port),

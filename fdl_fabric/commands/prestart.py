@@ -7,7 +7,7 @@ interpreter first thing when ``--detach`` is among its words (`prestart`), and t
 import side by side. The supervisor then waits for its options on stdin: a command that
 ends without handing them over (bad input, ``--help``) closes that stdin, and the
 supervisor ends having started nothing. Standard library only: it runs before the rest
-(the console script's entry point is its `main`).
+(the console script, `fdl_fabric.__main__.main`, imports it first).
 """
 
 from __future__ import annotations
@@ -90,20 +90,10 @@ def _release() -> None:
         started.proc.kill()
 
 
-def main() -> None:
-    """The ``fdl-fabric`` console script (and ``python -m fdl_fabric``): the supervisor
-    of a ``--detach`` started before the command line's own imports, then the command."""
-    if asked(sys.argv[1:]):
-        prestart()
-    from .cli import main as cli_main
-
-    cli_main()
-
-
 def asked(argv: list[str]) -> bool:
     """``--detach`` among a command line's own words (not the rank's, after ``--``)."""
     words = argv[:argv.index("--")] if "--" in argv else argv
     return "--detach" in words
 
 
-__all__ = ["READY_FD", "Started", "asked", "main", "prestart", "spawn", "take"]
+__all__ = ["READY_FD", "Started", "asked", "prestart", "spawn", "take"]

@@ -20,9 +20,8 @@ from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from ..supervision import reports
-from ..transport import resolve_cluster
+from ..transport import resolve_cluster, resolve_settings
 from ..transport.session import AgentSession
-from ..transport.sshconfig import resolve_all_settings
 from .asking import ANSWER_TIMEOUT, asking_agents, collect, newest_live_run
 
 
@@ -37,7 +36,7 @@ def run_stacks(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
     events = EventBus(console)
     try:
         cluster = resolve_cluster(cluster_file, cluster)
-        settings = resolve_all_settings(cluster, events)
+        settings = resolve_settings(cluster, events)
     except FdlError as exc:
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code

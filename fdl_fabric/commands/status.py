@@ -18,8 +18,7 @@ from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from ..supervision import reports
-from ..transport import resolve_cluster
-from ..transport.sshconfig import resolve_all_settings
+from ..transport import resolve_cluster, resolve_settings
 from .asking import ANSWER_TIMEOUT, asking_agents, collect
 from .runsview import controller_runs
 
@@ -43,7 +42,7 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
         return 0
     try:
         cluster = resolve_cluster(cluster_file, cluster)
-        settings = resolve_all_settings(cluster, events)
+        settings = resolve_settings(cluster, events)
     except FdlError as exc:
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code

@@ -24,7 +24,8 @@ from ..errors import EXIT_FAILURE, EXIT_USAGE
 from ..events import EventBus, Name
 from ..presentation.output import Console
 from ..runs.reading import RunView, view
-from ..runs.record import STOP_NOTE, RunState, who, write_json
+from ..runs.record import STOP_NOTE, who, write_json
+from .runref import ended, find_run
 
 #: Seconds ``stop`` waits for the verdict beyond the run's kill grace (the agents' own
 #: bounds, the final sweep of lost hosts).
@@ -58,25 +59,10 @@ def send_stop(folder: Path, *, kill: bool, events: EventBus,
     return run
 
 
-def ended(run: RunView, events: EventBus) -> int:
-    """Say how a run that is over ended (its verdict, or its launcher's loss); its exit
-    code."""
-    if run.phase is RunState.LOST:
-        launcher = run.launcher
-        events(Name.SUPERVISOR_LOST, run_id=run.run_id, pid=launcher.get("pid"),
-               on=launcher.get("host"), state=run.state.get("state"))
-        return EXIT_FAILURE
-    assert run.result is not None
-    events(Name.RUN_ENDED, message=str(run.result.get("message", "")))
-    return run.exit_code if run.exit_code is not None else EXIT_FAILURE
-
-
 def run_stop(spec: Optional[str], *, kill: bool = False,
              console: Optional[Console] = None) -> int:
     """Stop a run and wait for its verdict: 0 once it ended (or had), 1 when it did not
     end within its kill grace and the margin, 2 when no run is named."""
-    from .follow import find_run
-
     events = EventBus(console or Console())
     folder = find_run(spec, "stop", events)
     if folder is None:
@@ -107,8 +93,6 @@ def _wait_for(folder: Path, timeout: Optional[float], events: EventBus) -> Optio
 def run_wait(spec: Optional[str], *, timeout: Optional[float] = None,
              console: Optional[Console] = None) -> int:
     """Wait for a run's end: its exit code; 124 after ``timeout``; 2 when none is named."""
-    from .follow import find_run
-
     events = EventBus(console or Console())
     folder = find_run(spec, "wait", events)
     if folder is None:

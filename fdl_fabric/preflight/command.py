@@ -17,8 +17,7 @@ from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
 from ..presentation.output import Console
 from ..shell import command_words
-from ..transport import resolve_cluster
-from ..transport.sshconfig import resolve_all_settings
+from ..transport import resolve_cluster, resolve_settings
 from .run import run_checks
 
 
@@ -38,7 +37,7 @@ def check_cluster(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec]
         # A `scheduler: slurm` file means the nodes of this allocation, as for a launch:
         # each is checked through its own srun step.
         cluster = resolve_cluster(cluster_file, cluster)
-        settings = resolve_all_settings(cluster, events)
+        settings = resolve_settings(cluster, events)
     except FdlError as exc:  # a ConfigError is one, exit 2
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code

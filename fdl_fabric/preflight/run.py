@@ -24,9 +24,8 @@ from ..clusterfile import ClusterSpec, WorkerSpec
 from ..planning.envelope import ENV_PREBUILD, EnvelopeError, PrebuiltBinary, parse_prebuilt
 from ..planning.plan import controller_dial_host, coordinator_bind_host, interpreted_argv
 from ..supervision.coordinator import bind_listener
-from ..transport import Transport, for_cluster
+from ..transport import HostSettings, Transport, for_cluster, resolve_settings
 from ..transport.fanout import close_all
-from ..transport.sshconfig import SshSettings, resolve_all_settings
 from .agents import ProbeListener, ask_agent
 from .probe import BIND_ALL, SENTINEL, Dial, HostPlan, parse_sentinels, probe_script
 from .report import CONTROLLER, Check, Report, Status
@@ -184,7 +183,7 @@ def run_checks(
     *,
     argv: Sequence[str],
     fast: bool = False,
-    settings: Optional[dict[str, SshSettings]] = None,
+    settings: Optional[HostSettings] = None,
     environ: Optional[Mapping[str, str]] = None,
 ) -> Report:
     """Check every host of ``cluster`` in parallel and return the report.
@@ -199,7 +198,7 @@ def run_checks(
     started = time.monotonic()
     env = os.environ if environ is None else environ
     if settings is None:
-        settings = resolve_all_settings(cluster)
+        settings = resolve_settings(cluster)
     rows: list[Check] = []
     if not argv:
         rows.append(Check(CONTROLLER, "command", Status.FAIL,

@@ -100,7 +100,8 @@ def _kind_problem(worker: WorkerSpec) -> Optional[str]:
 def check_kinds(cluster: ClusterSpec) -> None:
     """Every worker's kind known and able to reach it as described: else one
     `ConfigError` (exit 2) naming each worker's ``transport`` key and line."""
-    problems = [Problem(cluster.file, f"workers[{w.index}].transport", w.line or None, why)
+    problems = [Problem(cluster.file, f"workers[{w.index}].transport",
+                        w.transport_line or w.line or None, why)
                 for w in cluster.workers if (why := _kind_problem(w)) is not None]
     if problems:
         raise ConfigError(problems)
@@ -154,7 +155,8 @@ def for_cluster(cluster: ClusterSpec, settings: Optional[HostSettings] = None,
     else:
         from .gateway import tree_transports
 
-        made = tree_transports(cluster, tree, settings or {}, purpose=purpose)
+        made = tree_transports(cluster, tree, settings or {}, purpose=purpose,
+                               direct=for_worker)
     if any(kind_of(w).tree_member for w in cluster.workers):  # local-only: no paramiko
         from . import connerrors
 
@@ -177,6 +179,18 @@ def for_connections(conns: Sequence[Any], flag: str = "-H") -> list[Transport]:
         transport.origin = connerrors.Origin(flag=flag)
         made.append(transport)
     return made
+
+
+def dialed_name(host: str, config_file: Optional[str] = None) -> str:
+    """The name a host given on the command line is dialled by (the ``HostName`` of an
+    ssh_config alias, read from ``config_file`` or ~/.ssh/config); ValueError saying why
+    the file cannot be read."""
+    from .sshconfig import SshOptionError, hostname_of
+
+    try:
+        return hostname_of(host, config_file)
+    except SshOptionError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def resolve_cluster(cluster_file: Optional[str], cluster: Optional[ClusterSpec] = None, *,
@@ -203,6 +217,6 @@ def resolve_cluster(cluster_file: Optional[str], cluster: Optional[ClusterSpec] 
 
 
 __all__ = ["AgentProcess", "ByteSink", "EXTRA_KINDS", "HostSettings", "ProbeResult",
-           "Transport", "TransportError", "check_kinds", "for_cluster", "for_connections",
-           "for_worker", "kind", "kind_of", "kinds_of", "known_kinds", "register",
-           "resolve_cluster", "resolve_settings", "tree_of"]
+           "Transport", "TransportError", "check_kinds", "dialed_name", "for_cluster",
+           "for_connections", "for_worker", "kind", "kind_of", "kinds_of", "known_kinds",
+           "register", "resolve_cluster", "resolve_settings", "tree_of"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from ..agent import relay as mux
@@ -642,11 +642,12 @@ class _Collect:
 
 
 def tree_transports(cluster: ClusterSpec, tree: Tree, settings: Mapping[str, SshSettings],
-                    *, purpose: str = "agent") -> dict[str, Transport]:
+                    *, purpose: str = "agent",
+                    direct: Callable[..., Transport]) -> dict[str, Transport]:
     """Every worker's transport in roster order, for a cluster with a gateway tree:
     `GatewayHost` for each gateway, `GatewayTransport` for each leaf, the kind's own
-    transport for every other worker (local, Slurm, a flat SSH host)."""
-    from . import for_worker
+    transport for every other worker (local, Slurm, a flat SSH host), made by ``direct``
+    (`transport.for_worker`, handed in: this module is below the kinds' registry)."""
 
     by_host = {w.host: w for w in cluster.workers}
     gateways: dict[str, GatewayHost] = {}
@@ -660,7 +661,7 @@ def tree_transports(cluster: ClusterSpec, tree: Tree, settings: Mapping[str, Ssh
             continue
         via = tree.gateway_of(w.host)
         if via is None:
-            out[w.host] = for_worker(w, settings, purpose=purpose)
+            out[w.host] = direct(w, settings, purpose=purpose)
         else:
             out[w.host] = GatewayTransport(w, settings.get(w.host), purpose=purpose,
                                            gateway=gateways[via])

@@ -284,9 +284,11 @@ class AgentSession:
 
     # -- starting -------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the agent and ship its source; raises if it cannot start."""
+        """Start the agent and ship its source; raises if it cannot start. An agent that
+        dialled in runs its own host's install: it is sent no source."""
         self.process = self.transport.start_agent(self._stdout, self._stderr)
-        self.write(bundle.payload())
+        if not self.transport.dials_in:
+            self.write(bundle.payload())
 
     # -- writing --------------------------------------------------------------------------
     def write(self, data: bytes, *, lazy: bool = False) -> None:
