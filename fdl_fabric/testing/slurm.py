@@ -28,6 +28,9 @@ ends only the processes the lab started or that carry its marker (see ``MARKER_E
 It needs Slurm's daemons and clients (Debian/Ubuntu packages ``slurm-wlm``, i.e.
 ``slurmctld`` + ``slurmd`` + ``slurm-client``) and ``munge``; it runs them as the current
 user (our CI runs as root).  ``sacct`` does not work: there is no slurmdbd.
+
+What the lab needs and writes (programs, slurm.conf, gres.conf) is `slurmconf`'s; how
+its processes are started, found and ended, `slurmprocs`'s.
 """
 
 from __future__ import annotations
@@ -45,24 +48,27 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import psutil
 
-from .processes import (
-    LabError,
-    free_port,
-    gone,
-    log_tail,
-    own_lineage,
-    stop_at_exit,
-    stopped,
-    terminate,
-    tree_levels,
-    wait_gone,
+from .processes import free_port, own_lineage, stop_at_exit, stopped, terminate
+from .slurmconf import (
+    CLIENTS,
+    DAEMONS,
+    INHERITED_PREFIXES,
+    MARKER_ENV,
+    MAX_SOCKET_DIR,
+    SBIN_PATH,
+    Ports,
+    SlurmLabError,
+    render_gres_conf,
+    render_slurm_conf,
+    require,
+    slurm_missing,
 )
+from .slurmprocs import Daemon, JobProcesses, LabMarks, daemon_tree, end_jobs
 
 __all__ = [
     "MARKER_ENV",
@@ -71,321 +77,8 @@ __all__ = [
     "slurm_missing",
 ]
 
-#: Environment variable carried by every daemon of a lab and by every client started with
-#: ``lab.env``; srun hands the client's environment to the tasks, so job processes carry
-#: it too.  Its value is the lab's id.  ``stop()`` uses it to find processes that escaped
-#: the daemons' process trees (slurmd double-forks slurmstepd, so slurmstepd and the tasks
-#: are re-parented to init and are never descendants of slurmd).
-MARKER_ENV = "FDL_FABRIC_SLURM_LAB"
-
-#: Daemons live in sbin, which root's PATH may lack (``su`` without ``-``, cron, CI).
-_SBIN_PATH = "/usr/local/sbin:/usr/sbin:/sbin"
-_DAEMONS = ("munged", "slurmctld", "slurmd")
-_CLIENTS = ("sinfo", "scontrol", "srun", "salloc")
-
-#: Environment variables a client must not inherit from whoever runs the tests: inside a
-#: real Slurm job, SLURM_JOB_ID & co. would make the lab's srun try to join that job.
-_INHERITED_PREFIXES = ("SLURM_", "SALLOC_", "SBATCH_", "SRUN_", "SQUEUE_", "SINFO_", "SCANCEL_")
-
-#: Unix socket paths are limited to 108 bytes (sun_path); slurmstepd puts
-#: ``<spool>/<node>_<job>.<step>`` sockets in each node's spool folder.
-_MAX_SOCKET_DIR = 70
-
+#: Seconds between looks at munged's socket while it starts.
 _POLL = 0.05
-
-
-class SlurmLabError(LabError):
-    """A daemon of the Slurm lab failed to start or the nodes never became idle."""
-
-
-# --------------------------------------------------------------------------------------
-# Discovery
-# --------------------------------------------------------------------------------------
-
-
-def _which(name: str) -> Optional[str]:
-    return shutil.which(name) or shutil.which(name, path=_SBIN_PATH)
-
-
-def slurm_missing() -> Optional[str]:
-    """Why this machine cannot run a Slurm lab (which programs are missing), or None.
-
-    A test suite should skip with this reason, not fail: unlike sshd, Slurm is not
-    something every developer machine has.  CI installs it, and there it is not None.
-    """
-    missing = [name for name in (*_DAEMONS, *_CLIENTS) if _which(name) is None]
-    if not missing:
-        return None
-    return (
-        f"the Slurm lab needs {', '.join(missing)}, not found: install the slurm-wlm "
-        "and munge packages (e.g. `apt-get install slurm-wlm munge`)"
-    )
-
-
-def _require(name: str) -> str:
-    found = _which(name)
-    if found is None:
-        raise SlurmLabError(slurm_missing() or f"{name} not found")
-    return os.path.abspath(found)
-
-
-# --------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Ports:
-    slurmctld: int
-    nodes: tuple[int, ...]
-
-
-def _render_slurm_conf(lab: SlurmLab, ports: _Ports) -> str:
-    """slurm.conf for the lab; every path absolute, every file under the lab's folders.
-
-    Choices that are not Slurm defaults, and why:
-
-    * ``SlurmctldHost=localhost(127.0.0.1)`` and ``NodeHostname=localhost`` for all nodes:
-      slurmctld accepts "localhost" as its own name, and each slurmd is told which node it
-      is with ``-N``; per-node ``Port=`` keeps them apart.
-    * ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none`` by default: no
-      cgroups (containers and CI rarely let us write them) and no CPU binding, so the
-      tasks of N fake nodes are not all pinned to the same real core.
-    * ``SlurmdParameters=config_overrides``: nodes are what slurm.conf says (CPUs,
-      memory), whatever this machine has; otherwise a 3-node lab with 4 CPUs per node on
-      a 2-core machine would be drained for "Low CPU count".
-    * ``ReturnToService=2``: a slurmd killed and started again by a test comes back
-      into service by itself instead of staying DOWN.
-    * ``SchedulerType=sched/builtin``: jobs start as soon as nodes are free, without the
-      backfill scheduler's periodic passes.
-    * Short ``KillWait``/``SlurmdTimeout``/``MessageTimeout`` (see the constructor): a
-      lab is for tests, where waiting 30 s for SIGKILL or 300 s for a dead node to be
-      noticed is only slowness.
-    """
-    n = lab.n_nodes
-    nodes = f"{lab.node_prefix}[1-{n}]" if n > 1 else f"{lab.node_prefix}1"
-    node_ports = (
-        f"{ports.nodes[0]}-{ports.nodes[-1]}"
-        if list(ports.nodes) == list(range(ports.nodes[0], ports.nodes[0] + n))
-        else ",".join(str(p) for p in ports.nodes)
-    )
-    gres = f" Gres=gpu:{lab.gpus_per_node}" if lab.gpus_per_node else ""
-    lines = [
-        "# Written by fdl_fabric.testing.slurm; regenerated on every start.",
-        f"ClusterName={lab.cluster_name}",
-        "SlurmctldHost=localhost(127.0.0.1)",
-        f"SlurmctldPort={ports.slurmctld}",
-        f"SlurmdPort={ports.nodes[0]}",
-        f"SlurmUser={lab.user}",
-        f"SlurmdUser={lab.user}",
-        "AuthType=auth/munge",
-        "CredType=cred/munge",
-        f"AuthInfo=socket={lab.munge_socket}",
-        "MpiDefault=none",
-        "MailProg=/bin/true",
-        "ProctrackType=proctrack/linuxproc",
-        f"TaskPlugin={lab.task_plugin}",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core",
-        "SchedulerType=sched/builtin",
-        "SlurmdParameters=config_overrides",
-        "ReturnToService=2",
-        "AccountingStorageType=accounting_storage/none",
-        "JobCompType=jobcomp/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        f"StateSaveLocation={lab.root / 'state'}",
-        f"SlurmctldPidFile={lab.root / 'run' / 'slurmctld.pid'}",
-        f"SlurmctldLogFile={lab.root / 'log' / 'slurmctld.log'}",
-        f"SlurmdSpoolDir={lab.spool_root}/%n",
-        f"SlurmdPidFile={lab.root / 'run' / 'slurmd-%n.pid'}",
-        f"SlurmdLogFile={lab.root / 'log' / 'slurmd-%n.log'}",
-        f"SlurmctldDebug={lab.debug}",
-        f"SlurmdDebug={lab.debug}",
-        f"KillWait={lab.kill_wait}",
-        f"SlurmdTimeout={lab.slurmd_timeout}",
-        f"MessageTimeout={lab.message_timeout}",
-        f"InactiveLimit={lab.inactive_limit}",
-        f"MinJobAge={lab.min_job_age}",
-    ]
-    if lab.gpus_per_node:
-        lines.append("GresTypes=gpu")
-    lines += [
-        *lab.extra_conf,
-        f"NodeName={nodes} NodeHostname=localhost NodeAddr=127.0.0.1 Port={node_ports} "
-        f"CPUs={lab.cpus_per_node} RealMemory={lab.real_memory}{gres} State=UNKNOWN",
-        f"PartitionName={lab.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _render_gres_conf(lab: SlurmLab) -> str:
-    """gres.conf for fake GPUs: ``<root>/dev/gpu<i>``, symlinks to /dev/null.
-
-    Slurm drops GPUs declared without ``File=`` ("Removing file-less GPU") and complains
-    about files that are not devices, so each fake GPU is a link to a character device;
-    the index in its name is what Slurm hands out (CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS).
-    With ``task/none`` nothing is constrained: Slurm only allocates and accounts for the
-    GPUs as it would for real ones, which is what launcher tests look at.
-    """
-    last = lab.gpus_per_node - 1
-    files = f"{lab.root / 'dev' / 'gpu'}[0-{last}]" if last else f"{lab.root / 'dev' / 'gpu'}0"
-    return f"AutoDetect=off\nName=gpu File={files}\n"
-
-
-# --------------------------------------------------------------------------------------
-# Daemons
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Daemon:
-    """One daemon the lab started: its argv, its Popen (pid = the daemon's) and logs."""
-
-    name: str
-    argv: list[str]
-    out_path: str
-    log_path: Optional[str]
-    proc: Optional[subprocess.Popen[bytes]] = None
-
-    def spawn(self, env: dict[str, str]) -> None:
-        """Start in the foreground (no daemonizing: the Popen pid stays the daemon's).
-
-        Own session: Ctrl-C in the test terminal must not reach the daemons before the
-        fixture gets to stop them in order.  stdout/stderr go to ``out_path`` because
-        errors before a daemon opens its log file (bad config) only appear there.
-        """
-        with open(self.out_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-            )
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self) -> str:
-        parts = [f"--- {self.name} output {self.out_path}:\n{log_tail(self.out_path, 2000)}"]
-        if self.log_path is not None and os.path.exists(self.log_path):
-            parts.append(f"--- {self.name} log {self.log_path}:\n{log_tail(self.log_path)}")
-        return "\n".join(parts)
-
-    def stop(self, grace: float) -> None:
-        """SIGTERM, then SIGKILL after ``grace``; by pid, through our own Popen only."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait()
-
-
-def _environ_entries(pid: int) -> set[bytes]:
-    """The ``NAME=value`` entries of /proc/<pid>/environ, read tolerantly.
-
-    psutil's ``environ()`` stops at the first empty entry, and daemons that set a process
-    title (slurmstepd shows ``slurmstepd: [1.0]``) zero the start of that memory, so a
-    marker further on would be missed.  Unreadable or vanished processes give nothing.
-    """
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            return {entry for entry in fh.read().split(b"\0") if entry}
-    except OSError:
-        return set()
-
-
-def _marked(lab_id: str, cluster: str, exclude: set[int]) -> list[psutil.Process]:
-    """Live processes whose environment names this lab.
-
-    Two markers: ``MARKER_ENV`` (daemons, clients run with ``lab.env``, their tasks) and
-    ``SLURM_CLUSTER_NAME``, which Slurm itself sets in every job's environment (for tasks
-    whose srun was started with some other environment).
-    """
-    tokens = {f"{MARKER_ENV}={lab_id}".encode(), f"SLURM_CLUSTER_NAME={cluster}".encode()}
-    found = []
-    for proc in psutil.process_iter():
-        if proc.pid in exclude:
-            continue
-        if tokens & _environ_entries(proc.pid) and not gone(proc):
-            found.append(proc)
-    return found
-
-
-def _stepds(lab_id: str, folders: Sequence[Path], exclude: set[int]) -> list[psutil.Process]:
-    """The slurmstepd processes of one lab.
-
-    slurmd double-forks them (their parent is init) and their environment may be blanked
-    by the process title, so they are recognised by what they hold open: their node's
-    slurmd log (under the lab's ``log/``) or their step socket (under its spool folder).
-    """
-    marker = f"{MARKER_ENV}={lab_id}".encode()
-    prefixes = tuple(str(folder) + os.sep for folder in folders)
-    found = []
-    for proc in psutil.process_iter(["name"]):
-        if proc.pid in exclude or proc.info["name"] != "slurmstepd" or gone(proc):
-            continue
-        try:
-            paths = [f.path for f in proc.open_files()]
-            paths += [str(c.laddr) for c in proc.net_connections(kind="unix")]
-        except (psutil.Error, OSError):
-            paths = []
-        if any(path.startswith(prefixes) for path in paths) or marker in _environ_entries(
-            proc.pid
-        ):
-            found.append(proc)
-    return found
-
-
-@dataclass
-class _JobProcesses:
-    """What ``SlurmLab.stop()`` ends before the daemons, grouped by how it is ended."""
-
-    #: The lab's slurmstepds, left to exit once their tasks are gone.
-    stepds: list[psutil.Process]
-    #: The slurmstepds' descendants by depth (children first), to end deepest first.
-    levels: list[list[psutil.Process]]
-    #: Marked processes outside those trees: clients, and tasks that left with setsid.
-    others: list[psutil.Process]
-
-
-def _stepd_trees(stepds: Sequence[psutil.Process],
-                 skip: set[int]) -> tuple[list[list[psutil.Process]], set[int]]:
-    """The descendants of every slurmstepd merged by depth, and all their pids.
-
-    Merged by depth because `_end_jobs` ends them level by level, deepest first, across
-    all steps at once.  The pids tell which marked processes these trees already cover.
-    Pids in ``skip`` (ours, the daemons') are left out.
-    """
-    levels: list[list[psutil.Process]] = []
-    in_tree: set[int] = set()
-    for stepd in stepds:
-        for depth, level in enumerate(tree_levels(stepd.pid)):
-            while len(levels) <= depth:
-                levels.append([])
-            fresh = [p for p in level if p.pid not in skip]
-            levels[depth].extend(fresh)
-            in_tree.update(p.pid for p in fresh)
-    return levels, in_tree
-
-
-def _end_jobs(jobs: _JobProcesses, grace: float) -> None:
-    """End the job processes while the daemons still run: the tasks deepest first, then
-    the other marked processes, then the slurmstepds, given ``grace`` to exit by
-    themselves (they report to slurmd as they go) before they are terminated too."""
-    for level in reversed(jobs.levels):
-        terminate(level, grace)
-    terminate(jobs.others, grace)
-    lingering = wait_gone(jobs.stepds, grace)
-    terminate(lingering, grace)
 
 
 # --------------------------------------------------------------------------------------
@@ -480,10 +173,15 @@ class SlurmLab:
         #: Environment for client commands (complete, not a diff): ours without inherited
         #: SLURM_* settings, plus SLURM_CONF and the lab marker.  Filled by ``start()``.
         self.env: dict[str, str] = {}
-        self.ports: Optional[_Ports] = None
-        self._daemons: list[_Daemon] = []
+        self.ports: Optional[Ports] = None
+        self._daemons: list[Daemon] = []
         self._started = False
         self._stopped = False
+
+    @property
+    def _marks(self) -> LabMarks:
+        """What tells this lab's processes apart (the spool folder may have moved)."""
+        return LabMarks(self.lab_id, self.cluster_name, (self.root / "log", self.spool_root))
 
     def _set_runtime_dir(self, runtime: Path) -> None:
         """Where the Unix sockets go: the munge socket and the slurmd spool folders."""
@@ -514,10 +212,28 @@ class SlurmLab:
         return self
 
     def _start(self) -> None:
-        binaries = {name: _require(name) for name in (*_DAEMONS, *_CLIENTS)}
-        if len(str(self.root)) > _MAX_SOCKET_DIR:
+        binaries = {name: require(name) for name in (*DAEMONS, *CLIENTS)}
+        if len(str(self.root)) > MAX_SOCKET_DIR:
             self._short_dir = tempfile.mkdtemp(prefix="fdl-slurm-")
             self._set_runtime_dir(Path(self._short_dir))
+        self._prepare_folders()
+        self.env = self._client_env()
+        munged = Daemon(
+            "munged",
+            [binaries["munged"], "--foreground", "--force", f"--socket={self.munge_socket}",
+             f"--key-file={self.munge_key}", f"--pid-file={self.munge_dir / 'munged.pid'}",
+             f"--seed-file={self.munge_dir / 'munged.seed'}",
+             f"--log-file={self.root / 'log' / 'munged.log'}"],
+            str(self.root / "log" / "munged.out"),
+            None,
+        )
+        self._daemons.append(munged)
+        munged.spawn(dict(self.env))
+        self._wait_munge(munged)
+        self._start_slurm(binaries)
+
+    def _prepare_folders(self) -> None:
+        """The lab's folders, fresh, and its munge key (kept from an earlier start)."""
         # A fresh cluster every start: slurmctld refuses state saved under another
         # ClusterName (and every lab has its own), and old logs would mislead error tails.
         for stale in (self.root / "state", self.root / "log", self.root / "run", self.spool_root):
@@ -539,47 +255,28 @@ class SlurmLab:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(os.urandom(128))  # what `mungekey --create` writes: 1024 bits
 
-        base_env = {
-            k: v for k, v in os.environ.items() if not k.startswith(_INHERITED_PREFIXES)
-        }
-        base_env["PATH"] = base_env.get("PATH", "/usr/bin:/bin") + ":" + _SBIN_PATH
-        base_env["SLURM_CONF"] = str(self.conf_path)
-        base_env[MARKER_ENV] = self.lab_id
-        self.env = dict(base_env)
+    def _client_env(self) -> dict[str, str]:
+        """Ours without inherited SLURM_* settings, with sbin on PATH, SLURM_CONF and the
+        lab's marker: the daemons' environment and the clients'."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_PREFIXES)}
+        env["PATH"] = env.get("PATH", "/usr/bin:/bin") + ":" + SBIN_PATH
+        env["SLURM_CONF"] = str(self.conf_path)
+        env[MARKER_ENV] = self.lab_id
+        return env
 
-        munged = _Daemon(
-            "munged",
-            [binaries["munged"], "--foreground", "--force", f"--socket={self.munge_socket}",
-             f"--key-file={self.munge_key}", f"--pid-file={self.munge_dir / 'munged.pid'}",
-             f"--seed-file={self.munge_dir / 'munged.seed'}",
-             f"--log-file={self.root / 'log' / 'munged.log'}"],
-            str(self.root / "log" / "munged.out"),
-            None,
-        )
-        self._daemons.append(munged)
-        munged.spawn(base_env)
-        self._wait_munge(munged)
-
+    def _start_slurm(self, binaries: dict[str, str]) -> None:
+        """slurmctld and every slurmd on free ports, until the nodes are idle; again on
+        other ports (three tries) when another process took a port first."""
         for attempt in range(3):
-            self.ports = _Ports(
+            self.ports = Ports(
                 slurmctld=free_port("127.0.0.1"),
                 nodes=tuple(free_port("127.0.0.1") for _ in self.nodes),
             )
-            self.conf_path.write_text(_render_slurm_conf(self, self.ports))
-            gres_path = self.root / "gres.conf"
-            if self.gpus_per_node:
-                (self.root / "dev").mkdir(exist_ok=True)
-                for index in range(self.gpus_per_node):
-                    fake = self.root / "dev" / f"gpu{index}"
-                    if not fake.is_symlink():
-                        fake.symlink_to(os.devnull)
-                gres_path.write_text(_render_gres_conf(self))
-            elif gres_path.exists():
-                gres_path.unlink()
+            self._write_confs(self.ports)
             slurm = self._slurm_daemons(binaries)
             self._daemons.extend(slurm)
             for daemon in slurm:
-                daemon.spawn(base_env)
+                daemon.spawn(dict(self.env))
             try:
                 self._wait_idle(slurm)
                 return
@@ -592,11 +289,25 @@ class SlurmLab:
                     daemon.stop(self.kill_grace)
                     self._daemons.remove(daemon)
 
-    def _slurm_daemons(self, binaries: dict[str, str]) -> list[_Daemon]:
+    def _write_confs(self, ports: Ports) -> None:
+        """slurm.conf, and gres.conf with the fake GPUs' links when there are GPUs."""
+        self.conf_path.write_text(render_slurm_conf(self, ports))
+        gres_path = self.root / "gres.conf"
+        if self.gpus_per_node:
+            (self.root / "dev").mkdir(exist_ok=True)
+            for index in range(self.gpus_per_node):
+                fake = self.root / "dev" / f"gpu{index}"
+                if not fake.is_symlink():
+                    fake.symlink_to(os.devnull)
+            gres_path.write_text(render_gres_conf(self))
+        elif gres_path.exists():
+            gres_path.unlink()
+
+    def _slurm_daemons(self, binaries: dict[str, str]) -> list[Daemon]:
         log = self.root / "log"
         conf = str(self.conf_path)
         daemons = [
-            _Daemon(
+            Daemon(
                 "slurmctld",
                 [binaries["slurmctld"], "-D", "-f", conf],
                 str(log / "slurmctld.out"),
@@ -605,7 +316,7 @@ class SlurmLab:
         ]
         for node in self.nodes:
             daemons.append(
-                _Daemon(
+                Daemon(
                     f"slurmd {node}",
                     [binaries["slurmd"], "-D", "-f", conf, "-N", node],
                     str(log / f"slurmd-{node}.out"),
@@ -614,7 +325,7 @@ class SlurmLab:
             )
         return daemons
 
-    def _wait_munge(self, munged: _Daemon) -> None:
+    def _wait_munge(self, munged: Daemon) -> None:
         """Until munged accepts connections on its socket (or exits: its output says why)."""
         deadline = time.monotonic() + self.startup_timeout
         while True:
@@ -633,29 +344,18 @@ class SlurmLab:
                 )
             time.sleep(_POLL)
 
-    def _wait_idle(self, daemons: Sequence[_Daemon],
+    def _wait_idle(self, daemons: Sequence[Daemon],
                    nodes: Optional[Sequence[str]] = None) -> None:
         """Until ``sinfo`` reports ``nodes`` (default: every node) ``idle`` (registered,
         responding, usable) or, for a node named, in use by a job (``alloc``, ``mix``)."""
         usable = ("idle",) if nodes is None else ("idle", "alloc", "mix")
         nodes = self.nodes if nodes is None else nodes
         deadline = time.monotonic() + self.startup_timeout
-        states: dict[str, str] = {}
-        last = ""
         while True:
-            dead = [d for d in daemons if not d.alive()]
-            if dead:
-                details = "\n".join(d.tail() for d in dead)
-                raise SlurmLabError(
-                    f"{', '.join(d.name for d in dead)} exited during startup:\n{details}"
-                )
-            result = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=10)
-            last = (result.stdout + result.stderr).strip()
-            if result.returncode == 0:
-                states = dict(line.split(None, 1) for line in result.stdout.splitlines()
-                              if " " in line)
-                if all(states.get(node) in usable for node in nodes):
-                    return
+            _refuse_dead(daemons)
+            states, last = self._node_states()
+            if states is not None and all(states.get(node) in usable for node in nodes):
+                return
             if time.monotonic() > deadline:
                 details = "\n".join(d.tail() for d in self._daemons)
                 raise SlurmLabError(
@@ -663,6 +363,16 @@ class SlurmLab:
                     f"(sinfo: {last or '<nothing>'}):\n{details}"
                 )
             time.sleep(0.2)
+
+    def _node_states(self) -> tuple[Optional[dict[str, str]], str]:
+        """Each node's state as ``sinfo`` says it (None when sinfo failed), and what sinfo
+        printed."""
+        result = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=10)
+        last = (result.stdout + result.stderr).strip()
+        if result.returncode != 0:
+            return None, last
+        return dict(line.split(None, 1) for line in result.stdout.splitlines()
+                    if " " in line), last
 
     def stop(self) -> None:
         """Stop every job process, then the daemons; only what this lab started.
@@ -682,47 +392,25 @@ class SlurmLab:
             self._stopped = True
         grace = self.kill_grace
         # Daemons and their helpers (slurmctld's slurmscriptd) stop with their daemon.
-        skip = own_lineage() | self._daemon_tree()
-        _end_jobs(self._job_processes(skip), grace)
+        skip = own_lineage() | daemon_tree(self._daemons)
+        # Nothing is looked for when the lab has no daemon (never started): no job can
+        # exist then.
+        jobs = self._marks.job_processes(skip) if self._daemons else JobProcesses([], [], [])
+        end_jobs(jobs, grace)
         self._stop_daemons(grace)
-        self._end_stragglers(grace)
+        if self._daemons:  # a last sweep, for what the first one missed
+            late = self._marks.stragglers()
+            if late:
+                terminate(late, grace)
         if self._short_dir is not None:
             shutil.rmtree(self._short_dir, ignore_errors=True)
         stopped(self)
-
-    def _job_processes(self, skip: set[int]) -> _JobProcesses:
-        """This lab's job processes, apart from ``skip`` (ours and the daemons' trees).
-
-        Nothing is looked for when the lab has no daemon (never started): no job can
-        exist then.  A slurmstepd that also carries the marker counts as a slurmstepd
-        only, since slurmstepds are given time to exit by themselves.
-        """
-        if not self._daemons:
-            return _JobProcesses([], [], [])
-        marked = _marked(self.lab_id, self.cluster_name, skip)
-        stepds = self._stepds(skip)
-        stepd_pids = {p.pid for p in stepds}
-        marked = [p for p in marked if p.pid not in stepd_pids]
-        levels, in_tree = _stepd_trees(stepds, skip)
-        others = [p for p in marked if p.pid not in in_tree and p.pid not in stepd_pids]
-        return _JobProcesses(stepds, levels, others)
 
     def _stop_daemons(self, grace: float) -> None:
         """Each daemon by its Popen's pid, in reverse start order: every slurmd before
         slurmctld, and munged last, since the others authenticate through it."""
         for daemon in reversed(self._daemons):
             daemon.stop(grace)
-
-    def _end_stragglers(self, grace: float) -> None:
-        """A last sweep once the daemons are gone, for any marked process or slurmstepd
-        that the first sweep missed (one started while it ran); only our own lineage is
-        spared now, since the daemons' trees have ended."""
-        if not self._daemons:
-            return
-        late = _marked(self.lab_id, self.cluster_name, own_lineage())
-        late += self._stepds(own_lineage() | {p.pid for p in late})
-        if late:
-            terminate(late, grace)
 
     def __enter__(self) -> SlurmLab:
         return self.start()
@@ -739,25 +427,11 @@ class SlurmLab:
     def processes(self) -> list[psutil.Process]:
         """Every live process of the lab: daemons and their helpers, slurmstepds, tasks
         and marked clients."""
-        procs = [psutil.Process(pid) for pid in self._daemon_tree()]
+        procs = [psutil.Process(pid) for pid in daemon_tree(self._daemons)]
         skip = own_lineage() | {p.pid for p in procs}
-        procs += self._stepds(skip)
+        procs += self._marks.stepds(skip)
         skip |= {p.pid for p in procs}
-        return procs + _marked(self.lab_id, self.cluster_name, skip)
-
-    def _daemon_tree(self) -> set[int]:
-        """Pids of the live daemons and of all their descendants."""
-        pids = set()
-        for daemon in self._daemons:
-            if daemon.proc is None or not daemon.alive():
-                continue
-            pids.add(daemon.proc.pid)
-            with contextlib.suppress(psutil.Error):
-                pids.update(p.pid for p in psutil.Process(daemon.proc.pid).children(True))
-        return pids
-
-    def _stepds(self, exclude: set[int]) -> list[psutil.Process]:
-        return _stepds(self.lab_id, [self.root / "log", self.spool_root], exclude)
+        return procs + self._marks.marked(skip)
 
     def kill_slurmd(self, node: str, sig: int = signal.SIGKILL) -> None:
         """Signal ``node``'s slurmd (default SIGKILL: a node whose daemon died).
@@ -783,7 +457,7 @@ class SlurmLab:
         daemon.spawn(self.env)
         self._wait_idle([daemon], [node])
 
-    def _daemon(self, name: str) -> _Daemon:
+    def _daemon(self, name: str) -> Daemon:
         for daemon in self._daemons:
             if daemon.name == name:
                 return daemon
@@ -830,6 +504,16 @@ class SlurmLab:
         cmd = ["bash", "-c", command] if isinstance(command, str) else list(command)
         return ["salloc", f"--nodes={n_nodes}", "--exclusive",
                 f"--partition={self.partition}", *options, *cmd]
+
+
+def _refuse_dead(daemons: Sequence[Daemon]) -> None:
+    """SlurmLabError with their output when any of ``daemons`` exited during startup."""
+    dead = [d for d in daemons if not d.alive()]
+    if dead:
+        details = "\n".join(d.tail() for d in dead)
+        raise SlurmLabError(
+            f"{', '.join(d.name for d in dead)} exited during startup:\n{details}"
+        )
 
 
 # --------------------------------------------------------------------------------------
