@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .api import Attempt, LaunchResult, RankOutcome
 from .commands.follow import LineFilter
 from .commands.onhost import there
 from .commands.stopping import EXIT_TIMED_OUT, WAIT_POLL, send_stop
 from .errors import EXIT_USAGE, FdlError
 from .events import EventBus
 from .presentation.words import cause_event, render
+from .results import Attempt, LaunchResult, RankOutcome
 from .runs import place
 from .runs.reading import ended_check, last_lines, view
 from .runs.reading import follow as follow_file

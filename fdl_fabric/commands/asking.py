@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional
 
+from .. import reports
 from ..clusterfile import ClusterSpec
-from ..supervision import reports
 from ..transport import HostSettings, for_cluster
 from ..transport.fanout import close_all, connect_each, start_each
 from ..transport.session import AgentSession

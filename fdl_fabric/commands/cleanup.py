@@ -23,12 +23,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .. import reports
 from ..clusterfile import ClusterSpec
 from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
-from ..supervision import reports
 from ..transport import (
     Transport,
     for_cluster,

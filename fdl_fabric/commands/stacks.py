@@ -14,12 +14,12 @@ import queue
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from .. import reports
 from ..clusterfile import ClusterSpec
 from ..errors import EXIT_FAILURE, FdlError
 from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
-from ..supervision import reports
 from ..transport import resolve_cluster, resolve_settings
 from ..transport.session import AgentSession
 from .asking import ANSWER_TIMEOUT, asking_agents, collect, newest_live_run

@@ -25,9 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import rank
+from .. import rank, reports
 from ..agent import wire
-from ..supervision import reports
 from ..transport import Transport, TransportError
 from ..transport.fanout import describe_start_error
 from ..transport.session import AgentSession

@@ -15,11 +15,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+from .. import reports
 from ..clusterfile import ClusterSpec
 from ..errors import FdlError
 from ..events import EventBus, Name
 from ..planning.plan import interpreted_argv, is_interpreter
-from ..supervision import reports
 from ..transport.session import AgentSession
 from .report import Status
 from .versions import judge

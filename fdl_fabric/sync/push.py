@@ -25,11 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .. import reports
 from ..agent import wire
 from ..agent.codestore import DATA_HEAD, LAST, STORE
 from ..errors import FdlError
 from ..events import EventBus, Name
-from ..supervision import reports
 from ..transport.session import AgentSession
 from .manifest import Manifest
 

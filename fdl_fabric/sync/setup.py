@@ -20,11 +20,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .. import reports
 from ..agent import wire
 from ..clusterfile.model import SetupSpec
 from ..errors import FdlError
 from ..events import EventBus, Name
-from ..supervision import reports
 from ..transport.session import AgentSession
 from .manifest import Manifest
 

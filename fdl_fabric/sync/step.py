@@ -15,11 +15,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
+from .. import reports
 from ..clusterfile import ClusterSpec
 from ..clusterfile.code import default_sync
 from ..clusterfile.model import SetupSpec, SyncSpec
 from ..events import EventBus, Name
-from ..supervision import reports
 from ..transport.session import AgentSession
 from . import manifest as manifests
 from .push import Push, summary, tree_dir

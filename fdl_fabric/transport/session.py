@@ -14,7 +14,7 @@ serialised by a lock; a write to an agent that is gone is dropped, because its e
 reported separately (`reports.AgentGone`).
 
 Rank output is handed to ``on_output`` on the reading thread itself (the console and the
-logs, `fdl_fabric.presentation.rankoutput`): a slow console slows this one reader, never
+logs, `fdl_fabric.supervision.rankoutput`): a slow console slows this one reader, never
 the supervisor. Every byte read counts as a sign of life (`last_heard`), and so does time
 spent waiting on a slow console.
 """
@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from .. import reports
 from ..agent import wire
-from ..supervision import reports
 from . import bundle
 from .base import AgentProcess, Transport
 
