@@ -22,13 +22,8 @@ from fdl_fabric.agent import wire
 from fdl_fabric.clusterfile import ConfigError, parse_cluster
 from fdl_fabric.planning.tree import gateway_count, plan_tree
 from fdl_fabric.transport import TransportError, bundle, for_cluster, gateway, tree_of
-from fdl_fabric.transport.gateway import (
-    LEAF_KEX,
-    GatewayHost,
-    GatewayTransport,
-    Relay,
-    leaf_ssh_argv,
-)
+from fdl_fabric.transport.gateway import GatewayHost, GatewayTransport, Relay
+from fdl_fabric.transport.leafssh import LEAF_KEX, leaf_ssh_argv
 from fdl_fabric.transport.ssh import SshTransport
 from fdl_fabric.transport.sshconfig import resolve_all_settings
 

@@ -34,9 +34,11 @@ from ..planning.tree import Tree
 from ..shell import quote
 from . import bundle, channels
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
+from .leafssh import leaf_ssh_argv
+from .probeout import ClockedOutput
 from .runners import RUN_OPTIONS
 from .ssh import RawRemote, RemoteAgentProcess, SshTransport
-from .sshconfig import DEFAULT_OPTIONS, SUPPORTED_OPTIONS, SshSettings
+from .sshconfig import SshSettings
 
 #: Seconds a lease renewal to a leaf may wait for the others' (`Relay.send_lazy`).
 LAZY_WRITE_DELAY = 0.02
@@ -44,70 +46,6 @@ LAZY_WRITE_DELAY = 0.02
 RELAY_START_TIMEOUT = 30.0
 #: Bytes of the relay's stderr kept to explain how it ended.
 STDERR_TAIL = 4096
-#: Key exchanges a leaf's ssh offers, curve25519 first: OpenSSH's default since 9.0
-#: (sntrup761x25519) costs 100-120 ms of the gateway's CPU per leaf, curve25519 ~15 ms.
-#: The others keep a leaf whose sshd lacks curve25519 reachable.
-LEAF_KEX = ("curve25519-sha256,curve25519-sha256@libssh.org,ecdh-sha2-nistp256,"
-            "ecdh-sha2-nistp384,ecdh-sha2-nistp521,diffie-hellman-group-exchange-sha256,"
-            "diffie-hellman-group16-sha512,diffie-hellman-group18-sha512,"
-            "diffie-hellman-group14-sha256")
-#: Options every leaf's ssh gets after the user's (OpenSSH keeps the first value given):
-#: no prompt, no tty, no X11, no shared master connection (each leaf's session is its
-#: own, so closing its stdin is its leash), and no chatter on the agent's stderr.
-LEAF_OPTIONS = ("ControlMaster=no", "ControlPath=none", "LogLevel=ERROR")
-
-
-# -- the leaf's ssh ----------------------------------------------------------------------------
-def _option_keys(options: tuple[str, ...]) -> set[str]:
-    return {opt.partition("=")[0].strip().lower() for opt in options}
-
-
-def _config_sets_kex(settings: Optional[SshSettings], host: str) -> bool:
-    """Does the worker's ``ssh -F`` file set KexAlgorithms for it? (The gateway's own
-    ~/.ssh/config cannot be read from here; the command line wins over it.)"""
-    if settings is None or not settings.config_file:
-        return False
-    import paramiko
-
-    try:
-        return "kexalgorithms" in paramiko.SSHConfig.from_path(settings.config_file).lookup(host)
-    except OSError:
-        return False
-
-
-def leaf_ssh_argv(worker: WorkerSpec, settings: Optional[SshSettings]) -> list[str]:
-    """The OpenSSH command line (without the remote command) a gateway runs to reach
-    ``worker``: its explicit target, port, user and identity file, then the user's
-    options as written (OpenSSH keeps the first value of an option, so they win), then
-    ours: `sshconfig.DEFAULT_OPTIONS` (BatchMode=yes, accept-new, timeouts, keepalives),
-    KexAlgorithms with curve25519 first unless the user's ``-F`` file sets it, and
-    `LEAF_OPTIONS`. Paths (identity file, known_hosts) must exist on the gateway."""
-    spec = worker.ssh
-    argv = ["ssh", "-T", "-x"]
-    if settings is not None and settings.config_file:
-        argv += ["-F", settings.config_file]
-    port = settings.port if settings is not None else spec.port
-    user = settings.user if settings is not None else spec.user
-    if port:
-        argv += ["-p", str(port)]
-    if user:
-        argv += ["-l", user]
-    if spec.identity_file:
-        argv += ["-i", spec.identity_file]
-    options = tuple(opt.strip() for opt in spec.options)
-    for opt in options:
-        argv += ["-o", opt]
-    for key, value in DEFAULT_OPTIONS.items():  # after the user's: theirs win
-        argv += ["-o", f"{SUPPORTED_OPTIONS[key]}={value}"]
-    if "kexalgorithms" not in _option_keys(options) and \
-            not _config_sets_kex(settings, worker.host):
-        argv += ["-o", f"KexAlgorithms={LEAF_KEX}"]
-    for opt in LEAF_OPTIONS:
-        argv += ["-o", opt]
-    target = settings.target if settings is not None else worker.ssh_target
-    return [*argv, "--", target]
-
-
 # -- one relay, launcher side ------------------------------------------------------------------
 class _RelayStdout:
     def __init__(self, relay: Relay) -> None:
@@ -574,7 +512,7 @@ class GatewayTransport(Transport):
             return result
         if tunnel is not None:
             result.tunnel_error = "no tunnel through a gateway"
-        out, err = _Collect(clock_marker), _Collect("")
+        out, err = ClockedOutput(clock_marker), ClockedOutput()
         argv = [*leaf_ssh_argv(self.worker, self.settings), f"exec sh -c {quote(script)}"]
         start = time.monotonic()
         try:
@@ -615,30 +553,6 @@ class GatewayTransport(Transport):
     def details(self) -> dict[str, Any]:
         return {"transport": self.kind, "gateway": self.gateway.host,
                 "ssh_target": self.worker.ssh_target}
-
-
-class _Collect:
-    """A probe's stdout or stderr: its text, and when the clock marker's line arrived."""
-
-    def __init__(self, marker: str) -> None:
-        self.parts: list[bytes] = []
-        self.clock_at: Optional[float] = None
-        self._marker = marker.encode()
-
-    def feed(self, data: bytes) -> None:
-        self.parts.append(data)
-        if self.clock_at is None and self._marker:
-            joined = b"".join(self.parts)
-            at = joined.find(self._marker)
-            if at >= 0 and b"\n" in joined[at:]:
-                self.clock_at = time.time()
-
-    def close(self) -> None:
-        return None
-
-    @property
-    def text(self) -> str:
-        return b"".join(self.parts).decode("utf-8", "replace")
 
 
 def tree_transports(cluster: ClusterSpec, tree: Tree, settings: Mapping[str, SshSettings],

@@ -27,6 +27,7 @@ from ..events import EventBus
 from ..shell import quote
 from . import bundle, channels, connerrors, kinds
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
+from .probeout import ClockedOutput
 from .runners import RUN_OPTIONS, InvokeAgentProcess
 from .sshconfig import DEFAULT_KNOWN_HOSTS, SshSettings, resolve_all_settings
 from .tunnel import forwarding
@@ -352,35 +353,6 @@ class RemoteAgentProcess(InvokeAgentProcess):
         return None
 
 
-class _TimedSink:
-    """An invoke out_stream that records when the clock sentinel line arrived."""
-
-    def __init__(self, marker: str) -> None:
-        self.parts: list[str] = []
-        self.clock_at: Optional[float] = None
-        self._marker = marker
-
-    def write(self, text: str) -> int:
-        now = time.time()
-        self.parts.append(text)
-        if self.clock_at is None and self._marker:
-            joined = "".join(self.parts)
-            at = joined.find(self._marker)
-            if at >= 0 and "\n" in joined[at:]:
-                self.clock_at = now
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return False
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-
 def known_host_state(settings: SshSettings, config: Any = None) -> tuple[str, str]:
     """(``known``/``unknown``/``unchecked``, key name) before connecting.
 
@@ -565,7 +537,7 @@ class SshTransport(Transport):
                 t = time.monotonic()
                 conn.transport.global_request("keepalive@openssh.com", wait=True)
                 result.rtt = time.monotonic() - t
-            out, err = _TimedSink(clock_marker), _TimedSink(clock_marker)
+            out, err = ClockedOutput(clock_marker), ClockedOutput(clock_marker)
             t = time.monotonic()
             try:
                 done = conn.run(f"exec sh -c {quote(script)}", hide=False, warn=True,
