@@ -62,14 +62,8 @@ def read_cluster(
     if top is None:
         return None
     controller = _read_controller(r, top.field("controller"))
-    command_field = top.field("command")
-    command = r.string(command_field)
-    if command is not None:
-        command = r.checked(command_field, command, "command", command_problem)
-    on_exit_field = top.field("on_exit")
-    on_exit = r.string(on_exit_field)
-    if on_exit is not None:
-        on_exit = r.checked(on_exit_field, on_exit, "on_exit", command_problem)
+    command = _read_command(r, top.field("command"), "command")
+    on_exit = _read_command(r, top.field("on_exit"), "on_exit")
     env_field = top.field("env")
     env = read_env(r, env_field)
     # A worker's check adds its own env to the cluster's; once the cluster env alone is too
@@ -87,44 +81,19 @@ def read_cluster(
     slurm = _read_slurm(r, top, folder)
     code = read_code(r, top, folder)
 
-    workers: list[WorkerSpec] = []
     workers_field = top.field("workers")
-    items = r.sequence(workers_field)
-    if slurm is not None:
-        if workers_field.node is not None:
-            r.problem(workers_field, "a Slurm launch takes its workers from the allocation "
-                      "(SLURM_JOB_NODELIST): remove workers, or remove scheduler: slurm")
-        items = None
-    elif workers_field.node is None:
-        r.problem(workers_field, "workers is required (a list with one entry per host)", root)
-    elif items == []:
-        r.problem(workers_field, "must list at least one worker")
-    elif items is not None and len(items) > WORKERS_MAX:
-        r.problem(workers_field, f"lists {len(items)} workers; at most {WORKERS_MAX} are allowed")
-        items = None
     seen_hosts: dict[str, tuple[str, int]] = {}
-    for index, item in enumerate(items or []):
-        field = Field(item, f"workers[{index}]")
-        worker = _read_worker(
-            r, field, index, folder, local_hostname, controller, rank_env, seen_hosts
-        )
-        if worker is not None:
-            workers.append(worker)
+    workers = [worker for index, item in enumerate(_worker_items(r, workers_field, slurm, root))
+               if (worker := _read_worker(r, Field(item, f"workers[{index}]"), index, folder,
+                                          local_hostname, controller, rank_env, seen_hosts))
+               is not None]
 
     _check_roster(r, workers_field, top.field("elastic"), workers, elastic)
     _check_controller_dialable(r, top.field("controller"), controller,
                                slurm is not None or any(not w.is_local and not w.tunnel
                                                         for w in workers))
 
-    # Every rank gets its own environment in the plan, so the total is what memory scales
-    # with. `local_devices: all` counts 0 here: its length is only known from the host.
-    ranks = sum(_ranks_of(w) for w in workers)
-    if ranks > RANKS_MAX:
-        r.problem(
-            workers_field,
-            f"the workers have {ranks} ranks in total; at most {RANKS_MAX} are allowed",
-        )
-
+    _check_ranks(r, workers_field, workers)
     if r.problems:
         return None
     return ClusterSpec(
@@ -148,6 +117,42 @@ def read_cluster(
         python=code.python,
         versions=code.versions,
     )
+
+
+def _read_command(r: NodeReader, field: Field, name: str) -> Optional[str]:
+    """``command`` or ``on_exit``: a command line, checked as one."""
+    value = r.string(field)
+    return None if value is None else r.checked(field, value, name, command_problem)
+
+
+def _worker_items(r: NodeReader, field: Field, slurm: Optional[SlurmSpec],
+                  root: Node) -> list[Node]:
+    """The ``workers`` list's entries, or none when the list is wrong or a Slurm launch
+    takes its workers from the allocation."""
+    items = r.sequence(field)
+    if slurm is not None:
+        if field.node is not None:
+            r.problem(field, "a Slurm launch takes its workers from the allocation "
+                      "(SLURM_JOB_NODELIST): remove workers, or remove scheduler: slurm")
+        return []
+    if field.node is None:
+        r.problem(field, "workers is required (a list with one entry per host)", root)
+    elif items == []:
+        r.problem(field, "must list at least one worker")
+    elif items is not None and len(items) > WORKERS_MAX:
+        r.problem(field, f"lists {len(items)} workers; at most {WORKERS_MAX} are allowed")
+        return []
+    return items or []
+
+
+def _check_ranks(r: NodeReader, field: Field, workers: list[WorkerSpec]) -> None:
+    """Every rank gets its own environment in the plan, so the total is what memory
+    scales with. `local_devices: all` counts 0 here: its length is only known from the
+    host."""
+    ranks = sum(_ranks_of(w) for w in workers)
+    if ranks > RANKS_MAX:
+        r.problem(field, f"the workers have {ranks} ranks in total; at most {RANKS_MAX} "
+                  "are allowed")
 
 
 def _read_slurm(r: NodeReader, top: Block, folder: str) -> Optional[SlurmSpec]:
