@@ -120,14 +120,10 @@ def run_cleanup(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] =
     allocation, for this job's runs only); 0 clean, 1 leftovers, 2 config or usage. Live
     runs are left alone unless named by ``run_id`` or ``force``d. ``cluster``: hosts
     named on the command line (``--hosts``; ``cluster_file`` None)."""
-    console = console or Console()
-    events = EventBus(console)
+    events = EventBus(console or Console())
     try:
         if slurm:
-            for flag, given in (("--all", all_runs), ("--pattern", pattern)):
-                if given:
-                    raise FdlError(f"{flag}: not with --slurm, which sweeps this job's runs "
-                                   "only (another job may share the nodes)", EXIT_USAGE)
+            _refuse_with_slurm(all_runs=all_runs, pattern=pattern)
         cluster = resolve_cluster(cluster_file, cluster, slurm=slurm,
                                   nproc_per_node=1 if slurm else None)
         settings = resolve_settings(cluster, events)
@@ -135,25 +131,43 @@ def run_cleanup(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] =
         events(Name.REFUSED, error=str(exc))
         return exc.exit_code
     key = cluster_key(cluster)
+    request = sweep_request(runs=[run_id] if run_id else [],
+                            cluster=None if (run_id or all_runs) else key,
+                            all_runs=all_runs, pattern=pattern,
+                            scope=key if slurm else None, force=force,
+                            by=stopper(_said_as("inv cleanup", run_id, force)))
     transports = for_cluster(cluster, settings, purpose="cleanup")
-    errors = connect_each(transports.values())
-    command = "inv cleanup" + (f" --run-id {run_id}" if run_id else "") + \
-        (" --force" if force else "")
-    try:
-        request = sweep_request(runs=[run_id] if run_id else [],
-                                cluster=None if (run_id or all_runs) else key,
-                                all_runs=all_runs, pattern=pattern,
-                                scope=key if slurm else None, force=force,
-                                by=stopper(command))
-        found = {r.host: r for r in sweep_with_agents(
-            [t for h, t in transports.items() if h not in errors], request)}
-    finally:
-        close_all(transports.values())
-    for host, reason in errors.items():
-        found[host] = HostReport(host, error=reason)
+    found = _sweep_each(list(transports.values()), request, close=True)
     for cls in kinds_of(cluster.workers):
         cls.after_sweep(cluster.workers, events)
     return report_and_verdict([found[w.host] for w in cluster.workers], events)
+
+
+def _refuse_with_slurm(*, all_runs: bool, pattern: Optional[str]) -> None:
+    for flag, given in (("--all", all_runs), ("--pattern", pattern)):
+        if given:
+            raise FdlError(f"{flag}: not with --slurm, which sweeps this job's runs "
+                           "only (another job may share the nodes)", EXIT_USAGE)
+
+
+def _said_as(command: str, run_id: Optional[str], force: bool) -> str:
+    """The command as the swept runs' records name who stopped them."""
+    return command + (f" --run-id {run_id}" if run_id else "") + (" --force" if force else "")
+
+
+def _sweep_each(transports: Sequence[Transport], request: Mapping[str, Any], *,
+                close: bool) -> dict[str, HostReport]:
+    """Every host connected and swept at once; a host that cannot be reached is a report
+    with its error, never a stop for the others. ``close``: the connections are ours."""
+    errors = connect_each(transports)
+    try:
+        found = {r.host: r for r in sweep_with_agents(
+            [t for t in transports if t.host not in errors], request)}
+    finally:
+        if close:
+            close_all(transports)
+    found.update({host: HostReport(host, error=reason) for host, reason in errors.items()})
+    return found
 
 
 def report_and_verdict(reports_: Sequence[HostReport], events: EventBus) -> int:
@@ -181,15 +195,10 @@ def adhoc_cleanup_hosts(conns: Sequence[Any], *, run_id: Optional[str] = None,
     """
     console = console or Console()
     transports = for_connections(conns, flag="-H")
-    errors = connect_each(transports)
-    command = "fab cleanup" + (f" --run-id {run_id}" if run_id else "") + \
-        (" --force" if force else "")
     request = sweep_request(runs=[run_id] if run_id else [], all_runs=not run_id,
-                            pattern=pattern, force=force, by=stopper(command))
-    found = {r.host: r for r in sweep_with_agents(
-        [t for t in transports if t.host not in errors], request)}
-    for host, reason in errors.items():
-        found[host] = HostReport(host, error=reason)
+                            pattern=pattern, force=force,
+                            by=stopper(_said_as("fab cleanup", run_id, force)))
+    found = _sweep_each(transports, request, close=False)
     return report_and_verdict([found[t.host] for t in transports], EventBus(console))
 
 
