@@ -159,7 +159,7 @@ def test_the_replanned_tree_gives_a_lost_gateway_a_direct_transport() -> None:
 
 def test_a_gateways_leaves_cost_the_launcher_no_open_files() -> None:
     from fdl_fabric import limits
-    from fdl_fabric.transport.tunnel import open_files_needed
+    from fdl_fabric.transport import open_files_needed
 
     flat, tree = open_files_needed(_cluster(9, fanout=64)), open_files_needed(_cluster(9))
     assert flat - tree == 7 * limits.NOFILE_PER_HOST - 2 * limits.NOFILE_PER_RELAY

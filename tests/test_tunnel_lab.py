@@ -35,13 +35,12 @@ from fdl_fabric.rank import encode_frame
 from fdl_fabric.testing import NetnsLab
 from fdl_fabric.testing.launches import LiveLaunch
 from fdl_fabric.testing.processes import free_port
-from fdl_fabric.transport import for_cluster
+from fdl_fabric.transport import for_cluster, open_files_needed
 from fdl_fabric.transport.sshconfig import resolve_all_settings
 from fdl_fabric.transport.tunnel import (
     exposed_listeners,
     first_frame,
     forward_bound,
-    open_files_needed,
     open_tunnel,
 )
 from labutil import INV_LAUNCH, ROOT, wait_for

@@ -181,6 +181,21 @@ def for_connections(conns: Sequence[Any], flag: str = "-H") -> list[Transport]:
     return made
 
 
+def open_files_needed(cluster: ClusterSpec) -> int:
+    """Open files a launch of ``cluster`` may hold at once (`openfiles`), over its tree."""
+    from .openfiles import open_files_needed as needed
+
+    return needed(cluster, tree_of(cluster))
+
+
+def check_open_files(cluster: ClusterSpec, events: EventBus) -> None:
+    """RLIMIT_NOFILE against what the launch needs, before anything is contacted: raised
+    when it can be, else exit 2 saying what to run (`openfiles.check_open_files`)."""
+    from .openfiles import check_open_files as check
+
+    check(cluster, events, tree_of(cluster))
+
+
 def dialed_name(host: str, config_file: Optional[str] = None) -> str:
     """The name a host given on the command line is dialled by (the ``HostName`` of an
     ssh_config alias, read from ``config_file`` or ~/.ssh/config); ValueError saying why
@@ -217,6 +232,7 @@ def resolve_cluster(cluster_file: Optional[str], cluster: Optional[ClusterSpec] 
 
 
 __all__ = ["AgentProcess", "ByteSink", "EXTRA_KINDS", "HostSettings", "ProbeResult",
-           "Transport", "TransportError", "check_kinds", "dialed_name", "for_cluster",
+           "Transport", "TransportError", "check_kinds", "check_open_files", "dialed_name",
+           "for_cluster",
            "for_connections", "for_worker", "kind", "kind_of", "kinds_of", "known_kinds",
-           "register", "resolve_cluster", "resolve_settings", "tree_of"]
+           "open_files_needed", "register", "resolve_cluster", "resolve_settings", "tree_of"]

@@ -20,6 +20,7 @@ from ..events import EventBus, Name
 
 if TYPE_CHECKING:
     from ..clusterfile import ClusterSpec, WorkerSpec
+    from ..planning.tree import Tree
 
 #: Ranks counted for a ``local_devices: all`` host before its agent has said (a large GPU box).
 ALL_DEVICES_GUESS = 16
@@ -39,18 +40,16 @@ def forward_bound(worker: WorkerSpec) -> int:
     return limits.TUNNEL_PER_RANK * ranks_on(worker) + limits.TUNNEL_EXTRA
 
 
-def open_files_needed(cluster: ClusterSpec) -> int:
+def open_files_needed(cluster: ClusterSpec, tree: Tree) -> int:
     """Open files a launch of ``cluster`` may hold at once: the fixed part, each directly
     connected host's connection (a gateway's leaves need none here, its relay a pipe),
     each rank's connection to the coordinator and the connections the coordinator may
-    hold before their hello, and each tunnel at its bound."""
-    from ..planning.tree import cluster_tree
-
+    hold before their hello, and each tunnel at its bound. ``tree``: the cluster's
+    gateway tree (`transport.tree_of`)."""
     workers = cluster.workers
     ranks = sum(ranks_on(w) for w in workers)
     tunnels = sum(limits.TUNNEL_FDS_FIXED + limits.TUNNEL_FDS_PER_CONNECTION * forward_bound(w)
                   for w in workers if w.tunnel)
-    tree = cluster_tree(cluster)
     leaves = sum(len(g.leaves) for g in tree.gateways)
     return (limits.NOFILE_BASE + limits.NOFILE_PER_HOST * (len(workers) - leaves)
             + limits.NOFILE_PER_RELAY * len(tree.gateways)
@@ -58,7 +57,7 @@ def open_files_needed(cluster: ClusterSpec) -> int:
             + tunnels)
 
 
-def check_open_files(cluster: ClusterSpec, events: EventBus) -> None:
+def check_open_files(cluster: ClusterSpec, events: EventBus, tree: Tree) -> None:
     """Before a launch contacts anything: RLIMIT_NOFILE against `open_files_needed`. A soft
     limit below it is raised (to twice the need, never above the hard limit); a hard limit
     below it is refused with exit 2, in one line that says what to run."""
@@ -66,7 +65,7 @@ def check_open_files(cluster: ClusterSpec, events: EventBus) -> None:
         import resource
     except ImportError:  # not a POSIX system: nothing to check
         return
-    needed = open_files_needed(cluster)
+    needed = open_files_needed(cluster, tree)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return

@@ -33,7 +33,7 @@ sessions dropped and the run was lost.
   address whatever the launcher asked, which is worth a warning (`Name.TUNNEL_EXPOSED`).
 
 How the bytes of one connection move is `tunnellinks`'s; what sshd listens on,
-`listeners`'s; the open files a launch needs (`check_open_files`, `open_files_needed`),
+`listeners`'s; the open files a launch needs (`openfiles`),
 `openfiles`'s (the two are also importable from here, as they were).
 
 paramiko is never imported here (only handed in by the SSH transport), so a launch with only
@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 from .. import limits
 from ..events import EventBus, Name
 from .listeners import check_exposure, exposed_listeners
-from .openfiles import check_open_files, forward_bound, free_files, open_files_needed
+from .openfiles import forward_bound, free_files
 from .tunnellinks import CLOSED, QUEUED, WAITING, Link, LinkMover, first_frame
 
 if TYPE_CHECKING:
@@ -73,8 +73,8 @@ _STALL_TICK = 0.05
 #: The address the forward asks sshd to listen on.
 LOOPBACK = "127.0.0.1"
 
-__all__ = ["LOOPBACK", "Forward", "check_open_files", "exposed_listeners", "first_frame",
-           "forward_bound", "forwarding", "open_files_needed", "open_tunnel", "reporter"]
+__all__ = ["LOOPBACK", "Forward", "exposed_listeners", "first_frame", "forward_bound",
+           "forwarding", "open_tunnel", "reporter"]
 
 
 # -- the forward ---------------------------------------------------------------------------
