@@ -125,11 +125,11 @@ def machine_notes(load_before: str) -> list[str]:
     notes.append(f"torch {torch_version}")
     intervals = []
     with contextlib.suppress(Exception):
-        from fdl_fabric.supervision import coordinator, supervisor
+        from fdl_fabric.supervision import connections, timing
 
-        intervals.append(f"supervisor tick {getattr(supervisor, 'TICK', float('nan')) * 1000:g}"
+        intervals.append(f"supervisor tick {getattr(timing, 'TICK', float('nan')) * 1000:g}"
                          " ms (an inbox wait: reports wake it at once)")
-        intervals.append(f"coordinator tick {coordinator.TICK_INTERVAL * 1000:g} ms")
+        intervals.append(f"coordinator tick {connections.TICK_INTERVAL * 1000:g} ms")
     intervals.append("agents: no timer (SIGCHLD through set_wakeup_fd)")
     intervals.append("torchrun monitor interval 100 ms (default)")
     notes += [

@@ -32,7 +32,7 @@ from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec
 world, timeout, run_id = int(sys.argv[1]), float(sys.argv[2]), sys.argv[4]
 salt = bytes.fromhex(sys.argv[3])
 if len(sys.argv) > 5 and sys.argv[5]:
-    import fdl_fabric.supervision.coordinator as module
+    import fdl_fabric.supervision.connections as module
     module.ACCEPT_PER_TURN = int(sys.argv[5])
 heard = []
 class Noting(Coordinator):

@@ -233,7 +233,8 @@ def measure(out: TextIO, ssh: bool = False) -> dict[str, float]:
     from fdl_fabric.agent import relay as mux
     from fdl_fabric.agent import wire
     from fdl_fabric.events import EventBus
-    from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec, _Conn
+    from fdl_fabric.supervision.connections import Conn
+    from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec
     from fdl_fabric.transport import session as ses
 
     cpu = time.process_time
@@ -301,9 +302,9 @@ def measure(out: TextIO, ssh: bool = False) -> dict[str, float]:
 
     now = time.monotonic()
     for r in range(w):  # every rank joined, nobody dead: what formation leaves behind
-        coord._rank_conn[r] = _Conn(Sink(), "peer", now, rank=r)  # type: ignore[arg-type]
-        coord._last_frame[r] = now
-    coord._formed, coord._formed_at = True, now
+        coord._rank_conn[r] = Conn(Sink(), "peer", now, rank=r)  # type: ignore[arg-type]
+        coord._beats.last_frame[r] = now
+    coord._formed, coord._beats.formed_at = True, now
     one = coord._rank_conn[1]
     t = cpu()
     for _ in range(n):  # `Coordinator._hello`'s welcome, as written
@@ -316,12 +317,12 @@ def measure(out: TextIO, ssh: bool = False) -> dict[str, float]:
     formed_us = (cpu() - t) / 3 / w * 1e6
     t = cpu()
     for _ in range(10):  # `Coordinator._tick` with a silence walk due
-        coord._next_scan = 0.0
+        coord._beats.next_scan = 0.0
         coord._tick(time.monotonic())
     scan_us = (cpu() - t) / 10 / w * 1e6
     t = cpu()
     for _ in range(n):  # and the ticks between walks
-        coord._next_scan = math.inf
+        coord._beats.next_scan = math.inf
         coord._tick(time.monotonic())
     tick_us = (cpu() - t) / n * 1e6
     coord._wake_r.close()

@@ -20,7 +20,7 @@ DESIGNS = ("flat", "tree", "tree-unbatched")
 TARGET = {"hosts": 1024, "ranks_per_host": 8, "rtt_ms": 1.0, "all_running_s": 15.0}
 
 
-#: Seconds between two silence walks over every rank: `coordinator.SILENCE_SCAN_MAX`
+#: Seconds between two silence walks over every rank: `heartbeats.SILENCE_SCAN_MAX`
 #: (0.5 s) or a twentieth of the heartbeat timeout (30 s by default), whichever is less.
 #: Before 8e6963f the walk ran on every tick (`TICK_INTERVAL`, 50 ms).
 SILENCE_SCAN_S = min(0.5, 30.0 / 20)
