@@ -1,0 +1,193 @@
+"""Options to resolved settings: everything a launch decides before it contacts a host.
+
+The cluster file, the flags that override it, the command, the SSH options, the
+prebuilt binaries and the network time scale are read and checked here, so a mistake
+exits 2 with nothing started (`resolve`). A dry run ends here too (`dry_run`): it shows
+the plan of the whole roster from the same resolved settings a launch would use.
+
+Also here: the plan of one attempt from its hosts (`plan_attempt`), since the dry run
+and every attempt make it the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .. import shell
+from ..clusterfile import ClusterSpec
+from ..errors import EXIT_USAGE, FdlError
+from ..events import EventBus, Name
+from ..planning.envelope import (
+    ENV_NET_TIMEOUT_SCALE,
+    EnvelopeError,
+    PrebuiltBinary,
+    new_run_id,
+    new_salt,
+    prebuilt_from_environ,
+)
+from ..planning.plan import LaunchPlan, build_plan
+from ..presentation.dryrun import dry_run_data, dry_run_devices
+from ..runs import place
+from ..supervision.membership import Membership
+from ..sync.step import CodeStep, never_sent, sync_spec
+from ..transport import resolve_cluster
+from ..transport.sshconfig import SshSettings, resolve_all_settings, with_dialable_addrs
+from .launchoptions import LaunchOptions, MaxFailure
+
+
+@dataclass
+class Resolved:
+    """What one launch resolved before contacting any host."""
+
+    cluster: ClusterSpec
+    argv: list[str]
+    settings: dict[str, SshSettings]
+    prebuilt: Mapping[str, PrebuiltBinary]
+    launcher_env: dict[str, str]
+    scale: float
+    max_failure: MaxFailure
+
+    @property
+    def lease(self) -> float:
+        """Seconds of silence from the launcher after which agents stop their ranks: the
+        agents give the launcher what the coordinator gives a rank."""
+        return self.cluster.elastic.heartbeat_timeout * self.scale
+
+
+def load_for(opts: LaunchOptions) -> ClusterSpec:
+    """The cluster a launch runs: ``opts.cluster``, the cluster file, or (``--slurm``)
+    the nodes of the allocation this runs in (`fdl_fabric.transport.resolve_cluster`)."""
+    return resolve_cluster(opts.cluster_file, opts.cluster, slurm=opts.slurm,
+                           nproc_per_node=opts.nproc_per_node)
+
+
+def command_argv(opts: LaunchOptions, cluster: ClusterSpec) -> list[str]:
+    """The rank program's argv (see `shell.command_words`); a missing one is exit 2."""
+    try:
+        return shell.command_words(opts.argv, opts.command, cluster.command)
+    except ValueError as exc:
+        raise FdlError(f"{cluster.file}: {exc}" if "no command" in str(exc)
+                          else f"{cluster.file}: command: {exc}", EXIT_USAGE) from None
+
+
+def net_timeout_scale(environ: Mapping[str, str]) -> float:
+    """FLODL_NET_TIMEOUT_SCALE: a finite float >= 0.1 multiplying every network deadline."""
+    raw = environ.get(ENV_NET_TIMEOUT_SCALE, "").strip() or "1"
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not math.isfinite(scale) or scale < 0.1:
+        raise FdlError(f"{ENV_NET_TIMEOUT_SCALE}={raw!r} must be a number >= 0.1",
+                          EXIT_USAGE)
+    return scale
+
+
+def resolve_max_failure(opts: LaunchOptions, cluster: ClusterSpec) -> MaxFailure:
+    """The flag wins over the file; both were parsed when they were read."""
+    return cluster.elastic.max_failure if opts.max_failure is None else opts.max_failure
+
+
+#: Flags that replace the cluster file's key of the same name when given (None: not given).
+_OVERRIDES = ("kill_grace", "agent_timeout", "fanout")
+
+
+def flag_changes(opts: LaunchOptions, cluster: ClusterSpec) -> dict[str, Any]:
+    """What the flags change in the cluster file (`dataclasses.replace` keywords): a flag
+    given wins over its key."""
+    changes: dict[str, Any] = {name: getattr(opts, name) for name in _OVERRIDES
+                               if getattr(opts, name) is not None}
+    if opts.hang_timeout is not None:  # 0 turns the hang timeout off
+        changes["hang_timeout"] = opts.hang_timeout or None
+    if opts.max_restarts is not None:
+        changes["elastic"] = dataclasses.replace(cluster.elastic,
+                                                 max_restarts=opts.max_restarts)
+    if opts.python is not None:
+        changes["python"] = opts.python
+        changes["workers"] = tuple(dataclasses.replace(w, python=None)
+                                   for w in cluster.workers)
+    return changes
+
+
+def code_step(opts: LaunchOptions, cluster: ClusterSpec, events: EventBus
+              ) -> Optional[CodeStep]:
+    """``sync``: the code to send, built now, so a refusal (no src, a link out of it)
+    starts nothing. A ``setup`` without ``sync`` is said: it never runs."""
+    sync = cluster.sync
+    if cluster.setup is not None and sync is None:
+        events(Name.SETUP_NOT_RUN)
+    if sync is None:
+        return None
+    code = CodeStep(sync, events, setup=cluster.setup,
+                    never=never_sent(str(place.runs_path()), opts.log_dir))
+    code.build()
+    return code
+
+
+def resolve(opts: LaunchOptions, events: EventBus) -> tuple[Resolved, Optional[CodeStep]]:
+    """Every input checked (exit 2 on a mistake), nothing contacted: the resolved
+    settings, and the code to send (``sync``) if any."""
+    cluster = with_dialable_addrs(load_for(opts))
+    changes = flag_changes(opts, cluster)
+    sync = sync_spec(cluster, opts.sync)
+    if sync != cluster.sync:
+        changes["sync"] = sync
+    cluster = dataclasses.replace(cluster, **changes) if changes else cluster
+    code = code_step(opts, cluster, events)
+    max_failure = resolve_max_failure(opts, cluster)
+    argv = command_argv(opts, cluster)
+    settings = resolve_all_settings(cluster, events)
+    try:
+        prebuilt = prebuilt_from_environ()
+    except EnvelopeError as exc:
+        raise FdlError(str(exc), EXIT_USAGE) from None
+    launcher_env = dict(os.environ)
+    launcher_env.update(opts.env_overrides)
+    scale = net_timeout_scale(launcher_env)
+    return Resolved(cluster, argv, settings, prebuilt, launcher_env, scale,
+                    max_failure), code
+
+
+def membership_for(cluster: ClusterSpec) -> Membership:
+    """The membership rule of a cluster: its roster, its spares, its min_hosts."""
+    return Membership(roster=[w.host for w in cluster.workers if not w.spare],
+                      spares=[w.host for w in cluster.workers if w.spare],
+                      min_hosts=cluster.elastic.min_hosts,
+                      host_failures=cluster.elastic.host_failures)
+
+
+def attempt_cluster(cluster: ClusterSpec, hosts: Sequence[str]) -> ClusterSpec:
+    """The cluster of one attempt: its hosts in roster order, numbered afresh (each
+    worker's index is its GROUP_RANK)."""
+    by_host = {w.host: w for w in cluster.workers}
+    return dataclasses.replace(cluster, workers=tuple(
+        dataclasses.replace(by_host[h], index=i) for i, h in enumerate(hosts)))
+
+
+def plan_attempt(r: Resolved, cluster: ClusterSpec, resolved: Mapping[str, list[int]], *,
+                 run_id: Optional[str] = None, attempt: int = 0) -> LaunchPlan:
+    """The plan of one attempt, from its hosts: ranks numbered afresh, a fresh salt
+    every time, so nothing of an earlier attempt can join this one's cohort; the run
+    id stays (TORCHELASTIC_RUN_ID)."""
+    try:
+        return build_plan(cluster, argv=r.argv, run_id=run_id or new_run_id(),
+                          salt=new_salt(), resolved_devices=resolved, prebuilt=r.prebuilt,
+                          launcher_env=r.launcher_env, attempt=attempt)
+    except ValueError as exc:
+        raise FdlError(f"{r.cluster.file}: {exc}", EXIT_USAGE) from None
+
+
+def dry_run(r: Resolved, membership: Membership, code: Optional[CodeStep],
+            events: EventBus) -> None:
+    """``--dry-run``: the plan of the whole roster, shown; nothing is contacted."""
+    roster = attempt_cluster(r.cluster, membership.roster)
+    if code is not None:
+        roster = code.planned(roster)
+    plan = plan_attempt(r, roster, dry_run_devices(roster))
+    events(Name.DRY_RUN, **dry_run_data(plan, r.settings), spares=list(membership.spares),
+           min_hosts=r.cluster.elastic.min_hosts, code=code.dry_run() if code else None)
