@@ -28,9 +28,12 @@ environment the spec gives the rank, as the agent would build it), ``welcome``, 
 dialled again with rank.py's pauses. Its "work" ends after ``--work`` seconds (exit 0,
 after ``exiting``), or when it is stopped.
 
-Single-threaded: one selector over stdin, stdout, every rank's socket and a signal
-wake-up pipe, plus a timer heap. Standard library and fdl_fabric's standalone modules
-only (the agent's, which a host has), so it runs under ``python3 -I -S``.
+Single-threaded, on the real relay's loop (`fdl_fabric.agent.relayloop.RelayLoop`, itself
+on the agent's `hostloop`): one selector over stdin, stdout, every rank's socket and a
+signal wake-up pipe, plus a timer heap; the mux's HELLO, the launcher's frames by type,
+the batching, EOF/EPIPE/TERM and the last flush are the real relay's code, not a copy.
+Standard library and fdl_fabric's standalone modules only (the agent's, which a host
+has), so it runs under ``python3 -I -S``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import hashlib
 import heapq
 import hmac
@@ -54,8 +58,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fdl_fabric import rank as rk  # noqa: E402
-from fdl_fabric.agent import checks, wire  # noqa: E402
-from fdl_fabric.agent import relay as mux  # noqa: E402
+from fdl_fabric.agent import checks, mux, relay, wire  # noqa: E402
+from fdl_fabric.agent.relayloop import RelayLoop  # noqa: E402
 
 #: Pids given to synthetic processes: above any real pid of this machine (pid_max).
 FAKE_PID_BASE = 5_000_000
@@ -100,6 +104,8 @@ class SynRank:
         self.config: Any = None
         self.deadline = 0.0
         self.join_t0: Optional[float] = None
+        #: What the loop calls when its socket is ready (set by the emulator).
+        self.ready: Optional[Callable[[int, int], None]] = None
 
 
 class Leaf:
@@ -127,29 +133,44 @@ class Leaf:
         self.source: Optional[str] = None
 
 
-class Emulator:
+class Emulator(RelayLoop):
+    """The emulated relay: the real relay's loop, with emulated leaves."""
+
+    INPUT_ERRORS = RelayLoop.INPUT_ERRORS + (wire.ProtocolError,)
+
     def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(0, 1)
         self.args = args
-        self.sel = selectors.DefaultSelector()
         self.skip: Optional[Skip] = Skip(args.payload_bytes)
-        self.reader = mux.Reader(mux.DOWN_TYPES)
-        self.batch = mux.Batcher()
-        self.up = bytearray()
         self.leaves: Dict[int, Leaf] = {}
-        self.upstream = True
-        self.output_open = True
         self.timers: List[Tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
         self._pids = FAKE_PID_BASE + (os.getpid() % 1000) * 1000
         self._checks_cache: Dict[str, Dict[str, str]] = {}
-        self._wake_r, self._wake_w = os.pipe()
         self.give_up_at: Optional[float] = None
-        self.write_registered = False
         self.blob: Optional[bytes] = None
         #: For the benchmark (``--stats``): each rank's join time (first dial to welcome),
         #: dials, ``retry`` rejects, welcome bytes, ranks that gave up.
         self.stats: Dict[str, Any] = {"join_s": [], "dials": 0, "retry_rejects": 0,
                                       "welcome_bytes": 0, "failed": 0, "lost_before_welcome": 0}
+        self.whole({mux.BLOB: self._on_blob, mux.OPEN: self._on_open})
+        self.per_leaf({mux.DATA: self._to_leaf, mux.PAYLOAD: self._on_payload,
+                       mux.EOF: lambda leaf, rest: self._leaf_eof(leaf),
+                       mux.KILL: lambda leaf, rest: self._leaf_killed(leaf)})
+        #: What an emulated leaf agent does with each frame from the launcher.
+        self.agent_handlers: Dict[int, Callable[[Leaf, bytes], None]] = {
+            wire.SPEC: lambda leaf, body: self._on_spec(leaf, wire.parse_json(body)),
+            wire.PROBE: lambda leaf, body: self.send(
+                leaf, wire.FACTS, {"gpus": None, "gpu_error": "emulated leaf"}),
+            wire.START: lambda leaf, body: self._spawn_all(leaf),
+            wire.SIGNAL: self._on_agent_signal, wire.STOP: self._on_agent_stop,
+            wire.KILL: self._on_agent_kill, wire.SWEEP: self._on_agent_sweep,
+            wire.PING: lambda leaf, body: self._agent_beat(leaf),
+            wire.SUSPEND: lambda leaf, body: setattr(leaf, "suspended", True),
+            wire.RESUME: lambda leaf, body: setattr(leaf, "suspended", False),
+            wire.STACKS: self._on_agent_stacks,
+            wire.LIST: lambda leaf, body: self.send(leaf, wire.RUNS, {"runs": [], "errors": []}),
+        }
 
     # -- timers ----------------------------------------------------------------------------
     def at(self, when: float, fn: Callable[[], None]) -> None:
@@ -165,167 +186,84 @@ class Emulator:
         self._pids += 1
         return self._pids
 
-    # -- loop ------------------------------------------------------------------------------
+    # -- the relay loop's hooks --------------------------------------------------------------
     def run(self) -> int:
-        for fd in (0, 1, self._wake_r, self._wake_w):
-            os.set_blocking(fd, False)
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: None)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        self.sel.register(0, selectors.EVENT_READ, "in")
-        self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self.up += mux.HANDSHAKE + mux.frame(mux.HELLO, mux.json_body({
-            "version": mux.VERSION, "pid": os.getpid(),
-            "python": "{}.{}.{}".format(*sys.version_info[:3])}))
-        self.at(time.monotonic() + LEASE_CHECK, self._check_leases)
-        while self.upstream or self.leaves:
-            self._step()
-        if self.output_open:
-            self.batch.take(self.up)
-        deadline = time.monotonic() + 5.0
-        while self.up and self.output_open and time.monotonic() < deadline:
-            self._write_up()
-            if self.up:
-                time.sleep(0.01)
+        code = super().run()
         if self.args.stats:
             with contextlib.suppress(OSError), \
                     open(f"{self.args.stats}-{os.getpid()}.json", "w") as f:
                 json.dump(self.stats, f)
-        return 0
+        return code
 
-    def _step(self) -> None:
-        now = time.monotonic()
-        due = [t for t in (self.timers[0][0] if self.timers else None,
-                           self.batch.wake_at(), self.give_up_at) if t is not None]
-        timeout = max(0.0, min(due) - now) if due else None
-        want_write = bool(self.up) and self.output_open
-        if want_write != self.write_registered:
-            if want_write:
-                self.sel.register(1, selectors.EVENT_WRITE, "out")
-            else:
-                self.sel.unregister(1)
-            self.write_registered = want_write
-        for key, events in self.sel.select(timeout):
-            what = key.data
-            if what == "in":
-                self._read_input()
-            elif what == "out":
-                self._write_up()
-            elif what == "wake":
-                self._read_signals()
-            elif isinstance(what, SynRank):
-                self._rank_io(what, events)
-        now = time.monotonic()
+    def hello(self) -> None:
+        super().hello()
+        self.at(time.monotonic() + LEASE_CHECK, self._check_leases)
+
+    def prepare(self) -> None:
+        self.want_output()
+
+    def deadlines(self) -> List[float]:
+        return [t for t in (self.timers[0][0] if self.timers else None, self.flush_due(),
+                            self.give_up_at) if t is not None]
+
+    def after(self, now: float) -> None:
         self._run_timers(now)
         if self.give_up_at is not None and now >= self.give_up_at:
             for leaf in list(self.leaves.values()):
                 self._drop(leaf)
-        if self.batch.due(now) and len(self.up) < mux.UP_HIGH:
-            self.batch.take(self.up, mux.UP_HIGH)
+        self.flush(now)
         self._close_finished()
-        if self.up and self.output_open:
-            self._write_up()
 
-    def _read_signals(self) -> None:
-        try:
-            data = os.read(self._wake_r, 512)
-        except OSError:
-            return
-        if any(s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT) for s in data):
-            self._upstream_gone()
-
-    # -- from the launcher -----------------------------------------------------------------
-    def _read_input(self) -> None:
-        try:
-            data = os.read(0, 256 * 1024)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._upstream_gone()
-            return
+    def frames(self, data: bytes) -> List[Tuple[int, bytes]]:
+        """The agent payload the launcher writes first is skipped, then the mux."""
         if self.skip is not None:
             rest = self.skip.feed(data)
             if rest is None:
-                return
+                return []
             self.skip = None
             data = rest
-        try:
-            for kind, body in self.reader.feed(data):
-                self._down(kind, body)
-        except (mux.MuxError, wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
-            self.up += mux.frame(mux.ERROR, mux.json_body({"message": f"protocol error: {exc}"}))
-            self._upstream_gone()
+        return self.reader.feed(data)
 
-    def _down(self, kind: int, body: bytes) -> None:
-        if kind == mux.BLOB:
-            self.blob = body
-            return
-        lid, rest = mux.parse_leaf(body)
-        if kind == mux.OPEN:
-            if lid in self.leaves:
-                raise mux.MuxError(f"leaf {lid} is already open")
-            mux.parse_json(rest)["argv"]  # never run: the leaf is emulated
-            if not self.upstream:
-                return
-            self.leaves[lid] = Leaf(lid, self.args.payload_bytes)
-            self.batch.open(lid)
-            return
+    def open_leaf(self, lid: int) -> Optional[Leaf]:
         leaf = self.leaves.get(lid)
-        if leaf is None or leaf.status is not None:
-            return
-        if kind == mux.DATA:
-            self._to_leaf(leaf, rest)
-        elif kind == mux.PAYLOAD:
-            if self.blob is None:
-                raise mux.MuxError("PAYLOAD before any BLOB")
-            self._to_leaf(leaf, self.blob)
-        elif kind == mux.EOF:
-            self._leaf_eof(leaf)
-        elif kind == mux.KILL:
-            self._leaf_killed(leaf)
+        return None if leaf is None or leaf.status is not None else leaf
 
-    def _upstream_gone(self) -> None:
-        if not self.upstream:
-            return
-        self.upstream = False
-        with contextlib.suppress(KeyError, ValueError):
-            self.sel.unregister(0)
+    def let_go(self, now: float) -> None:
         for leaf in list(self.leaves.values()):
             self._leaf_eof(leaf)
-        self.give_up_at = time.monotonic() + mux.DRAIN_BOUND
+        self.give_up_at = now + relay.DRAIN_BOUND
+
+    # -- from the launcher -----------------------------------------------------------------
+    def _on_blob(self, body: bytes) -> None:
+        self.blob = body
+
+    def _on_open(self, body: bytes) -> None:
+        lid, rest = mux.parse_leaf(body)
+        if lid in self.leaves:
+            raise mux.MuxError(f"leaf {lid} is already open")
+        mux.parse_json(rest)["argv"]  # never run: the leaf is emulated
+        if not self.upstream:
+            return
+        self.leaves[lid] = Leaf(lid, self.args.payload_bytes)
+        self.batch.open(lid)
+
+    def _on_payload(self, leaf: Leaf, rest: bytes) -> None:
+        if self.blob is None:
+            raise mux.MuxError("PAYLOAD before any BLOB")
+        self._to_leaf(leaf, self.blob)
 
     # -- to the launcher -------------------------------------------------------------------
-    def _write_up(self) -> None:
-        while self.up and self.output_open:
-            try:
-                n = os.write(1, self.up[:mux.WRITE_SIZE])
-            except BlockingIOError:
-                return
-            except OSError:
-                self.output_open = False
-                self.up.clear()
-                self.batch.clear()
-                self._upstream_gone()
-                return
-            del self.up[:n]
-
     def _close_finished(self) -> None:
         for leaf in [x for x in self.leaves.values()
                      if x.status is not None and not self.batch.backlog(x.id)]:
             self._drop(leaf)
 
     def _drop(self, leaf: Leaf) -> None:
-        del self.leaves[leaf.id]
-        self.batch.drop(leaf.id)
+        self.forget(leaf.id)
         for r in leaf.ranks.values():
             self._close_rank(r)
-        status = leaf.status if leaf.status is not None else -int(signal.SIGKILL)
-        code, sig = (None, -status) if status < 0 else (status, None)
-        if self.output_open:
-            self.up += mux.closed_frame(leaf.id, code, sig, "")
+        self.report_closed(leaf.id,
+                           leaf.status if leaf.status is not None else -int(signal.SIGKILL))
 
     # -- one leaf agent --------------------------------------------------------------------
     def send(self, leaf: Leaf, kind: int, obj: Optional[Dict[str, Any]] = None,
@@ -349,9 +287,10 @@ class Emulator:
             self._agent_hello(leaf)
             data = rest
         try:
-            frames = leaf.reader.feed(data)
-            for kind, body in frames:
-                self._agent_frame(leaf, kind, body)
+            for kind, body in leaf.reader.feed(data):
+                handler = self.agent_handlers.get(kind)
+                if handler is not None:
+                    handler(leaf, body)
         except wire.ProtocolError as exc:
             self.send(leaf, wire.ERROR, {"message": f"protocol error from the launcher: {exc}",
                                          "rank": None})
@@ -366,47 +305,41 @@ class Emulator:
             "system": uname.sysname, "machine": uname.machine}))
         leaf.hello_sent = True
 
-    def _agent_frame(self, leaf: Leaf, kind: int, body: bytes) -> None:
-        if kind == wire.SPEC:
-            self._on_spec(leaf, wire.parse_json(body))
-        elif kind == wire.PROBE:
-            self.send(leaf, wire.FACTS, {"gpus": None, "gpu_error": "emulated leaf"})
-        elif kind == wire.START:
-            self._spawn_all(leaf)
-        elif kind == wire.SIGNAL:
-            obj = wire.parse_json(body)
-            name = obj.get("signal")
-            if name not in wire.SIGNALS:
-                raise wire.ProtocolError(f"cannot forward signal {name!r}")
-            self._signal(leaf, SIGNUMS[str(name)], obj.get("rank"))
-        elif kind == wire.STOP:
-            obj = wire.parse_json(body) if body else {}
-            name = obj.get("signal") or "TERM"
-            if name not in ("TERM", "INT"):
-                raise wire.ProtocolError(f"cannot stop with signal {name!r}")
-            if obj.get("rank") is None:
-                self._leash(leaf, SIGNUMS[str(name)])
-            else:
-                self._signal(leaf, int(signal.SIGTERM), obj.get("rank"))
-        elif kind == wire.KILL:
-            leaf.stopping = True
-            self._signal(leaf, int(signal.SIGKILL), None)
-        elif kind == wire.SWEEP:
-            self.send(leaf, wire.SWEPT, _empty_sweep())
-            self._finish(leaf)
-        elif kind == wire.PING:
-            if time.monotonic() - leaf.last_sent >= wire.HEARTBEAT_INTERVAL:
-                self.send(leaf, wire.HEARTBEAT)
-        elif kind == wire.SUSPEND:
-            leaf.suspended = True
-        elif kind == wire.RESUME:
-            leaf.suspended = False
-        elif kind == wire.STACKS:
-            req = wire.parse_json(body)
-            self.send(leaf, wire.STACKS_REPORT, {"id": req.get("id"), "run": req.get("run"),
-                                                 "ranks": {}, "error": "emulated leaf"})
-        elif kind == wire.LIST:
-            self.send(leaf, wire.RUNS, {"runs": [], "errors": []})
+
+    def _on_agent_signal(self, leaf: Leaf, body: bytes) -> None:
+        obj = wire.parse_json(body)
+        name = obj.get("signal")
+        if name not in wire.SIGNALS:
+            raise wire.ProtocolError(f"cannot forward signal {name!r}")
+        self._signal(leaf, SIGNUMS[str(name)], obj.get("rank"))
+
+    def _on_agent_stop(self, leaf: Leaf, body: bytes) -> None:
+        obj = wire.parse_json(body) if body else {}
+        name = obj.get("signal") or "TERM"
+        if name not in ("TERM", "INT"):
+            raise wire.ProtocolError(f"cannot stop with signal {name!r}")
+        if obj.get("rank") is None:
+            self._leash(leaf, SIGNUMS[str(name)])
+        else:
+            self._signal(leaf, int(signal.SIGTERM), obj.get("rank"))
+
+    def _on_agent_kill(self, leaf: Leaf, body: bytes) -> None:
+        leaf.stopping = True
+        self._signal(leaf, int(signal.SIGKILL), None)
+
+    def _on_agent_sweep(self, leaf: Leaf, body: bytes) -> None:
+        self.send(leaf, wire.SWEPT, _empty_sweep())
+        self._finish(leaf)
+
+    def _agent_beat(self, leaf: Leaf) -> None:
+        if time.monotonic() - leaf.last_sent >= wire.HEARTBEAT_INTERVAL:
+            self.send(leaf, wire.HEARTBEAT)
+
+    def _on_agent_stacks(self, leaf: Leaf, body: bytes) -> None:
+        req = wire.parse_json(body)
+        self.send(leaf, wire.STACKS_REPORT, {"id": req.get("id"), "run": req.get("run"),
+                                             "ranks": {}, "error": "emulated leaf"})
+
 
     def _on_spec(self, leaf: Leaf, spec: Dict[str, Any]) -> None:
         if leaf.spec is not None:
@@ -466,7 +399,7 @@ class Emulator:
                                                f"up {r.rank}\n".encode(), False))
             if self.args.join:
                 self._start_join(r)
-            self.at(now + self.args.work, lambda r=r: self._rank_exit(r, 0, None))
+            self.at(now + self.args.work, functools.partial(self._rank_exit, r, 0, None))
 
     def _signal(self, leaf: Leaf, sig: int, rank: Optional[Any]) -> None:
         """A signal reaches the ranks' groups: a sleeping synthetic rank dies of it (the
@@ -577,7 +510,8 @@ class Emulator:
             return
         r.sock, r.buf, r.out, r.tx, r.rx = sock, bytearray(), bytearray(), 0, 0
         r.connecting = True
-        self.sel.register(sock, selectors.EVENT_WRITE, r)
+        r.ready = r.ready or functools.partial(self._rank_ready, r)
+        self.sel.register(sock, selectors.EVENT_WRITE, r.ready)
 
     def _redial_later(self, r: SynRank) -> None:
         delay = min(rk.CONNECT_RETRY, rk.RETRY_FIRST * 2 ** min(r.attempt, 16)) * \
@@ -616,7 +550,10 @@ class Emulator:
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if r.out else 0)
         with contextlib.suppress(KeyError, ValueError):
             if self.sel.get_key(sock).events != events:
-                self.sel.modify(sock, events, r)
+                self.sel.modify(sock, events, r.ready)
+
+    def _rank_ready(self, r: SynRank, fd: int, events: int) -> None:
+        self._rank_io(r, events)
 
     def _rank_io(self, r: SynRank, events: int) -> None:
         sock = r.sock

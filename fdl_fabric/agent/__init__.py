@@ -11,12 +11,19 @@ and that decides its rules:
 
   - `wire`: the framed protocol on the agent's stdin/stdout (docs/protocol.md);
   - `lines`: rank output turned into whole-line chunks, in linear time;
-  - `procs`: which processes belong to a run, the run registry, stopping them;
+  - `pids`: which processes are there and which belong to a run, stopping them;
+  - `procs`: the run registry and a cleanup's sweep (and `pids`' names, re-exported);
   - `children`: starting one rank (fork, setsid, exec) with its pipes;
+  - `ranks`: the agent's ranks: started, their output as frames, their exits;
+  - `collectors`: the agent's stack requests;
   - `checks`: the fast pre-flight facts of this host;
   - `watchdog`: the process that stops the ranks if the agent itself is killed;
-  - `main`: the agent's event loop, tying the others together.
+  - `hostloop`: the one event loop (select, frames, leash, signals) of the agent and
+    the relay;
+  - `main`: the agent on that loop, tying the others together;
+  - `mux`, `relayloop`, `relay`: a gateway's relay: its framing, its loop and batching
+    (shared with the bench's emulated relay), its leaves.
 
-The launcher side of the protocol lives in `fdl_fabric.sessions`; `fdl_fabric.bundle`
-builds what is sent to start an agent.
+The launcher side of the protocol lives in `fdl_fabric.transport.session`;
+`fdl_fabric.transport.bundle` builds what is sent to start an agent (every module here).
 """

@@ -18,7 +18,7 @@ import errno
 import os
 import signal
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 #: Signals whose disposition a Python parent changes and a child must not inherit.
 _RESET_SIGNALS = ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGINT", "SIGTERM", "SIGHUP", "SIGCHLD",
@@ -58,42 +58,11 @@ def spawn(argv: Sequence[str], env: Dict[str, str], cwd: str) -> Child:
         raise SpawnError(describe(exc.errno or 0, "fork" if len(opened) == 6 else "pipe",
                                   argv[0], cwd)) from None
     if pid == 0:  # pragma: no cover - the child; observed through its effects
-        step = "setsid"
-        try:
-            os.setsid()
-            step = "cd"
-            os.chdir(cwd_b)
-            step = "redirect"
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(out_w, 1)
-            os.dup2(err_w, 2)
-            _close_fds_except(status_w)
-            for name in _RESET_SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_SETMASK, [])
-            step = "exec"
-            os.execvpe(args[0], args, envb)  # type: ignore[arg-type]
-        except OSError as exc:
-            os.write(status_w, f"{exc.errno or 0}:{step}".encode())
-        except BaseException:
-            os.write(status_w, b"0:exec")
-        os._exit(127)
+        _exec_child(args, envb, cwd_b, (out_w, err_w, status_w))
     os.close(out_w)
     os.close(err_w)
     os.close(status_w)
-    report = b""
-    while True:
-        try:
-            chunk = os.read(status_r, 256)
-        except InterruptedError:
-            continue
-        if not chunk:
-            break
-        report += chunk
-    os.close(status_r)
+    report = _read_all(status_r)
     if report:
         os.close(out_r)
         os.close(err_r)
@@ -104,34 +73,37 @@ def spawn(argv: Sequence[str], env: Dict[str, str], cwd: str) -> Child:
     return Child(pid=pid, start=started, stdout=out_r, stderr=err_r)
 
 
+#: What a failed step and its errno mean, for `describe` ({program}, {reason}, {where}).
+_WHY: Dict[Tuple[str, int], str] = {
+    ("fork", errno.EAGAIN): "{program}: cannot fork: the process limit (ulimit -u) was "
+                            "reached ({reason})",
+    ("fork", errno.ENOMEM): "{program}: cannot fork: out of memory ({reason})",
+    ("exec", errno.ENOMEM): "{program}: cannot exec: out of memory ({reason})",
+    ("pipe", errno.EMFILE): "{program}: cannot open its output pipes: this agent's open-file "
+                            "limit (ulimit -n) was reached ({reason})",
+    ("pipe", errno.ENFILE): "{program}: cannot open its output pipes: the system's open-file "
+                            "limit (fs.file-max) was reached ({reason})",
+    ("exec", errno.ENOENT): "{program}: not found{where}",
+    ("exec", errno.EACCES): "{program}: not executable (permission denied)",
+    ("exec", errno.ENOEXEC): "{program}: not an executable format (a script without a #! "
+                             "line?)",
+    ("exec", errno.EAGAIN): "{program}: cannot exec: the process limit (ulimit -u) was "
+                            "reached ({reason})",
+    ("exec", errno.E2BIG): "{program}: argument list too long for this host's kernel "
+                           "({reason})",
+}
+
+
 def describe(code: int, step: str, program: str, cwd: str) -> str:
     """What failed while starting a rank, by the step that failed (``pipe``, ``fork``,
     ``setsid``, ``cd``, ``redirect``, ``exec``) and its errno: a limit is named as the
     limit it is (``ulimit -u``, ``ulimit -n``), a program as not found or not executable."""
     reason = os.strerror(code) if code else "unknown error"
-    if step == "fork" and code == errno.EAGAIN:
-        return (f"{program}: cannot fork: the process limit (ulimit -u) was reached "
-                f"({reason})")
-    if step in ("fork", "exec") and code == errno.ENOMEM:
-        return f"{program}: cannot {step}: out of memory ({reason})"
-    if step == "pipe" and code in (errno.EMFILE, errno.ENFILE):
-        which = "this agent's open-file limit (ulimit -n)" if code == errno.EMFILE else \
-            "the system's open-file limit (fs.file-max)"
-        return f"{program}: cannot open its output pipes: {which} was reached ({reason})"
     if step == "cd":
         return f"cannot enter the working directory {cwd}: {reason}"
-    if step == "exec" and code == errno.ENOENT:
-        where = "" if "/" in program else " on PATH"
-        return f"{program}: not found{where}"
-    if step == "exec" and code == errno.EACCES:
-        return f"{program}: not executable (permission denied)"
-    if step == "exec" and code == errno.ENOEXEC:
-        return f"{program}: not an executable format (a script without a #! line?)"
-    if step == "exec" and code == errno.EAGAIN:
-        return f"{program}: cannot exec: the process limit (ulimit -u) was reached ({reason})"
-    if step == "exec" and code == errno.E2BIG:
-        return f"{program}: argument list too long for this host's kernel ({reason})"
-    return f"{program}: {step} failed: {reason}"
+    text = _WHY.get((step, code), "{program}: {step} failed: {reason}")
+    return text.format(program=program, step=step, reason=reason,
+                       where="" if "/" in program else " on PATH")
 
 
 def problem(exc: BaseException) -> str:
@@ -143,6 +115,51 @@ def problem(exc: BaseException) -> str:
     reason = getattr(exc, "strerror", None) or str(exc)
     where = getattr(exc, "filename", None)
     return f"cannot prepare its error file{' ' + str(where) if where else ''}: {reason}"
+
+
+def _exec_child(args: List[bytes], envb: Dict[bytes, bytes], cwd: bytes,
+                pipes: Tuple[int, int, int]) -> None:  # pragma: no cover - runs in the child
+    """The child's side: its own session, ``cwd``, stdin /dev/null, the pipes, default
+    signals, then exec; a failed step is written to the status pipe as ``errno:step``."""
+    out_w, err_w, status_w = pipes
+    step = "setsid"
+    try:
+        os.setsid()
+        step = "cd"
+        os.chdir(cwd)
+        step = "redirect"
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        _close_fds_except(status_w)
+        for name in _RESET_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        step = "exec"
+        os.execvpe(args[0], args, envb)  # type: ignore[arg-type]
+    except OSError as exc:
+        os.write(status_w, f"{exc.errno or 0}:{step}".encode())
+    except BaseException:
+        os.write(status_w, b"0:exec")
+    os._exit(127)
+
+
+def _read_all(fd: int) -> bytes:
+    """Everything until EOF on a blocking pipe (the child's exec report), then closed."""
+    report = b""
+    while True:
+        try:
+            chunk = os.read(fd, 256)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        report += chunk
+    os.close(fd)
+    return report
 
 
 def _reap(pid: int) -> None:

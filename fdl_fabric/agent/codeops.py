@@ -16,6 +16,7 @@ import selectors
 from typing import Any, Callable, Dict, Optional
 
 from fdl_fabric.agent import codestore, setupstep, wire
+from fdl_fabric.agent.hostloop import read_ready
 
 #: Sends a JSON frame up (the agent's `send`).
 Send = Callable[[int, Optional[Dict[str, Any]]], None]
@@ -100,7 +101,11 @@ class CodeOps:
             return
         self.setup = run
         for fd in fds:
-            self.sel.register(fd, selectors.EVENT_READ, "setup")
+            self.sel.register(fd, selectors.EVENT_READ, self.on_ready)
+
+    def on_ready(self, fd: int, events: int = 0) -> None:
+        """Setup's pipe is ready (the loop's handler for it)."""
+        self.read_setup(fd, read_ready(fd))
 
     def read_setup(self, fd: int, data: Optional[bytes]) -> None:
         """What setup wrote on ``fd`` (``b""``: its end of the pipe)."""
