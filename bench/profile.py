@@ -206,14 +206,16 @@ def timeline(cluster: Path, cmd: str, repeat: int, extra: Sequence[str] = ()) ->
 
         setattr(owner, name, wrapper)
 
-    wrap(launcher, "connect_all", "connect all hosts")
-    wrap(launcher, "start_agents", "start agents")
+    from fdl_fabric.commands import launch_hosts
+
+    wrap(launch_hosts, "connect_all", "connect all hosts")
+    wrap(launch_hosts, "start_agents", "start agents")
     wrap(launcher.Launch, "_plan", "plan")
     wrap(Coordinator, "start", "coordinator start")
     wrap(Coordinator, "stop", "coordinator stop")
     wrap(supervisor.Supervisor, "run", "supervisor loop")
     wrap(launcher.Launch, "_teardown", "teardown")
-    wrap(launcher, "close_all", "close connections")
+    wrap(launch_hosts, "close_all", "close connections")
     handle = supervisor.Supervisor._handle
 
     def handled(self: object, report: object) -> None:

@@ -147,7 +147,7 @@ PROBLEMS_MAX = 100
 
 # -- the launcher's own resources at run time ---------------------------------------------------
 # What one launch holds open, so it can be checked against RLIMIT_NOFILE before anything starts
-# (`fdl_fabric.transport.tunnel.check_open_files`) and so a tunnel never takes what the agents'
+# (`fdl_fabric.transport.openfiles.check_open_files`) and so a tunnel never takes what the agents'
 # sessions need. With paramiko an SSH connection is one socket; a session read by the
 # launcher's channel reader is a pipe besides (its ``fileno()``), forwarded channels none.
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .. import reports
 from ..errors import FdlError
 from ..events import EventBus
 from ..planning.plan import LaunchPlan, coordinator_bind_host, interpreted_argv
@@ -21,7 +22,6 @@ from ..preflight import Status, agent_checks, judge, launch_plan
 from ..preflight.probe import HostPlan
 from ..preflight.run import port_owner
 from ..presentation.output import Console
-from ..supervision import reports
 from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
 from ..supervision.policy import Elastic
 from ..supervision.supervisor import RunResult, Supervisor

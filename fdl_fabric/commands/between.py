@@ -18,12 +18,11 @@ from ..clusterfile import ClusterSpec
 from ..errors import EXIT_FAILURE
 from ..events import EventBus, Name, event
 from ..planning.plan import LaunchPlan
-from ..planning.tree import cluster_tree, tree_hosts
+from ..states import RankState
 from ..supervision.membership import HostFate, Membership, Selection
-from ..supervision.supervisor import RankState, RunResult
+from ..supervision.records import RunResult
 from ..supervision.verdict import Verdict
-from ..transport import for_cluster
-from ..transport.fanout import close_all
+from ..transport import replan_tree, tree_of
 from .launch_hosts import Hosts
 from .launch_settings import Resolved
 
@@ -55,7 +54,7 @@ class LostGateways:
         without them (`replan_around_lost_gateways`); their leaves' losses are theirs,
         not the leaves', so each leaf is probed again through the gateways left
         (`HostFate.CUT_OFF`)."""
-        tree = cluster_tree(cluster, avoid=self.lost)
+        tree = tree_of(cluster, avoid=self.lost)
         lost = {g.host for g in tree.gateways} & set(result.faults)
         if not lost:
             return {}
@@ -71,13 +70,9 @@ class LostGateways:
         rule keeps it or leaves it out by whether it answers, like any host)."""
         if not self.replan:
             return
-        cluster = r.cluster
-        tree = tree_hosts(cluster)
-        close_all([hosts.transports[h] for h in tree])
-        fresh = for_cluster(cluster, r.settings, avoid=self.lost)
-        hosts.transports.update({h: fresh[h] for h in tree})
+        tree = replan_tree(r.cluster, r.settings, hosts.transports, self.lost)
         self.events(Name.TREE_REPLANNED, attempt=attempt, lost=self.replan,
-                    tree=cluster_tree(cluster, avoid=self.lost).as_data())
+                    tree=tree.as_data())
         self.replan = []
 
 

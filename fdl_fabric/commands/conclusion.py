@@ -17,11 +17,11 @@ from ..errors import EXIT_FAILURE, FdlError
 from ..events import EventBus, Name, event
 from ..presentation.latest import RunFolder
 from ..presentation.output import Console, RunLog
-from ..presentation.rankoutput import RankOutput
 from ..presentation.words import cause_data
 from ..runs.hook import bound as hook_bound
 from ..runs.hook import hook_env, run_hook
 from ..runs.record import ON_EXIT_LOG, RunRecord
+from ..supervision.rankoutput import RankOutput
 from ..supervision.rootcause import root_cause, root_error
 from ..supervision.supervisor import RunResult
 from ..supervision.verdict import Verdict

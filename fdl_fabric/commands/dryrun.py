@@ -20,7 +20,7 @@ from ..agent.checks import gpu_indices
 from ..clusterfile import ClusterSpec
 from ..planning.plan import LaunchPlan, coordinator_bind_host
 from ..presentation.output import redact_env
-from ..transport import HostSettings, Transport, for_cluster, tree_of
+from ..transport import HostSettings, Transport, for_cluster, for_worker, tree_of
 
 
 def dry_run_devices(cluster: ClusterSpec) -> dict[str, list[int]]:
@@ -54,8 +54,8 @@ def plan_as_json(plan: LaunchPlan,
                     "formation_timeout": c.elastic.formation_timeout,
                     "heartbeat_timeout": c.elastic.heartbeat_timeout},
         "env": redact_env(dict(c.env)),
-        "workers": [_worker_json(w, transports[w.host]) for w in c.workers
-                    if w.host in transports],
+        "workers": [_worker_json(w, transports.get(w.host) or for_worker(w))
+                    for w in c.workers],
         "ranks": [
             {"rank": r.rank, "local_rank": r.local_rank, "host": r.host,
              "device": r.device, "cwd": r.cwd, "argv": list(r.argv),

@@ -39,24 +39,22 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .. import shell
+from .. import reports, shell
 from ..clusterfile import ClusterSpec
 from ..errors import EXIT_FAILURE, EXIT_USAGE, FdlError
 from ..events import Event, EventBus, Name
 from ..planning.envelope import ENV_VERBOSITY, new_run_id
 from ..planning.plan import LaunchPlan
 from ..preflight import fleet
-from ..presentation.dryrun import plan_as_json
 from ..presentation.latest import RunFolder, point_latest
 from ..presentation.output import Console, JsonConsole, RunLog
-from ..presentation.rankoutput import RankOutput
 from ..presentation.words import cause_data
 from ..runs import place
 from ..runs.reading import is_live, read_json
 from ..runs.record import STOP_NOTE, RunRecord
-from ..supervision import reports
 from ..supervision.membership import Membership, Selection
 from ..supervision.policy import Restarts
+from ..supervision.rankoutput import RankOutput
 from ..supervision.rootcause import root_error
 from ..supervision.supervisor import RunResult
 from ..supervision.verdict import Verdict
@@ -73,6 +71,7 @@ from .between import (
     shortfall,
 )
 from .conclusion import conclude, failed, interrupted
+from .dryrun import plan_as_json
 from .launch_hosts import Hosts
 from .launch_settings import Resolved, attempt_cluster, dry_run, membership_for, plan_attempt
 from .launch_settings import resolve as resolve_settings
@@ -256,13 +255,15 @@ class Launch:
         """The first attempt's hosts, the plan kept with the logs, the launch line and
         what the plan warns of."""
         membership_event(self.events, selection, plan)
+        data = plan_as_json(plan, self.hosts.transports)
         for log in (self.log, self.record):
             if log is not None:
-                log.write_cluster(plan_as_json(plan))
+                log.write_cluster(data)
         self.events(Name.LAUNCH, run_id=plan.run_id, world_size=plan.world_size,
                     ranks={h: [r.rank for r in plan.host_ranks(h)] for h in plan.hosts()})
         for name, data in plan_warnings(
-                plan, targets={h: s.target.rpartition("@")[2] for h, s in r.settings.items()},
+                plan, targets={h: t.destination for h, t in self.hosts.transports.items()
+                               if t.destination},
                 from_flags=r.cluster.named_by is not None):
             self.events(name, **data)
         if any(plan.defaults(h) for h in plan.hosts()):

@@ -16,18 +16,17 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
+from .. import reports
 from ..clusterfile import ClusterSpec
 from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
 from ..limits import RANKS_MAX, RANKS_PER_WORKER_MAX
 from ..planning.plan import coordinator_bind_host
-from ..presentation.rankoutput import RankOutput
 from ..presentation.words import unreachable
-from ..supervision import reports
-from ..transport import Transport
+from ..supervision.rankoutput import RankOutput
+from ..transport import Transport, open_tunnel
 from ..transport.fanout import close_all, connect_all, connect_each, start_agents
 from ..transport.session import AgentSession
-from ..transport.tunnel import open_tunnel
 from .cleanup import HostReport, sweep_request, sweep_with_agents
 
 if TYPE_CHECKING:

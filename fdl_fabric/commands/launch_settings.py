@@ -31,12 +31,11 @@ from ..planning.envelope import (
     prebuilt_from_environ,
 )
 from ..planning.plan import LaunchPlan, build_plan
-from ..presentation.dryrun import dry_run_data, dry_run_devices
 from ..runs import place
 from ..supervision.membership import Membership
 from ..sync.step import CodeStep, never_sent, sync_spec
-from ..transport import resolve_cluster
-from ..transport.sshconfig import SshSettings, resolve_all_settings, with_dialable_addrs
+from ..transport import HostSettings, resolve_cluster, resolve_settings, with_dialable_addrs
+from .dryrun import dry_run_data, dry_run_devices
 from .launchoptions import LaunchOptions, MaxFailure
 
 
@@ -46,7 +45,7 @@ class Resolved:
 
     cluster: ClusterSpec
     argv: list[str]
-    settings: dict[str, SshSettings]
+    settings: HostSettings
     prebuilt: Mapping[str, PrebuiltBinary]
     launcher_env: dict[str, str]
     scale: float
@@ -141,7 +140,7 @@ def resolve(opts: LaunchOptions, events: EventBus) -> tuple[Resolved, Optional[C
     code = code_step(opts, cluster, events)
     max_failure = resolve_max_failure(opts, cluster)
     argv = command_argv(opts, cluster)
-    settings = resolve_all_settings(cluster, events)
+    settings = resolve_settings(cluster, events)
     try:
         prebuilt = prebuilt_from_environ()
     except EnvelopeError as exc:

@@ -117,12 +117,7 @@ def plan_tree(hosts: Sequence[str], fanout: int,
     return Tree(fanout, gateways + avoided, tuple(blocks))
 
 
-def _member_until_seam(w: WorkerSpec) -> bool:  # TEMP(issue32): removed at integration
-    return not w.is_local and w.slurm_job is None and w.transport in (None, "ssh")
-
-
-def tree_hosts(cluster: ClusterSpec,
-               member: Callable[[WorkerSpec], bool] = _member_until_seam) -> list[str]:
+def tree_hosts(cluster: ClusterSpec, member: Callable[[WorkerSpec], bool]) -> list[str]:
     """The hosts a cluster's tree is planned over: those ``member`` admits (the transport
     package's answer: hosts a gateway's relay can reach, never this machine or a Slurm
     node), the roster's hosts in order, then its spares, so a gateway is a host that
@@ -133,7 +128,7 @@ def tree_hosts(cluster: ClusterSpec,
 
 def cluster_tree(cluster: ClusterSpec, fanout: Optional[int] = None,
                  avoid: Collection[str] = frozenset(), *,
-                 member: Callable[[WorkerSpec], bool] = _member_until_seam) -> Tree:
+                 member: Callable[[WorkerSpec], bool]) -> Tree:
     """The tree of a cluster: ``fanout`` (a flag's), else the file's ``fanout:``;
     ``avoid``: gateways lost in an earlier attempt (`plan_tree`); ``member``: whether a
     worker may be in the tree (`fdl_fabric.transport.tree_of` asks its kind)."""

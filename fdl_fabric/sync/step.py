@@ -2,7 +2,7 @@
 its manifest and code id said before any host is contacted, then, in each attempt, the
 tree put in place on every host before the plan, and the ranks' folder moved into it.
 
-`commands.launch` calls `sync_spec` while it resolves the flags, `CodeStep.announce`
+`commands.launch_settings` calls `sync_spec` while it resolves the flags, `CodeStep.announce`
 once the run has its id, and `CodeStep.apply` after each attempt's agents started.
 """
 

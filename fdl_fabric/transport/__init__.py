@@ -21,8 +21,8 @@ this package names a kind: what the layers above need of a host is a capability 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any, Optional
+from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
+from typing import Any, ContextManager, Optional
 
 from ..clusterfile import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster
 from ..errors import EXIT_USAGE, FdlError
@@ -166,6 +166,41 @@ def for_cluster(cluster: ClusterSpec, settings: Optional[HostSettings] = None,
     return made
 
 
+def replan_tree(cluster: ClusterSpec, settings: Optional[HostSettings],
+                transports: MutableMapping[str, Transport],
+                avoid: Collection[str]) -> Any:
+    """The gateway tree planned again without the gateways in ``avoid`` (lost in an
+    earlier attempt): every tree member's transport closed and replaced by a fresh one
+    from `for_cluster` (a lost gateway connected directly, its leaves through the
+    gateways left; the membership rule keeps a host or leaves it out by whether it
+    answers, like any host). Returns the new tree, for the launch to say."""
+    from .fanout import close_all
+
+    members = [w.host for w in cluster.workers if kind_of(w).tree_member]
+    close_all([transports[h] for h in members if h in transports])
+    fresh = for_cluster(cluster, settings, avoid=avoid)
+    transports.update({h: fresh[h] for h in members})
+    return tree_of(cluster, avoid=avoid)
+
+
+def open_tunnel(transport: Transport, port: int, target: str,
+                events: EventBus) -> ContextManager[None]:
+    """``transport.tunnel(port, target)``, with what the tunnel has to say (turned-away
+    connections, an exposed port) as events (`tunnel.open_tunnel`)."""
+    from .tunnel import open_tunnel as opened
+
+    return opened(transport, port, target, events)
+
+
+def with_dialable_addrs(cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster with each worker's default ``addr`` replaced by the name its kind
+    really dials (an ssh_config alias's ``HostName``), so MASTER_ADDR and the peers'
+    addresses are names the ranks resolve; an ``addr`` written apart is kept."""
+    from .sshconfig import with_dialable_addrs as dialable
+
+    return dialable(cluster)
+
+
 def for_connections(conns: Sequence[Any], flag: str = "-H") -> list[Transport]:
     """Transports over Fabric Connections someone else built (``fab -H``'s), each with
     our host-key policy and bounded waits before it opens; a failed connect names
@@ -235,4 +270,5 @@ __all__ = ["AgentProcess", "ByteSink", "EXTRA_KINDS", "HostSettings", "ProbeResu
            "Transport", "TransportError", "check_kinds", "check_open_files", "dialed_name",
            "for_cluster",
            "for_connections", "for_worker", "kind", "kind_of", "kinds_of", "known_kinds",
-           "open_files_needed", "register", "resolve_cluster", "resolve_settings", "tree_of"]
+           "open_files_needed", "open_tunnel", "register", "replan_tree", "resolve_cluster",
+           "resolve_settings", "tree_of", "with_dialable_addrs"]

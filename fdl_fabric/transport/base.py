@@ -162,13 +162,20 @@ class Transport(abc.ABC):
         """These workers' settings, by host, resolved before anything is contacted (a
         problem is a `ConfigError`). By default a worker's ``transport:`` block as the
         file gives it (`WorkerSpec.transport_settings`)."""
-        return {w.host: dict(w.transport_settings) for w in workers}
+        return {w.host: dict(w.transport_settings) for w in workers if w.transport_settings}
 
     @property
     def this_machine(self) -> bool:
         """The host is the launcher's own machine (its name says so): loopback reaches it,
         and its devices can be listed without an agent."""
         return self.worker.is_local
+
+    @property
+    def destination(self) -> Optional[str]:
+        """The address the host is really dialled at, as its kind resolved it (an SSH
+        host's ssh_config ``HostName``), or None: what tells whether a host named by an
+        alias is this machine after all (`commands.planwarnings`)."""
+        return None
 
     @property
     def tunnels(self) -> bool:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from ..agent import relay as mux
+from ..agent import mux
 from ..clusterfile import ClusterSpec, WorkerSpec
 from ..planning.tree import Tree
 from ..shell import quote
@@ -453,6 +453,10 @@ class GatewayTransport(Transport):
                  purpose: str = "agent", gateway: GatewayHost) -> None:
         super().__init__(worker, settings, purpose=purpose)
         self.gateway = gateway
+
+    @property
+    def destination(self) -> Optional[str]:
+        return None if self.settings is None else str(self.settings.target).rpartition("@")[2]
 
     def _refuse_tunnel(self) -> None:
         if self.worker.tunnel:

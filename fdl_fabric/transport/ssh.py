@@ -443,6 +443,10 @@ class SshTransport(Transport):
     def shell(self) -> Optional[FdlConnection]:
         return self.connection
 
+    @property
+    def destination(self) -> Optional[str]:
+        return None if self.settings is None else self._settings.target.rpartition("@")[2]
+
     @classmethod
     def resolve_settings(cls, cluster: ClusterSpec, workers: tuple[WorkerSpec, ...],
                          events: Optional[EventBus]) -> dict[str, Any]:
