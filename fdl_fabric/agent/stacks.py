@@ -24,6 +24,8 @@ import subprocess
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from fdl_fabric.agent.forked import fork_with_pipe
+
 #: Seconds py-spy may take for one process before it is given up.
 PY_SPY_TIMEOUT = 10.0
 #: Seconds over which a rank's CPU time is measured (while py-spy runs, or alone).
@@ -284,39 +286,31 @@ def start(ranks: Dict[int, int]) -> Optional[Tuple[int, int]]:
     The agent is single-threaded, so forking is safe; the child resets the agent's
     signal set-up, writes JSON to the pipe and exits without touching the agent's stdio.
     """
-    try:
-        read_fd, write_fd = os.pipe()
-    except OSError:
+    forked = fork_with_pipe(lambda read_fd, write_fd: _collector(ranks, read_fd, write_fd))
+    if forked is None:
         return None
-    try:
-        pid = os.fork()
-    except OSError:
-        os.close(read_fd)
-        os.close(write_fd)
-        return None
-    if pid == 0:  # pragma: no cover - the collector; tested through the agent
-        code = 0
-        try:
-            os.close(read_fd)
-            signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGCHLD, signal.SIGHUP, signal.SIGTERM, signal.SIGINT,
-                        signal.SIGUSR1, signal.SIGUSR2):
-                signal.signal(sig, signal.SIG_DFL)
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            try:
-                result = collect(ranks)
-            except Exception as exc:
-                result = {"error": f"collector failed: {exc!r}", "ranks": {}}
-            data = json.dumps(result).encode("utf-8")
-            while data:
-                data = data[os.write(write_fd, data):]
-        except BaseException:
-            code = 1
-        os._exit(code)
+    pid, read_fd, write_fd = forked
     os.close(write_fd)
     return pid, read_fd
+
+
+def _collector(ranks: Dict[int, int], read_fd: int,
+               write_fd: int) -> None:  # pragma: no cover - the collector; via the agent
+    os.close(read_fd)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGHUP, signal.SIGTERM, signal.SIGINT,
+                signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    try:
+        result = collect(ranks)
+    except Exception as exc:
+        result = {"error": f"collector failed: {exc!r}", "ranks": {}}
+    data = json.dumps(result).encode("utf-8")
+    while data:
+        data = data[os.write(write_fd, data):]
 
 
 def read_result(data: bytes) -> Dict[str, Any]:

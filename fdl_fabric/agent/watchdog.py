@@ -18,6 +18,7 @@ import signal
 from typing import List, Optional, Set, Tuple
 
 from fdl_fabric.agent import procs
+from fdl_fabric.agent.forked import fork_with_pipe
 
 
 class Watchdog:
@@ -53,28 +54,20 @@ class Watchdog:
 
 def start(run_id: str, host: str, kill_grace: float) -> Optional[Watchdog]:
     """Fork the watchdog; None if it cannot be started (the agent still works)."""
-    try:
-        read_fd, write_fd = os.pipe()
-    except OSError:
+    forked = fork_with_pipe(lambda read_fd, write_fd: _watch(read_fd, write_fd, run_id, host,
+                                                             kill_grace))
+    if forked is None:
         return None
-    os.set_inheritable(write_fd, False)
-    try:
-        pid = os.fork()
-    except OSError:
-        os.close(read_fd)
-        os.close(write_fd)
-        return None
-    if pid == 0:  # pragma: no cover - the watchdog process; tested through its effects
-        code = 0
-        try:
-            os.close(write_fd)
-            _detach(read_fd)
-            _run(read_fd, run_id, host, kill_grace)
-        except BaseException:
-            code = 1
-        os._exit(code)
+    pid, read_fd, write_fd = forked
     os.close(read_fd)
     return Watchdog(pid, write_fd)
+
+
+def _watch(read_fd: int, write_fd: int, run_id: str, host: str,
+           kill_grace: float) -> None:  # pragma: no cover - runs in the watchdog
+    os.close(write_fd)
+    _detach(read_fd)
+    _run(read_fd, run_id, host, kill_grace)
 
 
 def _detach(keep: int) -> None:  # pragma: no cover - runs in the watchdog

@@ -11,11 +11,13 @@ import contextlib
 import queue
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .. import reports
 from ..clusterfile import ClusterSpec
-from ..transport import HostSettings, for_cluster
+from ..errors import FdlError
+from ..events import EventBus, Name
+from ..transport import HostSettings, for_cluster, resolve_cluster, resolve_settings
 from ..transport.fanout import close_all, connect_each, start_each
 from ..transport.session import AgentSession
 
@@ -23,6 +25,18 @@ from ..transport.session import AgentSession
 ANSWER_TIMEOUT = 30.0
 
 Asked = tuple[dict[str, AgentSession], "queue.SimpleQueue[reports.Report]", dict[str, str]]
+
+
+def cluster_to_ask(cluster_file: Optional[str], cluster: Optional[ClusterSpec],
+                   events: EventBus) -> Union[tuple[ClusterSpec, HostSettings], int]:
+    """The cluster to ask and each host's settings, or the exit code once a refusal was
+    said (a bad cluster file or flag: exit 2, nothing contacted)."""
+    try:
+        cluster = resolve_cluster(cluster_file, cluster)
+        return cluster, resolve_settings(cluster, events)
+    except FdlError as exc:
+        events(Name.REFUSED, error=str(exc))
+        return exc.exit_code
 
 
 @contextlib.contextmanager

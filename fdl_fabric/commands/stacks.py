@@ -16,13 +16,12 @@ from typing import Any, Optional
 
 from .. import reports
 from ..clusterfile import ClusterSpec
-from ..errors import EXIT_FAILURE, FdlError
+from ..errors import EXIT_FAILURE
 from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
-from ..transport import resolve_cluster, resolve_settings
 from ..transport.session import AgentSession
-from .asking import ANSWER_TIMEOUT, asking_agents, collect, newest_live_run
+from .asking import ANSWER_TIMEOUT, asking_agents, cluster_to_ask, collect, newest_live_run
 
 
 def run_stacks(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = None,
@@ -34,12 +33,10 @@ def run_stacks(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
     of any cluster, not only this one's (a ``--hosts`` run has a cluster of its own)."""
     console = console or Console()
     events = EventBus(console)
-    try:
-        cluster = resolve_cluster(cluster_file, cluster)
-        settings = resolve_settings(cluster, events)
-    except FdlError as exc:
-        events(Name.REFUSED, error=str(exc))
-        return exc.exit_code
+    asked = cluster_to_ask(cluster_file, cluster, events)
+    if isinstance(asked, int):
+        return asked
+    cluster, settings = asked
     with asking_agents(cluster, settings) as (sessions, inbox, errors):
         return _show(cluster, sessions, inbox, errors, run_id, events, every_run)
 

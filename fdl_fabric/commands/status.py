@@ -14,12 +14,11 @@ from typing import Any, Optional
 
 from .. import reports
 from ..clusterfile import ClusterSpec
-from ..errors import EXIT_FAILURE, FdlError
+from ..errors import EXIT_FAILURE
 from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
-from ..transport import resolve_cluster, resolve_settings
-from .asking import ANSWER_TIMEOUT, asking_agents, collect
+from .asking import ANSWER_TIMEOUT, asking_agents, cluster_to_ask, collect
 from .runsview import controller_runs
 
 
@@ -40,12 +39,10 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
         else:
             events(Name.RUNS_VIEW, **mine)
         return 0
-    try:
-        cluster = resolve_cluster(cluster_file, cluster)
-        settings = resolve_settings(cluster, events)
-    except FdlError as exc:
-        events(Name.REFUSED, error=str(exc))
-        return exc.exit_code
+    asked = cluster_to_ask(cluster_file, cluster, events)
+    if isinstance(asked, int):
+        return asked
+    cluster, settings = asked
     key = None if every_run else cluster_key(cluster)
     with asking_agents(cluster, settings) as (sessions, inbox, errors):
         for session in sessions.values():
