@@ -338,13 +338,14 @@ def wait_until(predicate: Callable[[], Any], what: str, timeout: float,
 
 
 def run_in_scratch(prefix: str, args: Any, bench: Callable[[Any, Path, TextIO], int],
-                   cleanup: Callable[[], None]) -> int:
-    """``bench(args, folder, stdout)`` in a scratch folder that is removed afterwards
+                   cleanup: Callable[[], None], out: Optional[TextIO] = None) -> int:
+    """``bench(args, folder, out)`` in a scratch folder that is removed afterwards
     (unless ``args.keep``), with ``cleanup()`` run whatever happens and TERM/INT turned
-    into an orderly stop (`terminate_gracefully`)."""
+    into an orderly stop (`terminate_gracefully`). ``out``: where the report goes
+    (stdout unless given: stderr when ``--json -`` takes stdout)."""
     import tempfile
 
-    out = sys.stdout
+    out = out or sys.stdout
     with terminate_gracefully():
         tmp = Path(tempfile.mkdtemp(prefix=prefix))
         try:

@@ -46,10 +46,8 @@ import contextlib
 import importlib.util
 import json
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -179,17 +177,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     report = sys.stderr if args.json == "-" else sys.stdout
-    with benchlib.terminate_gracefully():
-        tmp = Path(tempfile.mkdtemp(prefix="fdl-detect-"))
-        try:
-            return _bench(args, tmp, report)
-        finally:
-            stop_everything()
-            benchlib.stop_all()
-            if args.keep:
-                report.write(f"\nkept {tmp}\n")
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
+
+    def cleanup() -> None:
+        stop_everything()
+        benchlib.stop_all()
+
+    return benchlib.run_in_scratch("fdl-detect-", args, _bench, cleanup, report)
 
 
 def _keys(args: argparse.Namespace, remarks: list[str]) -> list[str]:

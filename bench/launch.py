@@ -45,7 +45,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -115,16 +114,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     report = sys.stderr if args.json == "-" else sys.stdout
-    with benchlib.terminate_gracefully():
-        tmp = Path(tempfile.mkdtemp(prefix="fdl-bench-"))
-        try:
-            return _bench(args, tmp, report)
-        finally:
-            stop_all()
-            if args.keep:
-                report.write(f"\nkept {tmp}\n")
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
+    return benchlib.run_in_scratch("fdl-bench-", args, _bench, stop_all, report)
 
 
 def _progress(out: TextIO, text: str) -> None:
