@@ -240,14 +240,14 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
 
 def _raise_nofile(args: argparse.Namespace, out: TextIO, cluster: Path) -> None:
     """The launcher checks its open-file limit against what the run needs
-    (`fdl_fabric.transport.tunnel.open_files_needed`: about 25,000 for 1,024 x 8, mostly
+    (`fdl_fabric.transport.open_files_needed`: about 25,000 for 1,024 x 8, mostly
     the coordinator's 8,192 ranks and its bound on pending connections) and refuses to
     start when the hard limit is lower. Raise it for the launcher we start (it inherits
     ours) when allowed; else `--lenient-nofile`."""
     import resource
 
     from fdl_fabric.clusterfile import load_cluster
-    from fdl_fabric.transport.tunnel import open_files_needed
+    from fdl_fabric.transport import open_files_needed
 
     args.lenient_nofile = False
     args.nofile_note = ""
