@@ -545,10 +545,12 @@ def test_an_agent_that_gave_no_facts_is_one_probe_failure_beside_the_shell_row()
     assert [r.name for r in fast] == ["probe"]
 
 
-def test_a_tunnel_cannot_reach_a_stand_in_port_and_says_it_was_not_tested() -> None:
+def test_a_tunnel_is_tested_on_a_stand_in_port_too() -> None:
     dial = Dial("127.0.0.1", 5000, "tok", True, "127.0.0.1", 6000, 5000)
-    row = _port(dial)
-    assert row.status is Status.WARN and row.reason.startswith("not tested: the tunnel")
+    row = _port(dial, values={"dial": "ok"})
+    assert row.status is Status.OK, row
+    assert "through the SSH tunnel to controller 127.0.0.1:6000" in row.reason
+    assert "stand-in port 6000" in row.reason
 
 
 def test_the_listener_answers_only_a_probe_keyed_with_this_checks_salt() -> None:

@@ -322,6 +322,18 @@ def test_tunnels_reach_the_controller_and_loopback_dials_do_not(sshd_lab, tmp_pa
         report = _run(cluster, argv=["true"])
         row = _check(report, "tun", "port")
         assert row.status is Status.FAIL and "tunnel every remote worker, or none" in row.reason
+        # 5. The controller's port busy here: the tunnel still listens on the configured
+        # port on its side and delivers to the stand-in, so the route is still tested.
+        cluster = lab.write_cluster([worker("far", tunnel=True)])
+        port = load_cluster(cluster).controller.port
+        with socket.socket() as blocker:
+            blocker.bind(("127.0.0.1", port))
+            blocker.listen()
+            report = _run(cluster, argv=["true"], fast=True)
+        assert _check(report, CONTROLLER, "port").status is Status.FAIL
+        row = _check(report, "far", "port")
+        assert row.status is Status.OK, report.to_json()
+        assert "through the SSH tunnel" in row.reason and "stand-in port" in row.reason
 
 
 def test_a_tunnel_to_a_host_sharing_our_loopback_is_explained(sshd_lab) -> None:

@@ -72,7 +72,7 @@ def ask_agent(plan: HostPlan, transport: Transport, salt: bytes) -> AgentAnswer:
         return AgentAnswer({}, error=exc.reason)
     with contextlib.ExitStack() as stack:
         tunnel_error = _open_tunnel(stack, plan, transport)
-        if plan.dial is not None and (tunnel_error is not None or _no_way_in(plan)):
+        if plan.dial is not None and tunnel_error is not None:
             # Nothing to dial; the host still says which loopback it has.
             plan = dataclasses.replace(plan, dial=dataclasses.replace(plan.dial, host=""))
         inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
@@ -95,20 +95,14 @@ def _open_tunnel(stack: contextlib.ExitStack, plan: HostPlan,
     """A tunneled worker's remote forward to the listener, entered on ``stack``; why it
     could not be opened, else None."""
     dial = plan.dial
-    if dial is None or not dial.tunnel or not dial.host or _no_way_in(plan):
+    if dial is None or not dial.tunnel or not dial.host:
         return None
-    try:
-        stack.enter_context(transport.tunnel(dial.configured_port, "127.0.0.1"))
+    try:  # the host's configured port, delivered to our listener (a stand-in when busy)
+        stack.enter_context(transport.tunnel(dial.configured_port, "127.0.0.1",
+                                             local_port=dial.listen_port))
     except Exception as exc:  # what sshd said (a paramiko error), or TransportError
         return getattr(exc, "reason", None) or str(exc) or type(exc).__name__
     return None
-
-
-def _no_way_in(plan: HostPlan) -> bool:
-    """A tunneled worker while a stand-in port listens (the configured one is busy here):
-    the forward delivers to the configured port, which another process holds, so the
-    listener cannot be reached through it (`verdicts` says the row was not tested)."""
-    return plan.dial is not None and plan.dial.tunnel and plan.dial.stand_in
 
 
 def _answer(inbox: queue.SimpleQueue[reports.Report], timeout: float

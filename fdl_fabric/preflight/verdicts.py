@@ -450,10 +450,6 @@ def _port_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optiona
         return None
     if facts.tunnel_error is not None:
         return _tunnel_failed_row(plan, facts, ctl)
-    if dial.tunnel and dial.stand_in:
-        return Check(plan.host, "port", Status.WARN,
-                     f"not tested: the tunnel delivers to 127.0.0.1:{dial.configured_port} on "
-                     "the controller, which another process holds (the controller's port row)")
     unreachable, only_join = _unreachable(plan)
     if dial.host in BIND_ALL and not dial.tunnel and not plan.worker.is_local:
         return Check(plan.host, "port", unreachable,

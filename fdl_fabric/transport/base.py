@@ -208,8 +208,10 @@ class Transport(abc.ABC):
 
     # -- host services ------------------------------------------------------------------
     @contextlib.contextmanager
-    def tunnel(self, port: int, target: str) -> Iterator[None]:
-        """A remote forward of ``port`` on the host to ``target:port`` here."""
+    def tunnel(self, port: int, target: str, *,
+               local_port: Optional[int] = None) -> Iterator[None]:
+        """A remote forward of ``port`` on the host to ``target:port`` here (to
+        ``target:local_port`` when given: a pre-flight's stand-in for a busy port)."""
         raise TransportError(self.host, f"a {self.kind} host has no tunnel")
         yield  # pragma: no cover
 

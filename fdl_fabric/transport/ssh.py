@@ -468,22 +468,24 @@ class SshTransport(Transport):
         return RemoteAgentProcess(promise)
 
     @contextlib.contextmanager
-    def tunnel(self, port: int, target: str) -> Iterator[None]:
+    def tunnel(self, port: int, target: str, *,
+               local_port: Optional[int] = None) -> Iterator[None]:
         """The remote forward, bounded (`transport.tunnel.Forward`); what it has to say
         goes to the log (`reporting_tunnel` says it as events)."""
-        with self.reporting_tunnel(port, target, None):
+        with self.reporting_tunnel(port, target, None, local_port=local_port):
             yield
 
     @contextlib.contextmanager
-    def reporting_tunnel(self, port: int, target: str,
-                         events: Optional[EventBus]) -> Iterator[None]:
-        """``127.0.0.1:port`` on the host forwarded to ``target:port`` here, within the
-        bounds of `transport.tunnel`: connections turned away and a port exposed beyond
-        loopback are reported as events on ``events``."""
+    def reporting_tunnel(self, port: int, target: str, events: Optional[EventBus], *,
+                         local_port: Optional[int] = None) -> Iterator[None]:
+        """``127.0.0.1:port`` on the host forwarded to ``target:port`` here (``target:
+        local_port`` when given), within the bounds of `transport.tunnel`: connections
+        turned away and a port exposed beyond loopback are reported as events on
+        ``events``."""
         transport = self.connection.client.get_transport() if self.connection else None
         if transport is None or not transport.is_active():
             raise TransportError(self.host, "not connected")
-        with forwarding(transport, self.worker, port, target, events):
+        with forwarding(transport, self.worker, port, target, events, local_port=local_port):
             yield
 
     def watch(self, monitor: KeepaliveMonitor) -> None:

@@ -103,8 +103,11 @@ class Forward(LinkMover):
     (see the module docstring). `start` asks sshd to listen; `close` stops and reports."""
 
     def __init__(self, transport: Any, port: int, target: str, *, bound: int,
-                 report: Report) -> None:
+                 report: Report, local_port: Optional[int] = None) -> None:
         super().__init__(port, target)
+        #: Where connections go here: ``target:port``, or a stand-in port of this machine
+        #: (a pre-flight whose configured port another process holds).
+        self.local_port = local_port or port
         self.transport = transport
         self.bound = bound
         self._report = report
@@ -123,7 +126,7 @@ class Forward(LinkMover):
     def start(self) -> None:
         """Listen on the host (raises what paramiko raises when sshd refuses), then move
         bytes in a thread of its own and check what sshd actually listens on."""
-        info = socket.getaddrinfo(self.target, self.port, type=socket.SOCK_STREAM)[0]
+        info = socket.getaddrinfo(self.target, self.local_port, type=socket.SOCK_STREAM)[0]
         self._family, self._address = info[0], info[4]
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -364,10 +367,11 @@ def open_tunnel(transport: Transport, port: int, target: str,
 
 @contextlib.contextmanager
 def forwarding(paramiko_transport: Any, worker: WorkerSpec, port: int, target: str,
-               events: Optional[EventBus]) -> Iterator[Forward]:
+               events: Optional[EventBus], *,
+               local_port: Optional[int] = None) -> Iterator[Forward]:
     """A started `Forward` for ``worker``'s tunnel, closed on exit."""
     forward = Forward(paramiko_transport, port, target, bound=forward_bound(worker),
-                      report=reporter(worker.host, events))
+                      report=reporter(worker.host, events), local_port=local_port)
     forward.start()
     try:
         yield forward
