@@ -496,7 +496,9 @@ class SshTransport(Transport):
     def probe(self, script: str, *, timed: bool, tunnel: Optional[tuple[int, int]] = None,
               timeout: float = 60.0, clock_marker: str = "") -> ProbeResult:
         """Connect (timed, with the host key's state), time a ``true`` and a round trip,
-        run the script once (with a remote forward for a tunneled worker's dial), close."""
+        run the script once (with a remote forward for a tunneled worker's dial). The
+        connection is kept as this transport's (`close` ends it), so prebuild-check's
+        agent, asked next, needs no second one."""
         settings = self._settings
         state, key_name = known_host_state(settings, self.config)
         result = ProbeResult()
@@ -507,11 +509,15 @@ class SshTransport(Transport):
             result.reach, result.reach_status = exc.reason, "FAIL"
             return result
         connect_ms = _ms(start)
+        kept = False
         try:
             self._probe_on(conn, script, timed, tunnel, timeout, clock_marker, result)
+            if self.connection is None:  # the agent asked next rides on it: one a host
+                self.connection, kept = conn, True
         finally:
-            with contextlib.suppress(Exception):
-                conn.close()
+            if not kept:
+                with contextlib.suppress(Exception):
+                    conn.close()
         if state == "known":
             key = "host key known"
         elif state == "unknown":
