@@ -35,6 +35,11 @@ class Facts:
     error: str = ""
     #: What the ranks' interpreter reports (`agent.versions.gather`), when asked.
     versions: Optional[dict[str, Any]] = None
+    #: The fleet pre-flight's answers (`agent.fleet`): the ports a host listens on and
+    #: its interfaces, or what its dials found.
+    fleet: Optional[dict[str, Any]] = None
+    #: The collective smoke test's answer (`agent.smokerun`): one entry per rank slot.
+    smoke: Optional[dict[str, Any]] = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import pytest
 
-from fdl_fabric.agent import checks
+from fdl_fabric.agent import checks, gpus
 from fdl_fabric.clusterfile import WorkerSpec, load_cluster, parse_cluster
 from fdl_fabric.events import Name, event
 from fdl_fabric.planning.envelope import PrebuiltBinary
@@ -505,9 +505,13 @@ def test_prebuild_check_asks_the_agent_what_a_launch_asks_and_more_only_in_full_
     worker = _worker(local_devices=[0], data_path="/data")
     fast, full = agent_checks(_plan(worker, fast=True, dial=dial)), \
         agent_checks(_plan(worker, dial=dial))
-    assert {k for k, v in fast.items() if v} == {"path", "program", "pyscript", "dial", "netns"}
+    assert {k for k, v in fast.items() if v} == {"path", "program", "pyscript", "dial", "netns",
+                                                 "gpus"}
     assert {k for k, v in full.items() if v} == {
         "path", "program", "pyscript", "dial", "netns", "platform", "pyspy", "gpus", "data"}
+    # a launch asks the GPUs' health (cheap), prebuild-check also their listing and a matmul
+    assert fast["gpus"]["health"] and not fast["gpus"]["listing"] and not fast["gpus"]["matmul"]
+    assert full["gpus"]["listing"] and full["gpus"]["matmul"]
 
 
 def test_the_agent_gathers_every_host_fact_of_the_full_preflight(
@@ -587,6 +591,6 @@ def test_a_local_workers_gpus_are_listed_by_its_agent(
         """))
     row = _row([c for c in run_checks(cluster, argv=["true"]).checks], "gpus")
     assert row == Check("localhost", "gpus", Status.FAIL, "GPU 2 not found (nvidia-smi lists 0, 1)")
-    assert checks.gpu_listing() == {"gpu_rc": "0", "gpus": "0, GPU-a;1, GPU-b;",
+    assert gpus.gpu_listing() == {"gpu_rc": "0", "gpus": "0, GPU-a;1, GPU-b;",
                                     "gpu_apps": "GPU-b, 4242;"}
-    assert checks.gpu_indices() == {"gpus": [0, 1]}
+    assert gpus.gpu_indices() == {"gpus": [0, 1]}

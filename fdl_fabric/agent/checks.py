@@ -19,15 +19,16 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fdl_fabric import rank
+from fdl_fabric.agent import gpus
 
 DIAL_TIMEOUT = 3.0
 #: The ``dial`` value when the coordinator answered with this run's key.
 DIAL_OK = "ok"
-#: Seconds each nvidia-smi query gets (it can hang on a broken driver), and ``ldd``.
-GPU_TIMEOUT = 10.0
+#: Seconds ``ldd`` gets.
 TOOL_TIMEOUT = 10.0
 
 
@@ -63,8 +64,6 @@ def resolve_program(program: str, cwd: str, path_env: Optional[str]) -> str:
 
 def dial(host: str, port: int, salt: bytes, run_id: str, me: str) -> str:
     """``ok`` when this run's coordinator answers; ``!reason`` when it cannot be reached."""
-    import time
-
     deadline = time.monotonic() + DIAL_TIMEOUT  # connect and reply together
     try:
         sock = socket.create_connection((host, port), timeout=DIAL_TIMEOUT)
@@ -119,63 +118,6 @@ def reach(host: str, port: int) -> str:
                 continue
             return f"busy {sockaddr[0]}"
     return f"!{why}"
-
-
-def nvidia_smi(query: str) -> Tuple[str, str]:
-    """``(status, output)`` of one ``nvidia-smi <query> --format=csv,noheader``, stderr
-    included: status is the exit status as text, ``missing`` when there is no nvidia-smi
-    on PATH, ``error`` when it could not run or gave no answer within `GPU_TIMEOUT` (the
-    output then says why). The one way this package runs nvidia-smi."""
-    try:
-        proc = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, timeout=GPU_TIMEOUT, check=False)
-    except FileNotFoundError as exc:
-        return "missing", str(exc)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return "error", str(exc)
-    return str(proc.returncode), proc.stdout.decode("utf-8", "replace")
-
-
-def gpu_indices() -> Dict[str, Any]:
-    """``{"gpus": [0, 1, ...]}`` from nvidia-smi, or ``{"gpus": None, "gpu_error": why}``.
-
-    The GPU indices of this host: agents answer `local_devices: all` with it, and the
-    launcher uses it for its own machine (dry runs, ``fdl-fabric run --nproc-per-node gpu``).
-    Inside a Slurm step the answer is the step's own GPUs (CUDA_VISIBLE_DEVICES, as Slurm
-    set it): nvidia-smi may list GPUs that belong to other jobs.
-    """
-    if os.environ.get("SLURM_STEP_ID") is not None:
-        listed = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-        if all(x.strip().isdigit() for x in listed):
-            return {"gpus": [int(x) for x in listed]}
-        return {"gpus": None, "gpu_error": "this Slurm step holds no GPU: ask the job for "
-                "them (--gpus-per-node=N or --gres=gpu:N)"}
-    status, text = nvidia_smi("--query-gpu=index")
-    if status in ("missing", "error"):
-        return {"gpus": None, "gpu_error": text}
-    found = [int(x) for x in text.split() if x.strip().isdigit()]
-    if status != "0" or not found:
-        return {"gpus": None, "gpu_error": text.strip()[:200] or f"status {status}"}
-    return {"gpus": found}
-
-
-def gpu_listing() -> Dict[str, str]:
-    """What prebuild-check judges of the GPUs: ``gpu_rc`` (nvidia-smi's status, or
-    ``missing``), ``gpus`` (``index, uuid`` lines) and ``gpu_apps`` (the compute processes
-    as ``gpu_uuid, pid`` lines), lines joined with ``;``. UUIDs, because nvidia-smi names a
-    compute process's GPU by UUID while ``local_devices`` names GPUs by index."""
-    status, text = nvidia_smi("--query-gpu=index,uuid")
-    if status == "missing":
-        return {"gpu_rc": "missing"}
-    values = {"gpu_rc": status, "gpus": _joined(text)}
-    apps_status, apps = nvidia_smi("--query-compute-apps=gpu_uuid,pid")
-    values["gpu_apps"] = _joined(apps) if apps_status == "0" else ""
-    return values
-
-
-def _joined(text: str) -> str:
-    return "".join(line + ";" for line in text.strip().splitlines())
 
 
 def platform_facts() -> Dict[str, str]:
@@ -237,8 +179,10 @@ def find_module(python: str, module: str, cwd: str, python_path: Optional[str] =
 class _Ask:
     """One gather: the spec's ``checks``, what the dial needs, and the values so far."""
 
-    def __init__(self, checks: Dict[str, Any], salt: bytes, run_id: str, host: str) -> None:
+    def __init__(self, checks: Dict[str, Any], salt: bytes, run_id: str, host: str,
+                 beat: Callable[[float], None]) -> None:
         self.checks = checks
+        self.beat = beat
         self.salt, self.run_id, self.host = salt, run_id, host
         self.path = os.path.expanduser(str(checks["path"]))
         self.cwd = os.path.expanduser(str(checks.get("cwd") or checks["path"]))
@@ -291,8 +235,10 @@ def _pyspy(ask: _Ask, _: Any) -> None:
     ask.values["pyspy"] = stacks.find_py_spy() or ""
 
 
-def _gpus(ask: _Ask, _: Any) -> None:
-    ask.values.update(gpu_listing())
+def _gpus(ask: _Ask, wanted: Any) -> None:
+    """The GPUs' listing and health (`gpus.gather`: what ``wanted`` asks)."""
+    ask.values.update(gpus.gather(wanted if isinstance(wanted, dict) else {"listing": True},
+                                  ask.cwd, ask.beat))
 
 
 def _data(ask: _Ask, data_path: Any) -> None:
@@ -331,12 +277,11 @@ def gather(checks: Dict[str, Any], salt: bytes, run_id: str, host: str,
     """Every fact the spec asks for, as ``name -> value`` strings, ending ``end=1``.
     ``beat`` keeps the agent heard by its launcher between steps, some of which may wait
     (nvidia-smi, a module lookup, the dial)."""
-    ask = _Ask(checks, salt, run_id, host)
+    ask = _Ask(checks, salt, run_id, host, beat or (lambda seconds: time.sleep(seconds)))
     for key, gatherer in _GATHERERS:
         arg = checks.get(key)
         if arg:
-            if beat is not None:
-                beat(0.0)
+            ask.beat(0.0)
             gatherer(ask, arg)
     ask.values["end"] = "1"
     return ask.values

@@ -36,7 +36,17 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from fdl_fabric.agent import children, codeops, collectors, procs, ranks, registry, watchdog, wire
+from fdl_fabric.agent import (
+    children,
+    codeops,
+    collectors,
+    fleet,
+    procs,
+    ranks,
+    registry,
+    watchdog,
+    wire,
+)
 from fdl_fabric.agent.hostloop import EXIT_INTERNAL, EXIT_OK, EXIT_PROTOCOL, HostLoop
 from fdl_fabric.rank import ENV_ERROR_FILE
 
@@ -78,6 +88,8 @@ class Agent(HostLoop):
         self.watchdog: Optional[watchdog.Watchdog] = None
         #: The code step: the synced code's store (its tree's lock) and ``setup:``.
         self.code = codeops.CodeOps(self.send, self.queue, self.sel)
+        #: The fleet pre-flight's listener and dials (`fleet`), before any rank starts.
+        self.fleet = fleet.FleetCheck(self.send, self.sel)
         self.frame_handlers.update({
             wire.SPEC: _json(self._on_spec), wire.PROBE: _json(self._on_probe),
             wire.START: lambda body: self._spawn_all(), wire.SIGNAL: _json(self._on_signal),
@@ -313,10 +325,17 @@ class Agent(HostLoop):
 
     def _on_probe(self, request: Dict[str, Any]) -> None:
         facts: Dict[str, Any] = {}
-        if request.get("gpus"):
-            from fdl_fabric.agent import checks
+        if isinstance(request.get("fleet"), dict):  # answered by the fleet check itself
+            self.fleet.on_request(request["fleet"], beat=self._pump)
+            return
+        if isinstance(request.get("smoke"), dict):
+            from fdl_fabric.agent import smokerun
 
-            facts.update(checks.gpu_indices())
+            facts["smoke"] = smokerun.run(request["smoke"], beat=self._pump)
+        if request.get("gpus"):
+            from fdl_fabric.agent import gpus
+
+            facts.update(gpus.gpu_indices())
         if isinstance(request.get("versions"), dict):
             from fdl_fabric.agent import versions
 
@@ -342,6 +361,7 @@ class Agent(HostLoop):
         if self.started or self.stopping:
             return
         self.started = True
+        self.fleet.close()  # the ports it tested are the ranks' now
         self.watchdog = watchdog.start(str(spec["run_id"]), str(spec["host"]),
                                        float(spec["kill_grace"]))
         base = ranks.base_env(spec)
@@ -500,6 +520,7 @@ class Agent(HostLoop):
         if self.stopping or not self.input_open:
             # Nothing was started (pre-flight failed, or the launcher went away first).
             self.code.leash()  # the leash holds setup too
+            self.fleet.close()
             self.send(wire.DONE)
             self.finished = True
 

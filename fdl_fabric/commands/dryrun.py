@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from ..agent.checks import gpu_indices
+from ..agent.gpus import gpu_indices
 from ..clusterfile import ClusterSpec
 from ..planning.plan import LaunchPlan, coordinator_bind_host
 from ..presentation.output import redact_env

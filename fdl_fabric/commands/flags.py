@@ -238,7 +238,7 @@ def nproc_words(value: Optional[str], *, this_machine: bool) -> Optional[int]:
         return None
     text = str(value).strip().lower()
     if this_machine and text in ("gpu", "cpu", "auto"):
-        from ..agent.checks import gpu_indices
+        from ..agent.gpus import gpu_indices
 
         count = len(gpu_indices().get("gpus") or []) if text != "cpu" else 0
         if not count and text == "gpu":

@@ -26,11 +26,12 @@ prebuild-check command), `fleet` and `versions` (the versions across hosts).
 """
 
 from .command import check_cluster, main
+from .facts import ControllerFacts, HostFacts
 from .launch import agent_checks, judge, launch_plan
 from .probe import SENTINEL, Dial, HostPlan, parse_libc, parse_sentinels, probe_script
 from .report import CONTROLLER, Check, Report, Status
 from .run import run_checks
-from .verdicts import ControllerFacts, HostFacts, evaluate
+from .verdicts import evaluate
 
 __all__ = [
     "CONTROLLER",

@@ -13,9 +13,10 @@ from typing import Optional
 from ..clusterfile import ClusterSpec, WorkerSpec
 from ..planning.envelope import PrebuiltBinary
 from ..planning.plan import controller_dial_host, coordinator_bind_host
+from .facts import ControllerFacts, HostFacts
 from .probe import Dial, HostPlan, agent_checks
 from .report import Check
-from .verdicts import ControllerFacts, HostFacts, evaluate
+from .verdicts import evaluate
 
 __all__ = ["agent_checks", "judge", "launch_plan"]
 

@@ -109,6 +109,8 @@ class HostPlan:
     #: ``MASTER_ADDR`` and ``MASTER_PORT`` of the launch: every host must resolve and
     #: reach rank 0's address before any rank starts (a launch's pre-flight only).
     master: Optional[tuple[str, int]] = None
+    #: ``--smoke``: the costly checks too (a matmul on each GPU), as prebuild-check does.
+    smoke: bool = False
 
     @property
     def host(self) -> str:
@@ -196,6 +198,21 @@ def _dial_target(plan: HostPlan) -> Optional[dict[str, Any]]:
     return {"host": dial.host, "port": dial.port}
 
 
+def _gpu_checks(plan: HostPlan) -> Optional[dict[str, Any]]:
+    """What the agent asks of the GPUs (only with ``local_devices``): their listing (the
+    full pre-flight), their health (always: cheap), a matmul on each with the ranks'
+    interpreter (the full pre-flight, or ``--smoke``)."""
+    w = plan.worker
+    if w.local_devices is None:
+        return None
+    argv = plan.argv
+    python = argv[0] if argv and re.fullmatch(r"python[0-9.]*", os.path.basename(argv[0])) \
+        else None
+    return {"listing": not plan.fast, "health": True, "matmul": not plan.fast or plan.smoke,
+            "python": python, "python_path": plan.python_path,
+            "devices": list(w.local_devices) if isinstance(w.local_devices, tuple) else "all"}
+
+
 def agent_checks(plan: HostPlan) -> dict[str, Any]:
     """The ``checks`` part of an agent's spec: what to look at (the agent only reports,
     `fdl_fabric.agent.checks.gather`). Fast (a launch, ``--fast``): the working folders,
@@ -215,7 +232,7 @@ def agent_checks(plan: HostPlan) -> dict[str, Any]:
         "master": {"host": plan.master[0], "port": plan.master[1]} if plan.master else None,
         "platform": full,
         "pyspy": full,
-        "gpus": full and w.local_devices is not None,
+        "gpus": _gpu_checks(plan),
         "data": w.data_path if full else None,
         "netns": plan.dial is not None and plan.dial.tunnel,
     }

@@ -27,9 +27,10 @@ from ..supervision.coordinator import bind_listener
 from ..transport import HostSettings, Transport, for_cluster, resolve_settings
 from ..transport.fanout import close_all
 from .agents import ProbeListener, ask_agent
+from .facts import ControllerFacts, HostFacts
 from .probe import BIND_ALL, SENTINEL, Dial, HostPlan, parse_sentinels, probe_script
 from .report import CONTROLLER, Check, Report, Status
-from .verdicts import ControllerFacts, HostFacts, evaluate
+from .verdicts import evaluate
 
 #: Seconds the whole host script may take (nvidia-smi can hang on a broken driver).
 PROBE_TIMEOUT = 60.0

@@ -9,10 +9,11 @@ host's agent (`fdl_fabric.agent.checks`), with, for prebuild-check, what the tra
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from ..planning.envelope import ENV_PREBUILD
+from .facts import ControllerFacts, HostFacts
+from .gpus import gpus_row, health_rows
 from .probe import BIND_ALL, HostPlan, parse_libc, version_tuple
 from .report import Check, Status, worst
 
@@ -30,38 +31,6 @@ SKEW_WARN_S = 2.0
 
 
 
-@dataclass
-class HostFacts:
-    """What was measured on one host: the agent's values and the script's, plus the
-    timings around them."""
-
-    values: dict[str, str]
-    exit_status: Optional[int] = 0
-    stderr: str = ""
-    probe_ms: float = 0.0
-    shell_ms: Optional[float] = None
-    #: Controller wall time matching the moment the host printed its clock, and its
-    #: uncertainty (half the network round trip); None when not measured (local host).
-    clock_ref: Optional[float] = None
-    clock_error: float = 0.0
-    tunnel_error: Optional[str] = None
-    #: Why the host's agent gave no values (it did not start, ended, or did not answer).
-    agent_error: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class ControllerFacts:
-    """What the verdicts compare hosts against."""
-
-    arch: str = ""
-    libc: str = ""
-    #: Network namespace and boot id of the controller: equal on a host means the host's
-    #: 127.0.0.1 is the controller's own (same machine, same namespace).
-    identity: str = ""
-    bind_host: str = "127.0.0.1"
-    port: int = 1337
-
-
 def evaluate(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> list[Check]:
     """Turn one host's measurements into rows; pure, so every verdict is unit tested."""
     v = facts.values
@@ -74,14 +43,24 @@ def evaluate(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> list[Che
         shell = [] if plan.fast else [_shell_row(plan, facts)]
         return [*shell, Check(plan.host, "probe", Status.FAIL,
                               f"the host's agent gave no facts: {facts.agent_error}")]
-    rows = (row(plan, facts, ctl) for row in _ROWS)
-    return [r for r in rows if r is not None]
+    rows: list[Check] = []
+    for row in _ROWS:
+        got = row(plan, facts, ctl)
+        if isinstance(got, Check):
+            rows.append(got)
+        elif got is not None:
+            rows.extend(got)
+    return rows
 
 
-def _full(row: Callable[[HostPlan, HostFacts, ControllerFacts], Optional[Check]]
-          ) -> Callable[[HostPlan, HostFacts, ControllerFacts], Optional[Check]]:
+#: A row function: one row, several (GPU health: one per GPU and field), or none.
+Row = Callable[[HostPlan, HostFacts, ControllerFacts], Union[Check, list[Check], None]]
+
+
+def _full(row: Row) -> Row:
     """A row of the full pre-flight only (prebuild-check without ``--fast``)."""
-    def only_full(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
+    def only_full(plan: HostPlan, facts: HostFacts,
+                  ctl: ControllerFacts) -> Union[Check, list[Check], None]:
         return None if plan.fast else row(plan, facts, ctl)
 
     only_full.__doc__ = row.__doc__
@@ -301,113 +280,6 @@ def _platform_mismatch(plan: HostPlan, arch: str, kind: str, ctl: ControllerFact
     return None
 
 
-def _parse_csv_lines(text: str) -> list[list[str]]:
-    return [[f.strip() for f in line.split(",")] for line in text.split(";") if line.strip()]
-
-
-def _gpus_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
-    """The ``gpus`` row (only with ``local_devices``): nvidia-smi ran, lists every GPU
-    the worker wants, and no other compute process holds one of them (it would share the
-    GPU's memory with a rank)."""
-    if plan.worker.local_devices is None:
-        return None
-    v = facts.values
-    listing = v.get("gpus", "")
-    failed = _nvidia_smi_failure(plan, v.get("gpu_rc", ""), listing)
-    if failed is not None:
-        return failed
-    found, uuid_to_index = _listed_gpus(listing)
-    absent = _absent_gpus(plan, found)
-    if absent is not None:
-        return absent
-    used = _used_gpus(plan, found)
-    busy = _busy_gpus(v.get("gpu_apps", ""), uuid_to_index, used)
-    return _gpus_in_use_row(plan, used, busy)
-
-
-def _nvidia_smi_failure(plan: HostPlan, rc: str, listing: str) -> Optional[Check]:
-    """The FAIL row when nvidia-smi is absent or failed (its listing is then no evidence
-    either way), else None. ``rc`` is the agent's ``gpu_rc``: an exit status, ``missing``
-    or ``error``; on failure ``listing`` holds what nvidia-smi printed instead."""
-    if rc == "missing":
-        return Check(plan.host, "gpus", Status.FAIL,
-                     "local_devices is set but nvidia-smi is not on this host's PATH")
-    if rc != "0":
-        first = (listing.split(";")[0] or "no output")[:120]
-        return Check(plan.host, "gpus", Status.FAIL, f"nvidia-smi failed (status {rc}): {first}")
-    return None
-
-
-def _listed_gpus(listing: str) -> tuple[list[int], dict[str, int]]:
-    """The GPU indices nvidia-smi listed, in its order, and each listed UUID's index.
-
-    The UUIDs are kept because nvidia-smi names a compute process's GPU by UUID, while
-    ``local_devices`` names GPUs by index. Lines that do not start with an index (a
-    warning nvidia-smi mixed in) are skipped.
-    """
-    uuid_to_index: dict[str, int] = {}
-    found: list[int] = []
-    for fields in _parse_csv_lines(listing):
-        if fields and fields[0].isdigit():
-            found.append(int(fields[0]))
-            if len(fields) > 1:
-                uuid_to_index[fields[1]] = int(fields[0])
-    return found, uuid_to_index
-
-
-def _absent_gpus(plan: HostPlan, found: list[int]) -> Optional[Check]:
-    """The FAIL row when a GPU the worker wants is not listed (for ``all``: none is
-    listed), else None: ranks pinned to an absent GPU fail only once started."""
-    wanted = plan.worker.local_devices
-    if wanted == "all":
-        if not found:
-            return Check(plan.host, "gpus", Status.FAIL,
-                         "local_devices: all, but nvidia-smi lists no GPU")
-        return None
-    assert isinstance(wanted, tuple)
-    missing = [d for d in wanted if d not in found]
-    if missing:
-        listed = ", ".join(str(i) for i in found) or "none"
-        names = ", ".join(str(d) for d in missing)
-        return Check(plan.host, "gpus", Status.FAIL,
-                     f"GPU {names} not found (nvidia-smi lists {listed})")
-    return None
-
-
-def _used_gpus(plan: HostPlan, found: list[int]) -> list[int]:
-    """The GPUs the worker's ranks will use: every listed one for ``local_devices: all``,
-    else those named (all present, `_absent_gpus` has checked)."""
-    wanted = plan.worker.local_devices
-    if wanted == "all":
-        return found
-    assert isinstance(wanted, tuple)
-    return list(wanted)
-
-
-def _busy_gpus(apps: str, uuid_to_index: Mapping[str, int],
-               used: list[int]) -> dict[int, list[str]]:
-    """Pids of the compute processes (the agent's ``gpu_apps``: ``uuid, pid`` lines) on
-    each used GPU that has any. A GPU the worker does not use may be busy: not our
-    concern. A line without a pid still counts, as pid ``?``."""
-    busy: dict[int, list[str]] = {}
-    for fields in _parse_csv_lines(apps):
-        index = uuid_to_index.get(fields[0]) if fields else None
-        if index is not None and index in used:
-            busy.setdefault(index, []).append(fields[1] if len(fields) > 1 else "?")
-    return busy
-
-
-def _gpus_in_use_row(plan: HostPlan, used: list[int], busy: Mapping[int, list[str]]) -> Check:
-    """OK when the used GPUs are free; only WARN when one is busy: sharing a GPU may be
-    intended, and the ranks can still start."""
-    gpus = ", ".join(str(i) for i in used)
-    if busy:
-        detail = "; ".join(f"GPU {i}: pid {', '.join(p)}" for i, p in sorted(busy.items()))
-        return Check(plan.host, "gpus", Status.WARN,
-                     f"GPU {gpus} present, but busy with compute processes ({detail})")
-    return Check(plan.host, "gpus", Status.OK, f"GPU {gpus} present, no compute process")
-
-
 def _data_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optional[Check]:
     path = plan.worker.data_path
     if path is None:
@@ -515,7 +387,7 @@ def _shell(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
 
 #: Every row, in display order: each says None where it does not apply (a fast
 #: pre-flight, no ``local_devices``, no ``data_path``, a clock not timed...).
-_ROWS: tuple[Callable[[HostPlan, HostFacts, ControllerFacts], Optional[Check]], ...] = (
+_ROWS: tuple[Row, ...] = (
     _full(_shell), _paths_row, _program_row, _full(_platform_row), _full(_stacks_row),
-    _full(_gpus_row), _full(_data_row), _full(_clock_row), _port_row, _master_row,
+    _full(gpus_row), health_rows, _full(_data_row), _full(_clock_row), _port_row, _master_row,
 )

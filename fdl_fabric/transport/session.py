@@ -124,10 +124,12 @@ def _facts(host: str, obj: dict[str, Any]) -> reports.Report:
     """FACTS: ``gpus`` is null when the GPUs could not be listed; that stays None (with
     ``gpu_error`` saying why), distinct from an empty list (no GPU)."""
     gpus = obj.get("gpus")
-    versions = obj.get("versions")
+    versions, fleet, smoke = obj.get("versions"), obj.get("fleet"), obj.get("smoke")
     return reports.Facts(host, [int(g) for g in gpus] if isinstance(gpus, list) else None,
                          str(obj.get("gpu_error", "")),
-                         versions if isinstance(versions, dict) else None)
+                         versions if isinstance(versions, dict) else None,
+                         fleet if isinstance(fleet, dict) else None,
+                         smoke if isinstance(smoke, dict) else None)
 
 
 def _preflight(host: str, obj: dict[str, Any]) -> reports.Report:
@@ -320,7 +322,7 @@ class AgentSession:
         self.send(wire.PROBE, {"gpus": gpus})
 
     def send_probe(self, request: dict[str, Any]) -> None:
-        """A PROBE of other facts (``versions``), answered by FACTS."""
+        """A PROBE of other facts (``versions``, ``fleet``, ``smoke``), answered by FACTS."""
         self.send(wire.PROBE, request)
 
     def start_ranks(self) -> None:
