@@ -257,6 +257,15 @@ def _master(ask: _Ask, master: Any) -> None:
     ask.values["master"] = reach(str(master["host"]), int(master["port"]))
 
 
+def _ifaces(ask: _Ask, _: Any) -> None:
+    """This host's interfaces (`fleet.interfaces`), for the ``nic`` row."""
+    import json
+
+    from fdl_fabric.agent import fleet
+
+    ask.values["ifaces"] = json.dumps(fleet.interfaces(), separators=(",", ":"))
+
+
 def _dial(ask: _Ask, target: Any) -> None:
     ask.values["dial"] = dial(str(target["host"]), int(target["port"]), ask.salt,
                               ask.run_id, ask.host)
@@ -268,7 +277,8 @@ def _dial(ask: _Ask, target: Any) -> None:
 _GATHERERS: List[Tuple[str, Callable[[_Ask, Any], None]]] = [
     ("path", _path), ("cwd", _cwd), ("program", _program), ("pyscript", _pyscript),
     ("pymodule", _pymodule), ("platform", _platform), ("pyspy", _pyspy), ("gpus", _gpus),
-    ("data", _data), ("netns", _netns), ("master", _master), ("dial", _dial),
+    ("data", _data), ("netns", _netns), ("ifaces", _ifaces), ("master", _master),
+    ("dial", _dial),
 ]
 
 

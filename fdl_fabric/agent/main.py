@@ -157,9 +157,9 @@ class Agent(HostLoop):
         due += self.ranks.deadlines()
         if self.record_written:
             due.append(self.last_touch + procs.RECORD_TOUCH)
-        setup_due = self.code.deadline()
-        if setup_due is not None:
-            due.append(setup_due)
+        for more in (self.code.deadline(), self.fleet.deadline()):
+            if more is not None:
+                due.append(more)
         return due
 
     def _on_deadlines(self, now: float) -> None:
@@ -172,6 +172,7 @@ class Agent(HostLoop):
         self.ranks.kill_past_grace(now)
         self._touch_record_if_due(now)
         self.code.on_time(now)
+        self.fleet.expire(now)
 
     def _end_lease_if_expired(self, now: float) -> None:
         """The launcher's silence outlived the lease: act as on EOF, since a stalled

@@ -42,6 +42,34 @@ GONE_TIMEOUT = 5.0
 PROBE_READ_TIMEOUT = 2.0
 
 
+class Relay:
+    """Where a kept agent's reports go: its own queue while it answers its pre-flight,
+    then the fleet check's shared inbox (`LiveAgent`)."""
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
+
+    def put(self, report: reports.Report) -> None:
+        self.inbox.put(report)
+
+
+@dataclass
+class LiveAgent:
+    """An agent kept after its pre-flight answer, for the fleet check across hosts;
+    `dismiss` ends it (the leash) and closes its tunnel."""
+
+    session: AgentSession
+    relay: Relay
+    stack: contextlib.ExitStack
+    values: dict[str, str]
+
+    def dismiss(self) -> None:
+        try:
+            _dismiss(self.session, self.relay.inbox)
+        finally:
+            self.stack.close()
+
+
 @dataclass
 class AgentAnswer:
     """What one host's agent said: its values, or why there are none; and why the
@@ -63,9 +91,11 @@ def check_spec(plan: HostPlan, salt: bytes) -> dict[str, object]:
             "start_now": False}
 
 
-def ask_agent(plan: HostPlan, transport: Transport, salt: bytes) -> AgentAnswer:
+def ask_agent(plan: HostPlan, transport: Transport, salt: bytes,
+              keep: Optional[dict[str, LiveAgent]] = None) -> AgentAnswer:
     """Connect, hold the worker's tunnel open (if it has one), start its agent, ask, and
-    tell it to end. Never raises for the host's sake: a failure is the answer's error."""
+    tell it to end, or, with ``keep``, keep it there (alive, for the fleet check) instead.
+    Never raises for the host's sake: a failure is the answer's error."""
     try:
         transport.connect()
     except TransportError as exc:
@@ -75,18 +105,23 @@ def ask_agent(plan: HostPlan, transport: Transport, salt: bytes) -> AgentAnswer:
         if plan.dial is not None and tunnel_error is not None:
             # Nothing to dial; the host still says which loopback it has.
             plan = dataclasses.replace(plan, dial=dataclasses.replace(plan.dial, host=""))
-        inbox: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
-        session = AgentSession(transport, inbox.put)
+        relay = Relay()
+        session = AgentSession(transport, relay.put)
         try:
             session.start()
         except Exception as exc:
             return AgentAnswer({}, f"cannot start its agent: {describe_start_error(exc)}",
                                tunnel_error)
+        kept = False
         try:
             session.spec(check_spec(plan, salt))
-            values, error = _answer(inbox, ANSWER_TIMEOUT)
+            values, error = _answer(relay.inbox, ANSWER_TIMEOUT)
+            if keep is not None and error is None:
+                keep[plan.host] = LiveAgent(session, relay, stack.pop_all(), values)
+                kept = True
         finally:
-            _dismiss(session, inbox)
+            if not kept:
+                _dismiss(session, relay.inbox)
         return AgentAnswer(values, error, tunnel_error)
 
 

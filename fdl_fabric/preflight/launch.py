@@ -14,7 +14,7 @@ from ..clusterfile import ClusterSpec, WorkerSpec
 from ..planning.envelope import PrebuiltBinary
 from ..planning.plan import controller_dial_host, coordinator_bind_host
 from .facts import ControllerFacts, HostFacts
-from .probe import Dial, HostPlan, agent_checks
+from .probe import Dial, HostPlan, agent_checks, settings_of
 from .report import Check
 from .verdicts import evaluate
 
@@ -34,7 +34,7 @@ def launch_plan(cluster: ClusterSpec, worker: WorkerSpec, argv: Sequence[str],
     return HostPlan(worker=worker, fast=True, argv=tuple(argv), prebuilt=prebuilt, dial=dial,
                     path_env=worker.env.get("PATH", cluster.env.get("PATH")),
                     python_path=worker.env.get("PYTHONPATH", cluster.env.get("PYTHONPATH")),
-                    master=master)
+                    master=master, ifnames=settings_of(cluster, worker))
 
 
 def judge(plan: HostPlan, values: Mapping[str, str]) -> list[Check]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..clusterfile import WorkerSpec
+from ..clusterfile import ClusterSpec, WorkerSpec
 from ..planning.envelope import PrebuiltBinary
 
 #: Prefix of every value line the host script prints.
@@ -67,6 +67,49 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 
 
+#: The variables that pick the collectives' interface, and who reads each.
+NCCL_VAR, GLOO_VAR = "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"
+
+
+@dataclass(frozen=True)
+class IfnameSetting:
+    """One variable that names the interface on a host, and where it was set."""
+
+    var: str
+    value: str
+    source: str
+
+    def matches(self, name: str) -> bool:
+        """Whether ``name`` is an interface this setting selects."""
+        for item in (p.strip() for p in self.value.split(",") if p.strip()):
+            if self.var == GLOO_VAR or item.startswith("="):
+                if name == item.lstrip("="):
+                    return True
+            elif not item.startswith("^") and name.startswith(item):
+                return True
+        return False
+
+    @property
+    def excludes_only(self) -> bool:
+        """``^docker,lo``: NCCL picks any other interface, so there is nothing to find."""
+        return self.var == NCCL_VAR and self.value.strip().startswith("^")
+
+
+def settings_of(cluster: ClusterSpec, worker: WorkerSpec) -> tuple[IfnameSetting, ...]:
+    """The interface settings a worker's ranks get: ``nccl_socket_ifname`` (exported as
+    both variables), else the host's or the cluster's ``env``."""
+    if worker.nccl_socket_ifname:
+        return (IfnameSetting(NCCL_VAR, worker.nccl_socket_ifname, "nccl_socket_ifname"),)
+    found = []
+    for var in (NCCL_VAR, GLOO_VAR):
+        value = worker.env.get(var, cluster.env.get(var))
+        if value:
+            where = "the host's env" if var in worker.env else "env"
+            found.append(IfnameSetting(var, value, f"{var} ({where})"))
+    return tuple(found)
+
+
+
 @dataclass(frozen=True)
 class Dial:
     """How a worker proves it can reach the coordinator port.
@@ -111,6 +154,8 @@ class HostPlan:
     master: Optional[tuple[str, int]] = None
     #: ``--smoke``: the costly checks too (a matmul on each GPU), as prebuild-check does.
     smoke: bool = False
+    #: What names the collectives' interface on this host (`settings_of`).
+    ifnames: tuple[IfnameSetting, ...] = ()
 
     @property
     def host(self) -> str:
@@ -235,4 +280,5 @@ def agent_checks(plan: HostPlan) -> dict[str, Any]:
         "gpus": _gpu_checks(plan),
         "data": w.data_path if full else None,
         "netns": plan.dial is not None and plan.dial.tunnel,
+        "ifaces": bool(plan.ifnames),
     }

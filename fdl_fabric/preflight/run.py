@@ -26,9 +26,18 @@ from ..planning.plan import controller_dial_host, coordinator_bind_host, interpr
 from ..supervision.coordinator import bind_listener
 from ..transport import HostSettings, Transport, for_cluster, resolve_settings
 from ..transport.fanout import close_all
-from .agents import ProbeListener, ask_agent
+from .agents import LiveAgent, ProbeListener, ask_agent
 from .facts import ControllerFacts, HostFacts
-from .probe import BIND_ALL, SENTINEL, Dial, HostPlan, parse_sentinels, probe_script
+from .fleetcheck import dismiss_all, prebuild_fleet
+from .probe import (
+    BIND_ALL,
+    SENTINEL,
+    Dial,
+    HostPlan,
+    parse_sentinels,
+    probe_script,
+    settings_of,
+)
 from .report import CONTROLLER, Check, Report, Status
 from .verdicts import evaluate
 
@@ -36,7 +45,8 @@ from .verdicts import evaluate
 PROBE_TIMEOUT = 60.0
 
 _ROW_ORDER = ("command", "prebuild", "ssh", "slurm", "probe", "shell", "paths", "program",
-              "platform", "stacks", "gpus", "data_path", "clock", "port")
+              "platform", "stacks", "gpus", "gpu_health", "data_path", "clock", "port",
+              "master", "nic", "reach", "smoke")
 
 
 
@@ -113,7 +123,7 @@ def _open_listener(cluster: ClusterSpec, salt: bytes) -> tuple[Check, Optional[P
 
 
 def _check_host(plan: HostPlan, transport: Transport, ctl: ControllerFacts,
-                salt: bytes) -> list[Check]:
+                salt: bytes, keep: Optional[dict[str, LiveAgent]] = None) -> list[Check]:
     """One host's checks: the probe, then the host's agent, then the verdicts. How the
     host was reached (an SSH connection, an srun step) is a row of its own, named after
     the transport; nothing more is checked where that failed, and the agent is not asked
@@ -131,7 +141,7 @@ def _check_host(plan: HostPlan, transport: Transport, ctl: ControllerFacts,
                       exit_status=result.exit_status, stderr=result.err,
                       probe_ms=result.probe_ms)
     if measured.get("end") == "1":
-        answer = ask_agent(plan, transport, salt)
+        answer = ask_agent(plan, transport, salt, keep)
         facts.values = {**answer.values, **measured}
         facts.agent_error, facts.tunnel_error = answer.error, answer.tunnel_error
     if result.clock_at is not None:
@@ -184,6 +194,7 @@ def run_checks(
     *,
     argv: Sequence[str],
     fast: bool = False,
+    smoke: bool = False,
     settings: Optional[HostSettings] = None,
     environ: Optional[Mapping[str, str]] = None,
 ) -> Report:
@@ -192,7 +203,9 @@ def run_checks(
     ``argv`` is the rank command (its first word is resolved on every host);
     ``fast`` keeps only what ``inv launch`` checks before spawning (ssh, paths,
     program, port); ``settings`` defaults to what a launch would use; ``environ``
-    (default os.environ) supplies FLODL_INTERNAL_PREBUILD_PER_HOST. Every host is
+    (default os.environ) supplies FLODL_INTERNAL_PREBUILD_PER_HOST; ``smoke`` adds the
+    collective smoke test to the fleet check (`fleetcheck`: host-to-host reachability
+    and the interfaces, run unless ``fast``). Every host is
     reached through its transport (an SSH connection, an srun step, this machine); an
     unreachable host FAILs its own row, every other host is still checked.
     """
@@ -210,16 +223,21 @@ def run_checks(
     port_row, listener = _open_listener(cluster, salt)
     rows.append(port_row)
     transports = for_cluster(cluster, settings, purpose="cleanup")
+    kept: Optional[dict[str, LiveAgent]] = None if fast else {}
     try:
         ctl = _controller_facts(cluster, fast)
-        plans = [_host_plan(cluster, w, argv, fast, prebuilt, ctl, listener, salt)
+        plans = [_host_plan(cluster, w, argv, fast, prebuilt, ctl, listener, salt, smoke)
                  for w in cluster.workers]
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(plans)))) as pool:
             futures = [pool.submit(_guarded, p.host, _host_job(p, ctl), p,
-                                   transports[p.host], ctl, salt) for p in plans]
+                                   transports[p.host], ctl, salt, kept) for p in plans]
             for fut in futures:
                 rows += fut.result()
+            if kept:
+                rows += prebuild_fleet(cluster, argv, prebuilt, kept, smoke=smoke)
     finally:
+        if kept:
+            dismiss_all(kept.values())
         close_all(transports.values())
         if listener is not None:
             listener.close()
@@ -228,7 +246,7 @@ def run_checks(
 
 def _host_plan(cluster: ClusterSpec, w: WorkerSpec, argv: Sequence[str], fast: bool,
                prebuilt: Mapping[str, PrebuiltBinary], ctl: ControllerFacts,
-               listener: Optional[ProbeListener], salt: bytes) -> HostPlan:
+               listener: Optional[ProbeListener], salt: bytes, smoke: bool = False) -> HostPlan:
     """What to check on one worker; its dial only where a listener answers."""
     dial = None
     if listener is not None:
@@ -237,9 +255,10 @@ def _host_plan(cluster: ClusterSpec, w: WorkerSpec, argv: Sequence[str], fast: b
                     token=salt.hex(), tunnel=w.tunnel, listen_host=ctl.bind_host,
                     listen_port=listener.port, configured_port=cluster.controller.port)
     return HostPlan(worker=w, fast=fast, argv=interpreted_argv(cluster, w, argv),
-                    prebuilt=prebuilt.get(w.host), dial=dial,
+                    prebuilt=prebuilt.get(w.host), dial=dial, smoke=smoke,
                     path_env=w.env.get("PATH", cluster.env.get("PATH")),
-                    python_path=w.env.get("PYTHONPATH", cluster.env.get("PYTHONPATH")))
+                    python_path=w.env.get("PYTHONPATH", cluster.env.get("PYTHONPATH")),
+                    ifnames=settings_of(cluster, w))
 
 
 def _host_job(plan: HostPlan, ctl: ControllerFacts) -> Callable[..., list[Check]]:
@@ -252,7 +271,7 @@ def _host_job(plan: HostPlan, ctl: ControllerFacts) -> Callable[..., list[Check]
 
 
 def _tunnel_mismatch(plan: HostPlan, transport: Transport, ctl: ControllerFacts,
-                     salt: bytes) -> list[Check]:
+                     salt: bytes, keep: Optional[dict[str, LiveAgent]] = None) -> list[Check]:
     """A tunneled worker in a cluster whose coordinator binds a non-loopback address.
 
     The launcher's remote forward delivers to 127.0.0.1:<port> on the controller, where
@@ -260,7 +279,7 @@ def _tunnel_mismatch(plan: HostPlan, transport: Transport, ctl: ControllerFacts,
     directly). Reported without opening the forward.
     """
     assert plan.dial is not None
-    rows = _check_host(dataclasses.replace(plan, dial=None), transport, ctl, salt)
+    rows = _check_host(dataclasses.replace(plan, dial=None), transport, ctl, salt, keep)
     if any(r.name == transport.kind and r.status is Status.FAIL for r in rows):
         return rows
     status, only_join = (Status.WARN, " (only ranks that join the cohort dial it)") \

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Union
 from ..planning.envelope import ENV_PREBUILD
 from .facts import ControllerFacts, HostFacts
 from .gpus import gpus_row, health_rows
+from .nic import iface_row
 from .probe import BIND_ALL, HostPlan, parse_libc, version_tuple
 from .report import Check, Status, worst
 
@@ -390,4 +391,5 @@ def _shell(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Check:
 _ROWS: tuple[Row, ...] = (
     _full(_shell), _paths_row, _program_row, _full(_platform_row), _full(_stacks_row),
     _full(gpus_row), health_rows, _full(_data_row), _full(_clock_row), _port_row, _master_row,
+    iface_row,
 )

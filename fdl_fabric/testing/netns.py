@@ -58,6 +58,13 @@ def _ip(*args: str, netns: Optional[str] = None, check: bool = True) -> str:
     return out.stdout
 
 
+def _set_forwarding(iface: str) -> None:
+    """IPv4 forwarding for packets that arrive on ``iface`` only (the kernel decides by
+    the input interface): the lab's hosts reach each other, nothing else is forwarded."""
+    with open(f"/proc/sys/net/ipv4/conf/{iface}/forwarding", "w", encoding="ascii") as fh:
+        fh.write("1\n")
+
+
 def _netns_pids(netns: str) -> list[int]:
     out = _ip("netns", "pids", netns, check=False)
     return sorted(int(p) for p in out.split() if p.isdigit())
@@ -100,9 +107,16 @@ class NetnsLab(SshdLab):
         *,
         client_alive_interval: int = 1,
         client_alive_count_max: int = 3,
+        routed: bool = False,
+        host_ifnames: Optional[dict[int, str]] = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("name_prefix", "ns")
+        #: Hosts reach each other through the root namespace (which forwards between the
+        #: lab's own veths only), as workers on one switch do.
+        self.routed = routed
+        #: The name of host i's interface inside its namespace (default: the veth's own).
+        self.host_ifnames = dict(host_ifnames or {})
         super().__init__(
             root,
             n_hosts,
@@ -132,7 +146,7 @@ class NetnsLab(SshdLab):
             net = _Netns(
                 name=f"{NETNS_PREFIX}-{self.token}-{i}",
                 veth_root=f"{NETNS_PREFIX}{self.token}{i}r",
-                veth_host=f"{NETNS_PREFIX}{self.token}{i}n",
+                veth_host=self.host_ifnames.get(i, f"{NETNS_PREFIX}{self.token}{i}n"),
                 root_addr=str(base + 4 * i + 1),
                 host_addr=str(base + 4 * i + 2),
             )
@@ -145,6 +159,9 @@ class NetnsLab(SshdLab):
             _ip("addr", "add", f"{net.host_addr}/30", "dev", net.veth_host, netns=net.name)
             _ip("link", "set", net.veth_host, "up", netns=net.name)
             _ip("link", "set", "lo", "up", netns=net.name)
+            if self.routed:
+                _ip("route", "add", str(self.subnet), "via", net.root_addr, netns=net.name)
+                _set_forwarding(net.veth_root)
             addrs.append(net.host_addr)
         return addrs
 
@@ -186,6 +203,35 @@ class NetnsLab(SshdLab):
 
     def link_up(self, host: LabHost) -> None:
         self.set_link(host, True)
+
+    def drop(self, src: LabHost, dst: LabHost, port: int) -> None:
+        """An nft rule in ``src``'s namespace that drops its TCP traffic to ``dst`` on
+        ``port`` (silence, as a firewall rule does); the namespace's end removes it."""
+        net = self._nets[src.name]
+        nft = require_tool("nft")
+        script = (f"add table inet fdlt\n"
+                  "add chain inet fdlt out { type filter hook output priority 0; }\n"
+                  f"add rule inet fdlt out ip daddr {self._nets[dst.name].host_addr} "
+                  f"tcp dport {int(port)} drop\n")
+        done = subprocess.run([require_tool("ip"), "netns", "exec", net.name, nft, "-f", "-"],
+                              input=script, capture_output=True, text=True, timeout=30,
+                              check=False)
+        if done.returncode != 0:
+            raise LabError(f"nft in {net.name} failed: {done.stderr.strip()}")
+
+    def add_interface(self, host: LabHost, name: str, cidr: str) -> None:
+        """An interface in ``host``'s namespace, up, with ``cidr``: an address that no
+        peer can reach (nothing routes to it). A veth whose other end stays in the same
+        namespace (containers often lack the dummy driver)."""
+        net = self._nets[host.name]
+        _ip("link", "add", name, "type", "veth", "peer", "name", f"{name}p", netns=net.name)
+        _ip("addr", "add", cidr, "dev", name, netns=net.name)
+        for end in (name, f"{name}p"):
+            _ip("link", "set", end, "up", netns=net.name)
+
+    def host_ifname(self, host: LabHost) -> str:
+        """The name of ``host``'s interface inside its namespace."""
+        return self._nets[host.name].veth_host
 
     def namespace_pids(self, host: LabHost) -> list[int]:
         """Pids of every process inside ``host``'s network namespace."""
