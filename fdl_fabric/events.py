@@ -94,6 +94,7 @@ class Name(str, Enum):
     SETUP_FAILED = ("setup_failed", Kind.WARNING)
     #: Every host runs the same Python, packages and NCCL (`preflight.fleet`).
     VERSIONS_AGREE = ("versions_agree", Kind.LAUNCH)
+    FLEET_CHECK_PASSED = ("fleet_check_passed", Kind.LAUNCH)
     #: ``setup:`` is not run: ``--no-sync`` (it runs in the synced folder).
     SETUP_NOT_RUN = ("setup_not_run", Kind.WARNING)
     FAILURE_DETAIL = ("failure_detail", Kind.WARNING)

@@ -221,7 +221,8 @@ def prebuild_check(c: Context, **given: Any) -> None:
     from .preflight import check_cluster
 
     code = check_cluster(file, cluster=from_hosts, cmd=given.get("cmd"), words=_remainder(),
-                         as_json=bool(given.get("json")), fast=bool(given.get("fast")))
+                         as_json=bool(given.get("json")), fast=bool(given.get("fast")),
+                         smoke=bool(given.get("smoke")))
     if code:
         raise Exit(code=code)
 

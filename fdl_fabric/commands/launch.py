@@ -45,7 +45,7 @@ from ..errors import EXIT_FAILURE, EXIT_USAGE, FdlError
 from ..events import Event, EventBus, Name
 from ..planning.envelope import ENV_VERBOSITY, new_run_id
 from ..planning.plan import LaunchPlan
-from ..preflight import fleet
+from ..preflight import fleet, fleetcheck
 from ..presentation.latest import RunFolder, point_latest
 from ..presentation.output import Console, JsonConsole, RunLog
 from ..presentation.words import cause_data
@@ -239,7 +239,11 @@ class Launch:
             members = self.code.apply(members, self.hosts.sessions, self.inbox)
         devices = self.hosts.resolve_devices(members, self.inbox)
         self._check_versions(r, members)
-        return self._plan(r, members, devices, run_id=self.run_id, attempt=attempt)
+        plan = self._plan(r, members, devices, run_id=self.run_id, attempt=attempt)
+        if self.opts.preflight and self.opts.smoke and attempt == 0:
+            # --smoke: every host reaches every other, and a collective works (bounded)
+            fleetcheck.check_fleet(plan, self.hosts.sessions, self.inbox, self.events)
+        return plan
 
     def _plan(self, r: Resolved, cluster: ClusterSpec, resolved: Mapping[str, list[int]], *,
               run_id: Optional[str] = None, attempt: int = 0) -> LaunchPlan:

@@ -31,6 +31,8 @@ class LaunchOptions:
     dry_run: bool = False
     env_overrides: dict[str, str] = field(default_factory=dict)
     preflight: bool = True
+    #: ``--smoke``: the fleet check (reachability, a collective) before the first attempt.
+    smoke: bool = False
     max_restarts: Optional[int] = None
     #: A cluster built in code (``fdl-fabric run``) instead of ``cluster_file``.
     cluster: Optional[ClusterSpec] = None

@@ -73,6 +73,7 @@ def _common(v: _Values, argv: Sequence[str], settings: Mapping[str, str]
         max_restarts=flags.restarts("--max-restarts", v.get("max_restarts")),
         log_dir=flags.log_dir(v.get("log_dir") or settings.get("log_dir") or None),
         dry_run=bool(v.get("dry_run")), preflight=v.get("preflight") is not False,
+        smoke=bool(v.get("smoke")),
         agent_timeout=flags.agent_timeout(v.get("agent_timeout")),
         hang_timeout=flags.seconds("--hang-timeout", v.get("hang_timeout")),
         fanout=flags.fanout(v.get("fanout")), json=bool(v.get("json")),

@@ -144,6 +144,9 @@ FLAGS: tuple[Flag, ...] = (
        default="fanout (64)"),
     _f("preflight", "check paths, program, ports and MASTER_ADDR on every host before any "
        "rank starts; --no-preflight skips it", _BOTH, on_by_default=True),
+    _f("smoke", "before any rank starts, also check every host reaches every other on the "
+       "job's ports, and run one all-reduce on every rank slot (the collective smoke test, "
+       "docs/prebuild-check.md)", _BOTH | frozenset({"prebuild-check"})),
     _f("sync", "send the code first: the cluster file's folder (run: this folder), or "
        "sync.src, made identical under each remote worker's path; only what changed "
        "travels (docs/code-and-environment.md)", _BOTH, default="sync: in the cluster file"),

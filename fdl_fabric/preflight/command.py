@@ -23,7 +23,7 @@ from .run import run_checks
 
 def check_cluster(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = None,
                   cmd: Optional[str] = None, words: Sequence[str] = (),
-                  as_json: bool = False, fast: bool = False,
+                  as_json: bool = False, fast: bool = False, smoke: bool = False,
                   console: Optional[Console] = None) -> int:
     """Check every host of ``cluster_file`` (or of ``cluster``, the hosts of ``--hosts``):
     0 nothing FAILs, 1 something does, 2 usage.
@@ -46,7 +46,7 @@ def check_cluster(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec]
     except ValueError as exc:
         events(Name.REFUSED, error=f"{cluster.file}: command: {exc}")
         return EXIT_USAGE
-    report = run_checks(cluster, argv=argv, fast=fast, settings=settings)
+    report = run_checks(cluster, argv=argv, fast=fast, smoke=smoke, settings=settings)
     if as_json:
         console.json(report.to_json())
     else:
@@ -70,8 +70,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cmd", default=None, help="command to check (default: `command:`)")
     parser.add_argument("--fast", action="store_true",
                         help="only what `inv launch` checks: paths, program, port")
+    parser.add_argument("--smoke", action="store_true",
+                        help="also run one all-reduce on every rank slot")
     try:
         ns = parser.parse_args(args)
     except SystemExit as exc:  # argparse printed the usage error
         return EXIT_USAGE if exc.code else 0
-    return check_cluster(ns.cluster, cmd=ns.cmd, words=words, as_json=ns.json, fast=ns.fast)
+    return check_cluster(ns.cluster, cmd=ns.cmd, words=words, as_json=ns.json, fast=ns.fast,
+                         smoke=ns.smoke)

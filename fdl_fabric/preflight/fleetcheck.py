@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 from .. import reports
 from ..clusterfile import ClusterSpec
 from ..errors import FdlError
+from ..events import EventBus, Name
 from ..planning.envelope import PrebuiltBinary
 from ..planning.plan import LaunchPlan, build_plan
 from ..transport.session import AgentSession
@@ -34,6 +35,31 @@ from .report import CONTROLLER, Check, Status
 LISTEN_TIMEOUT = 10.0
 #: Beyond the dials' own bound, seconds the launcher waits for every host's results.
 ANSWER_MARGIN = 5.0
+
+
+def check_fleet(plan: LaunchPlan, sessions: Mapping[str, AgentSession],
+                inbox: queue.SimpleQueue[reports.Report], events: EventBus) -> None:
+    """``inv launch --smoke``, before the first attempt: the matrix, the interfaces and
+    the smoke test over the launch's own sessions, each row said as the pre-flight's are;
+    raise `FdlError` (exit 1, nothing started) on a FAIL, naming every failed row."""
+    from .smoke import run_smoke
+
+    rows = check_reach(plan, sessions, inbox)
+    rows += run_smoke(plan, sessions, inbox)
+    failures = []
+    for row in rows:
+        if row.status is Status.FAIL:
+            events(Name.PREFLIGHT_FAILED_CHECK, host=row.host, check=row.name,
+                   reason=row.reason)
+            failures.append(row.reason)
+        elif row.status is Status.WARN:
+            events(Name.PREFLIGHT_WARNING, host=row.host, check=row.name, reason=row.reason)
+        else:
+            events(Name.FLEET_CHECK_PASSED, host=row.host, check=row.name, reason=row.reason)
+    if failures:
+        more = f"; and {len(failures) - 1} more above" if len(failures) > 1 else ""
+        raise FdlError(f"cluster launcher: the smoke test failed ({failures[0]}{more}) — "
+                       "nothing was started")
 
 
 def peers_of(cluster: ClusterSpec, hosts: Sequence[str]) -> list[matrix.Peer]:
