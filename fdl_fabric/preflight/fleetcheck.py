@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from .. import reports
+from ..agent import fleet
 from ..clusterfile import ClusterSpec
 from ..errors import FdlError
 from ..events import EventBus, Name
@@ -77,23 +78,19 @@ def check_reach(plan: LaunchPlan, sessions: Mapping[str, AgentSession],
     started = time.monotonic()
     peers = peers_of(plan.cluster, hosts)
     master_host, port = plan.ranks[0].host, plan.cluster.master_port
+    ask = _Ask(sessions, inbox, hosts)
     token = secrets.token_hex(16)
-    for p in peers:
-        sessions[p.host].send_probe({"fleet": matrix.listen_request(p, master_host, port,
-                                                                    token)})
     try:
-        answers = _collect(hosts, inbox, LISTEN_TIMEOUT)
+        answers = ask.each({p.host: matrix.listen_request(p, master_host, port, token)
+                            for p in peers}, LISTEN_TIMEOUT)
         targets = matrix.dials(peers, answers, master_host, plan.master_addr, port,
                                plan.cluster.fanout, seed=plan.run_id)
-        for h in hosts:
-            sessions[h].send_probe({"fleet": {"op": "dial", "timeout": matrix.DIAL_TIMEOUT,
-                                              "targets": [t.wire() for t in targets[h]]}})
-        batches = max(1, -(-max(len(t) for t in targets.values()) // 256))
-        dialed = _collect(hosts, inbox, matrix.DIAL_TIMEOUT * batches + ANSWER_MARGIN)
-    finally:
-        for h in hosts:
-            sessions[h].send_probe({"fleet": {"op": "close"}})
-        _collect(hosts, inbox, LISTEN_TIMEOUT)
+        batches = -(-max(len(t) for t in targets.values()) // fleet.MAX_IN_FLIGHT) or 1
+        dialed = ask.each({h: {"op": "dial", "timeout": matrix.DIAL_TIMEOUT,
+                               "targets": [t.wire() for t in targets[h]]} for h in hosts},
+                          matrix.DIAL_TIMEOUT * batches + ANSWER_MARGIN)
+    finally:  # the ports are released, and that is confirmed, before anything else runs
+        ask.each({h: {"op": "close"} for h in hosts}, LISTEN_TIMEOUT)
     results = {h: a.get("dialed") or {} for h, a in dialed.items()}
     rows = matrix.listen_rows(master_host, port, answers)
     rows += matrix.judge(targets, results, time.monotonic() - started,
@@ -102,6 +99,21 @@ def check_reach(plan: LaunchPlan, sessions: Mapping[str, AgentSession],
     for p in peers:
         rows += nic.reach_rows(p.host, p.ifnames, by_host.get(p.host, {}))
     return rows
+
+
+class _Ask:
+    """One step of the fleet check: a request to every host's agent at once, and each
+    one's answer under a bound."""
+
+    def __init__(self, sessions: Mapping[str, AgentSession],
+                 inbox: queue.SimpleQueue[reports.Report], hosts: Sequence[str]) -> None:
+        self.sessions, self.inbox, self.hosts = sessions, inbox, hosts
+
+    def each(self, requests: Mapping[str, dict[str, Any]], timeout: float
+             ) -> dict[str, dict[str, Any]]:
+        for host, request in requests.items():
+            self.sessions[host].send_probe({"fleet": request})
+        return _collect(self.hosts, self.inbox, timeout)
 
 
 def _collect(hosts: Sequence[str], inbox: queue.SimpleQueue[reports.Report],

@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .nic import candidates, selected
 from .probe import IfnameSetting
@@ -167,33 +167,36 @@ def _result(results: Mapping[str, Mapping[str, str]], t: Target) -> str:
 
 
 def _collapsed(plain: Sequence[Target], failed: Sequence[tuple[Target, str]]) -> list[Check]:
-    """Per-pair rows, except a target every dialer failed (one row: nobody reaches it)
-    and a dialer that failed every dial (one row: it reaches nobody)."""
-    rows: list[Check] = []
-    by_target: dict[tuple[str, int, str], list[tuple[Target, str]]] = {}
-    by_dialer: dict[str, list[tuple[Target, str]]] = {}
-    for t, why in failed:
-        by_target.setdefault((t.host, t.port, t.addr), []).append((t, why))
-        by_dialer.setdefault(t.dialer, []).append((t, why))
-    total_by_target = _count(plain, lambda t: (t.host, t.port, t.addr))
-    total_by_dialer = _count(plain, lambda t: t.dialer)
+    """Per-pair rows, except a dialer that failed every dial (one row: it reaches nobody)
+    and a target every dialer failed (one row: nobody reaches it)."""
     said: set[str] = set()
-    for dialer, fails in by_dialer.items():
-        if len(fails) == total_by_dialer[dialer] > 1:
-            rows.append(Check(dialer, "reach", Status.FAIL,
-                              f"{dialer} reaches no other host ({_where(fails[0][0])}: "
-                              f"{_cause(fails[0][1])}): its link or firewall"))
+    rows = _said_once(plain, failed, said, lambda t: t.dialer, lambda t, why: Check(
+        t.dialer, "reach", Status.FAIL, f"{t.dialer} reaches no other host ({_where(t)}: "
+        f"{_cause(why)}): its link or firewall"))
+    rows += _said_once(plain, failed, said, lambda t: (t.host, t.port, t.addr),
+                       lambda t, why: Check(t.host, "reach", Status.FAIL,
+                                            f"no host reaches {_where(t)} ({t.dialer}: "
+                                            f"{_cause(why)}): its link or firewall"))
+    return rows + [Check(t.dialer, "reach", Status.FAIL,
+                         f"{t.dialer} cannot reach {_where(t)} ({_cause(why)})")
+                   for t, why in failed if t.id not in said]
+
+
+def _said_once(plain: Sequence[Target], failed: Sequence[tuple[Target, str]], said: set[str],
+               key: Callable[[Target], Any], row: Callable[[Target, str], Check]
+               ) -> list[Check]:
+    """One row for each ``key`` group (two dials or more) whose every dial failed and was
+    not said yet; the dials it covers join ``said``."""
+    totals = _count(plain, key)
+    groups: dict[Any, list[tuple[Target, str]]] = {}
+    for t, why in failed:
+        if t.id not in said:
+            groups.setdefault(key(t), []).append((t, why))
+    rows = []
+    for k, fails in groups.items():
+        if len(fails) == totals[k] > 1:
+            rows.append(row(*fails[0]))
             said.update(t.id for t, _ in fails)
-    for key, fails in by_target.items():
-        fails = [(t, why) for t, why in fails if t.id not in said]
-        if len(fails) > 1 and len(fails) == total_by_target[key]:
-            rows.append(Check(key[0], "reach", Status.FAIL,
-                              f"no host reaches {_where(fails[0][0])} ({fails[0][0].dialer}: "
-                              f"{_cause(fails[0][1])}): its link or firewall"))
-            said.update(t.id for t, _ in fails)
-    rows += [Check(t.dialer, "reach", Status.FAIL,
-                   f"{t.dialer} cannot reach {_where(t)} ({_cause(why)})")
-             for t, why in failed if t.id not in said]
     return rows
 
 
