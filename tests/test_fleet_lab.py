@@ -96,3 +96,39 @@ def test_of_two_interfaces_the_one_every_peer_reaches_is_suggested(netns_lab) ->
     assert rows[0].reason.startswith(f"{veth} reaches every peer, but side0 10.99.7.1 not from")
     assert rows[0].reason.endswith(f"set nccl_socket_ifname: {veth}")
     assert not _failed(report, "reach")
+
+
+# -- inv launch --smoke: the same checks over the launch's own sessions ------------------
+
+
+def test_launch_smoke_through_the_gateway_tree_checks_every_host_then_runs(
+        sshd_lab, tmp_path: Path) -> None:
+    lab = sshd_lab(n_hosts=4)
+    cluster = lab.write_cluster([lab.worker(h, nproc=2) for h in lab.hosts], fanout=2,
+                                kill_grace=1)
+    done = run_launch(cluster, "--smoke", "--cmd", "python3 -c 'print(1)'", timeout=240)
+    err = done.stderr
+    assert done.returncode == 0, done.stdout + err
+    assert "reach: " in err and "between 4 hosts (sampled beyond fanout), each reached" in err
+    for h, ranks in zip(lab.hosts, ("0, 1", "2, 3", "4, 5", "6, 7")):
+        assert f"smoke: {h.name}: ranks {ranks} all-reduced and passed the barrier" in err
+    # before the first attempt: the smoke lines come before the run's own launch line
+    assert err.index("smoke: ") < err.index("cluster launcher: run ")
+    assert err.rstrip().splitlines()[-1] == \
+        "cluster launcher: run completed — all 8 ranks exited 0"
+
+
+def test_launch_smoke_names_the_blocked_pair_and_starts_nothing(
+        netns_lab, tmp_path: Path) -> None:
+    lab = _lab(netns_lab)
+    a, _, c = lab.hosts
+    lab.drop(c, a, MASTER_PORT)
+    marker = tmp_path / "started"
+    done = run_launch(_cluster(lab), "--smoke", "--cmd", f"touch {marker}", timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert f"{c.name} cannot reach {a.name}:{MASTER_PORT} at {a.addr} (MASTER_ADDR) " \
+        "(timed out after 2 s)" in out
+    assert "smoke: not run: hosts cannot reach each other" in out
+    assert "nothing was started" in out.rstrip().splitlines()[-1]
+    assert not marker.exists()

@@ -43,10 +43,7 @@ def check_fleet(plan: LaunchPlan, sessions: Mapping[str, AgentSession],
     """``inv launch --smoke``, before the first attempt: the matrix, the interfaces and
     the smoke test over the launch's own sessions, each row said as the pre-flight's are;
     raise `FdlError` (exit 1, nothing started) on a FAIL, naming every failed row."""
-    from .smoke import run_smoke
-
-    rows = check_reach(plan, sessions, inbox)
-    rows += run_smoke(plan, sessions, inbox)
+    rows = with_smoke(plan, sessions, inbox, check_reach(plan, sessions, inbox))
     failures = []
     for row in rows:
         if row.status is Status.FAIL:
@@ -61,6 +58,19 @@ def check_fleet(plan: LaunchPlan, sessions: Mapping[str, AgentSession],
         more = f"; and {len(failures) - 1} more above" if len(failures) > 1 else ""
         raise FdlError(f"cluster launcher: the smoke test failed ({failures[0]}{more}) — "
                        "nothing was started")
+
+
+def with_smoke(plan: LaunchPlan, sessions: Mapping[str, AgentSession],
+               inbox: queue.SimpleQueue[reports.Report], rows: list[Check]) -> list[Check]:
+    """``rows`` and the smoke test's, unless a host cannot reach another: then every
+    collective would only wait for its bound, and one row says why it did not run."""
+    from .smoke import run_smoke
+
+    if any(r.status is Status.FAIL and r.name in ("reach", "nic") for r in rows):
+        return [*rows, Check(CONTROLLER, "smoke", Status.WARN, "not run: hosts cannot "
+                             "reach each other on the job's ports (above), so no collective "
+                             "can form")]
+    return rows + run_smoke(plan, sessions, inbox)
 
 
 def peers_of(cluster: ClusterSpec, hosts: Sequence[str]) -> list[matrix.Peer]:
@@ -174,11 +184,7 @@ def prebuild_fleet(cluster: ClusterSpec, argv: Sequence[str],
         return [Check(CONTROLLER, "reach", Status.FAIL, f"cannot plan the ranks: {exc}")]
     sessions = {h: live.session for h, live in kept.items()}
     rows = check_reach(plan, sessions, inbox)
-    if smoke:
-        from .smoke import run_smoke
-
-        rows += run_smoke(plan, sessions, inbox)
-    return rows
+    return with_smoke(plan, sessions, inbox, rows) if smoke else rows
 
 
 def _listed(values: Mapping[str, str]) -> list[int]:

@@ -75,7 +75,9 @@ CODE_WORDS: dict[Name, Words] = {
     Name.SETUP_DONE: _setup_done,
     Name.SETUP_FAILED: _setup_failed,
     Name.VERSIONS_AGREE: lambda e, d: f"{L}versions: {d['reason']}",
-    Name.FLEET_CHECK_PASSED: lambda e, d: f"{L}{d['check']}: {d['reason']}",
+    Name.FLEET_CHECK_PASSED: lambda e, d: (
+        f"{L}{d['check']}: " + ("" if not e.host or e.host.startswith("(") else f"{e.host}: ")
+        + str(d["reason"])),
     Name.SETUP_NOT_RUN: lambda e, d: (f"{L}setup is not run: --no-sync (it runs in the "
                                       "synced folder)"),
 }
