@@ -232,3 +232,16 @@ def test_a_port_already_taken_is_reported_never_taken_over() -> None:
         got = a.ask(op="listen", host="a", token="ab" * 16, ports=[port], ephemeral=0)
     assert got["ports"] == {str(port): "!in use on this host"}
     a.ask(op="close")
+
+
+def test_smoke_without_the_preflight_is_refused_naming_both_flags() -> None:
+    import pytest
+
+    import fdl_fabric
+    from fdl_fabric.errors import FdlError
+
+    with pytest.raises(FdlError) as caught:
+        fdl_fabric.launch(None, "true", hosts="a", smoke=True, preflight=False)
+    assert caught.value.exit_code == 2
+    assert str(caught.value).startswith("--smoke: it is part of the pre-flight, which "
+                                        "--no-preflight turns off")

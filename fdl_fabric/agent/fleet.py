@@ -96,11 +96,23 @@ def ephemeral_range() -> Tuple[int, int]:
 
 
 def _bind(port: int) -> socket.socket:
-    """A listening socket on every IPv4 address of this host."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A listening socket on every address of this host: IPv6 and IPv4 on one socket
+    where the host has IPv6, else IPv4 only."""
     try:
+        return _listening(socket.AF_INET6, ("::", port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise
+    return _listening(socket.AF_INET, ("0.0.0.0", port))
+
+
+def _listening(family: int, address: Tuple[Any, ...]) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("0.0.0.0", port))
+        sock.bind(address)
         sock.listen(128)
         sock.setblocking(False)
     except OSError:
@@ -297,11 +309,12 @@ class _Dials:
         key = str(target.get("id"))
         try:
             infos = socket.getaddrinfo(str(target["addr"]), int(target["port"]),
-                                       socket.AF_INET, socket.SOCK_STREAM)
+                                       type=socket.SOCK_STREAM)
         except (OSError, UnicodeError, ValueError) as exc:
-            self.results[key] = f"!{target.get('addr')} does not resolve here ({exc})"
+            why = getattr(exc, "strerror", None) or exc
+            self.results[key] = f"!{target.get('addr')} does not resolve here ({why})"
             return
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
         sock.setblocking(False)
         err = sock.connect_ex(infos[0][4])
         if err not in (0, errno.EINPROGRESS):

@@ -47,6 +47,9 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
     common = _common(v, argv, settings)
     if common["detach"] and common["dry_run"]:
         raise usage("--detach", "a dry run starts nothing to detach from: drop one")
+    if common["smoke"] and not common["preflight"]:
+        raise usage("--smoke", "it is part of the pre-flight, which --no-preflight turns off: "
+                    "drop one")
     from_hosts = hosts_cluster(values, command=command, nproc_per_node=per_node,
                                launching=True)
     if from_hosts is not None:
