@@ -277,11 +277,14 @@ def gather(wanted: Dict[str, Any], cwd: str, beat: Callable[[float], None]) -> D
         values.update(gpu_listing(beat))
     if wanted.get("health"):
         values.update(gpu_health(beat))
-        if "gpu_apps" not in values and values.get("gpu_health_rc") != "missing":
+    absent = "missing" in (values.get("gpu_rc"), values.get("gpu_health_rc"))
+    if wanted.get("health") and not absent:
+        if "gpu_apps" not in values:
             values["gpu_apps"] = _apps(beat)
         values.update(kernel_xids(beat))
     if wanted.get("matmul"):
-        values["gpu_matmul"] = _matmul_value(wanted, cwd, beat, started)
+        values["gpu_matmul"] = "skip:there is no nvidia-smi on this host" if absent else \
+            _matmul_value(wanted, cwd, beat, started)
     return values
 
 
