@@ -331,12 +331,12 @@ def _die_with_parent(parent: int) -> None:  # pragma: no cover - runs in the chi
 
 
 def _libc() -> Any:
-    """libc, loaded once in the agent: the child, between fork and exec, only calls it."""
+    """libc, loaded once in the agent (as `main` loads it: the process's own symbols, no
+    ``ldconfig`` run): the child, between fork and exec, only calls it."""
     try:
         import ctypes
-        import ctypes.util
 
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(None, use_errno=True)
     except Exception:
         return None
 
