@@ -345,6 +345,12 @@ def test_the_matmul_program_runs_with_the_ranks_interpreter_and_its_pythonpath(
     assert shadowed == {"skip": "torch is not importable (ImportError: no torch here)"}
     assert gpus.matmul(str(tmp_path / "nope" / "python3"), [0], "/", None, 60) == \
         f"skip:interpreter {tmp_path}/nope/python3 not found"
+    # a bare "python3" is looked up on the ranks' PATH where cluster.yml sets one
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\necho '{\"skip\": \"theirs\"}'\n")
+    (tmp_path / "bin" / "python3").chmod(0o755)
+    assert gpus.matmul("python3", [0], "/", None, 60, path_env=str(tmp_path / "bin")) == \
+        '{"skip": "theirs"}'
 
 
 def test_pci_addresses_match_however_they_are_written() -> None:

@@ -236,7 +236,7 @@ sys.stdout.write("\n" + json.dumps(out) + "\n")
 
 
 def matmul(python: str, devices: Any, cwd: str, python_path: Optional[str], timeout: float,
-           beat: Optional[Beat] = None) -> str:
+           beat: Optional[Beat] = None, path_env: Optional[str] = None) -> str:
     """``gpu_matmul``: the matmul program's JSON line, or ``skip:why`` (the interpreter
     cannot be started: the program row says why), ``timeout:why`` (it did not finish
     within ``timeout``: a hung GPU, or only a slow import of torch) or ``error:why`` (it
@@ -245,6 +245,8 @@ def matmul(python: str, devices: Any, cwd: str, python_path: Optional[str], time
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     if python_path is not None:
         env["PYTHONPATH"] = python_path
+    if path_env is not None:  # the ranks' PATH, where cluster.yml sets one: found as they are
+        env["PATH"] = path_env
     folder = os.path.expanduser(cwd)
     status, out = run_bounded([python, "-c", MATMUL_SCRIPT, json.dumps(devices)], timeout,
                               beat, cwd=folder if os.path.isdir(folder) else None, env=env)
@@ -269,7 +271,8 @@ def gather(wanted: Dict[str, Any], cwd: str, beat: Callable[[float], None]) -> D
     """What the pre-flight asks of the GPUs (``wanted``, `fdl_fabric.preflight.probe.
     agent_checks`): ``listing`` (`gpu_listing`), ``health`` (`gpu_health`, the compute
     processes and `kernel_xids`) and ``matmul`` (a product on each GPU against the CPU's,
-    with ``python``, within what is left of `GATHER_BUDGET`). Raw values only;
+    with ``python``, ``python_path`` and, when given, the ranks' ``path_env``, within what
+    is left of `GATHER_BUDGET`). Raw values only;
     `fdl_fabric.preflight.gpus` judges them."""
     started = time.monotonic()
     values: Dict[str, str] = {}
@@ -296,4 +299,4 @@ def _matmul_value(wanted: Dict[str, Any], cwd: str, beat: Beat, started: float) 
     if left < MATMUL_MIN:
         return "skip:no time left for it within the pre-flight's bound"
     return matmul(str(python), wanted.get("devices", "all"), cwd, wanted.get("python_path"),
-                  left, beat)
+                  left, beat, wanted.get("path_env"))
