@@ -334,6 +334,13 @@ def test_two_slots_with_the_real_torch_all_reduce_and_pass_the_barrier() -> None
     assert beats.calls > 0  # the agent stayed heard while it waited
 
 
+def test_the_job_finds_master_port_free_right_after_the_smoke_test() -> None:
+    request = _request(2, [0, 1])
+    first = smokerun.run(request, _Beats())
+    again = smokerun.run(request, _Beats())  # the same MASTER_PORT, at once
+    assert all(s["ok"] for s in first["slots"] + again["slots"]), (first, again)
+
+
 def test_slots_whose_peer_never_comes_fail_with_torchs_own_words_before_the_bound() -> None:
     answer = smokerun.run(_request(3, [0, 1], timeout=10), _Beats())
     errors = [s["error"] for s in answer["slots"]]
