@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from fdl_fabric.agent import bounded
 
 #: Seconds each nvidia-smi query gets (it can hang on a broken driver).
 GPU_TIMEOUT = 10.0
@@ -29,8 +30,6 @@ MATMUL_TIMEOUT = 40.0
 GATHER_BUDGET = 50.0
 #: The least time worth starting the matmul with.
 MATMUL_MIN = 5.0
-#: How often ``beat`` is called while a command runs.
-BEAT_EVERY = 0.5
 #: The most output kept of one command (an 8-GPU ``-q`` is about 60 KB).
 OUTPUT_MAX = 256 * 1024
 #: The kernel-log lines kept: the last ones naming an Xid.
@@ -51,17 +50,13 @@ XID_MARK = "NVRM: Xid"
 Beat = Callable[[float], None]
 
 
-def _quiet(_: float) -> None:
-    """No heartbeat to keep (a direct call outside the agent)."""
-
-
 def run_bounded(argv: List[str], timeout: float, beat: Optional[Beat] = None,
                 cwd: Optional[str] = None,
                 env: Optional[Dict[str, str]] = None) -> Tuple[str, str]:
     """``(status, output)`` of one command, stdout and stderr together: status is the exit
     status as text, ``missing`` when the program is not there, ``error`` when it could
     not start or did not end within ``timeout`` (then killed with its process group, and
-    the output says why). ``beat`` is called every `BEAT_EVERY` seconds meanwhile."""
+    the output says why). ``beat`` is called every `bounded.BEAT_EVERY` seconds meanwhile."""
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True,
@@ -70,30 +65,11 @@ def run_bounded(argv: List[str], timeout: float, beat: Optional[Beat] = None,
         return "missing", str(exc)
     except OSError as exc:
         return "error", str(exc)
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        try:  # communicate may be called again after a timeout: nothing read is lost
-            out, _ = proc.communicate(timeout=max(0.0, min(BEAT_EVERY, left)))
-            break
-        except subprocess.TimeoutExpired:
-            if left <= BEAT_EVERY:
-                _kill_group(proc)
-                return "error", f"{argv[0]} gave no answer within {timeout:g} s (killed)"
-            (beat or _quiet)(0.0)
+    done = bounded.communicate(proc, timeout, beat)
+    if done is None:
+        return "error", f"{argv[0]} gave no answer within {timeout:g} s (killed)"
+    out = done[0]
     return str(proc.returncode), out[:OUTPUT_MAX].decode("utf-8", "replace")
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """KILL the command's process group and reap it; its pipes are closed unread, as a
-    grandchild that left the group may hold them open."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        proc.kill()
-    proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 def _smi(args: List[str], beat: Optional[Beat] = None) -> Tuple[str, str]:

@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 from typing import Any, Callable, Dict, List, Optional
 
+from fdl_fabric.agent import bounded
 from fdl_fabric.agent.checks import resolve_program
 
 #: Seconds the interpreter may take when the request does not say (an import of torch
 #: with CUDA takes a few; a cold disk more).
 DEFAULT_TIMEOUT = 30.0
-#: How often, while the interpreter runs, the caller's ``beat`` is called (the agent's
-#: heartbeat: importing torch may take longer than the launcher waits for a silent agent).
-BEAT_EVERY = 0.5
 #: The longest stderr line quoted in an error.
 _QUOTE_MAX = 300
 
@@ -116,7 +112,7 @@ def gather(request: Dict[str, Any],
     does after the rank's ``chdir``), ``packages`` (names, or None for torch when
     installed), ``timeout`` (seconds), and optionally ``env`` (variables the ranks get
     over this agent's own, e.g. ``PATH`` or ``PYTHONPATH`` from cluster.yml). ``beat``
-    is called (with 0.0, like `checks.gather`'s) every `BEAT_EVERY` seconds while the
+    is called (with 0.0, like `checks.gather`'s) every `bounded.BEAT_EVERY` seconds while the
     interpreter runs, so the agent stays heard.
     """
     python = str(request.get("python") or "python3")
@@ -158,35 +154,13 @@ def _run(python: str, names: Optional[List[str]], cwd: str, env: Dict[str, str],
             start_new_session=True)
     except OSError as exc:
         return {"error": f"cannot start interpreter {python}: {exc.strerror or exc}"}
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        try:  # communicate may be called again after a timeout: nothing read is lost
-            out, err = proc.communicate(timeout=max(0.0, min(BEAT_EVERY, left)))
-            break
-        except subprocess.TimeoutExpired:
-            if left <= BEAT_EVERY:
-                _kill_group(proc)
-                return {"error": f"interpreter {python} timed out after {timeout:g} s "
-                                 "(killed)"}
-            if beat is not None:
-                beat(0.0)
+    done = bounded.communicate(proc, timeout, beat)
+    if done is None:
+        return {"error": f"interpreter {python} timed out after {timeout:g} s (killed)"}
+    out, err = done[0], done[1] or b""
     if proc.returncode != 0:
         return {"error": _exit_words(python, proc.returncode, err)}
     return _parse(python, out)
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """KILL the interpreter's process group, reap it and close its pipes without reading
-    them: a grandchild that left the group may hold them open, and must not keep us."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        proc.kill()
-    proc.wait()
-    for pipe in (proc.stdout, proc.stderr):
-        if pipe is not None:
-            pipe.close()
 
 
 def _exit_words(python: str, code: int, err: bytes) -> str:

@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any
 
 from .. import reports
 from ..agent import fleet
@@ -29,6 +29,7 @@ from ..planning.plan import LaunchPlan, build_plan
 from ..transport.session import AgentSession
 from . import matrix, nic
 from .agents import CHECK_RUN, LiveAgent
+from .answers import collect
 from .probe import settings_of
 from .report import CONTROLLER, Check, Status
 
@@ -131,37 +132,6 @@ def _collect(hosts: Sequence[str], inbox: queue.SimpleQueue[reports.Report],
     """Each host's next ``fleet`` answer; a host whose agent ended or did not answer in
     time gets ``{"error": why}``. Other reports are put back, in order."""
     return collect(hosts, inbox, timeout, lambda r: getattr(r, "fleet", None))
-
-
-def collect(hosts: Sequence[str], inbox: queue.SimpleQueue[reports.Report], timeout: float,
-            pick: Callable[[reports.Report], Optional[dict[str, Any]]]
-            ) -> dict[str, dict[str, Any]]:
-    """One answer per host, what ``pick`` takes from a `reports.Facts`, under ``timeout``
-    (the one way the fleet steps wait: bounded, and nothing else is lost)."""
-    got: dict[str, dict[str, Any]] = {}
-    kept: list[reports.Report] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while set(hosts) - set(got):
-            try:
-                report = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                for host in set(hosts) - set(got):
-                    got[host] = {"error": f"no answer within {timeout:g} s"}
-                break
-            answer = pick(report) if isinstance(report, reports.Facts) else None
-            if isinstance(report, reports.Facts) and answer is not None \
-                    and report.host in hosts:
-                got.setdefault(report.host, answer)
-            elif isinstance(report, reports.AgentGone) and report.host in hosts:
-                got.setdefault(report.host, {"error": report.reason or "its agent ended"})
-                kept.append(report)
-            else:
-                kept.append(report)
-    finally:
-        for report in kept:
-            inbox.put(report)
-    return got
 
 
 def prebuild_fleet(cluster: ClusterSpec, argv: Sequence[str],

@@ -254,7 +254,7 @@ def _gpu_checks(plan: HostPlan) -> Optional[dict[str, Any]]:
     python = argv[0] if argv and re.fullmatch(r"python[0-9.]*", os.path.basename(argv[0])) \
         else None
     return {"listing": not plan.fast, "health": True, "matmul": not plan.fast or plan.smoke,
-            "python": python, "python_path": plan.python_path,
+            "python": python, "python_path": plan.python_path, "path_env": plan.path_env,
             "devices": list(w.local_devices) if isinstance(w.local_devices, tuple) else "all"}
 
 

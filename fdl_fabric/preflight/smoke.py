@@ -31,13 +31,13 @@ wrong. When only some hosts lack it, their slots FAIL: the others would wait for
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from .. import reports
 from ..planning.plan import LaunchPlan, RankPlan, interpreter, is_interpreter
 from ..transport.session import AgentSession
+from .answers import collect
 from .report import CONTROLLER, Check, Status
 
 #: The bound of the whole smoke test, as the launcher waits for it (seconds).
@@ -114,32 +114,7 @@ def _collect(hosts: Sequence[str], inbox: queue.SimpleQueue[reports.Report],
              timeout: float) -> dict[str, dict[str, Any]]:
     """The smoke answers of ``hosts`` from ``inbox``, or why there is none, by
     ``timeout``; the other reports are put back, in their order."""
-    answers: dict[str, dict[str, Any]] = {}
-    kept: list[reports.Report] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while set(hosts) - set(answers):
-            try:
-                report = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                for host in set(hosts) - set(answers):
-                    answers[host] = {"error": f"no answer within {timeout:g} s"}
-                break
-            smoke: Optional[dict[str, Any]] = getattr(report, "smoke", None)
-            if isinstance(report, reports.Facts) and smoke is not None \
-                    and report.host in hosts:
-                answers[report.host] = smoke
-            elif isinstance(report, reports.AgentGone) and report.host in hosts \
-                    and report.host not in answers:
-                answers[report.host] = {"error": "its agent ended before answering"
-                                        + (f" ({report.reason})" if report.reason else "")}
-                kept.append(report)  # the caller learns it too
-            else:
-                kept.append(report)
-    finally:
-        for report in kept:
-            inbox.put(report)
-    return answers
+    return collect(hosts, inbox, timeout, lambda r: getattr(r, "smoke", None))
 
 
 def judge(plan: LaunchPlan, answers: Mapping[str, Mapping[str, Any]]) -> list[Check]:
