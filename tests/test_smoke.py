@@ -350,6 +350,13 @@ def test_slots_whose_peer_never_comes_fail_with_torchs_own_words_before_the_boun
     assert all(e.startswith("Dist") and "killed" not in e for e in errors), errors
 
 
+def test_nccl_on_a_slot_that_sees_no_gpu_is_named_before_any_collective() -> None:
+    request = _request(1, [0], backend="nccl")
+    request["slots"][0]["env"]["CUDA_VISIBLE_DEVICES"] = "3"
+    slot = smokerun.run(request, _Beats())["slots"][0]  # torch here is a CPU build
+    assert slot["error"] == "RuntimeError: no CUDA device visible (CUDA_VISIBLE_DEVICES=3)"
+
+
 def test_an_interpreter_without_torch_is_answered_skipped_with_its_path(tmp_path: Path) -> None:
     python = make_venv(tmp_path / "venv")
     answer = smokerun.run(_request(2, [0, 1], python=str(python)), _Beats())
