@@ -332,6 +332,7 @@ class Agent(HostLoop):
         if isinstance(request.get("smoke"), dict):
             from fdl_fabric.agent import smokerun
 
+            self.fleet.close()  # the slots bind the job's own ports (MASTER_PORT)
             facts["smoke"] = smokerun.run(request["smoke"], beat=self._pump)
         if request.get("gpus"):
             from fdl_fabric.agent import gpus

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fdl_fabric.agent.checks import resolve_program
 from fdl_fabric.agent.ranks import base_env
-from fdl_fabric.agent.versions import _not_runnable
+from fdl_fabric.agent.versions import not_runnable
 
 #: The bound when the request gives none: seconds from the first slot's start to the
 #: last slot's kill.
@@ -188,7 +188,7 @@ def run(request: Dict[str, Any], beat: Callable[[float], None]) -> Dict[str, Any
     found = resolve_program(python, cwd, path)
     answer: Dict[str, Any] = {"python": found, "backend": backend, "timeout": timeout}
     if found.startswith("!"):
-        why = _not_runnable(python, cwd, found)
+        why = not_runnable(python, cwd, found)
         answer["slots"] = [{**s.entry(), "error": why} for s in slots]
         return answer
     began = time.monotonic()

@@ -125,11 +125,11 @@ def gather(request: Dict[str, Any],
 
     found = resolve_program(python, cwd, env.get("PATH"))
     if found.startswith("!"):
-        return {"error": _not_runnable(python, cwd, found)}
+        return {"error": not_runnable(python, cwd, found)}
     return _run(found, names, cwd, env, timeout, beat)
 
 
-def _not_runnable(python: str, cwd: str, why: str) -> str:
+def not_runnable(python: str, cwd: str, why: str) -> str:
     """Why the interpreter cannot start, naming the file the ranks would have run."""
     if why == "!nocwd":
         return (f"cannot resolve interpreter {python}: the ranks' folder {cwd} does not "
