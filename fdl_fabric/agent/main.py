@@ -349,7 +349,7 @@ class Agent(HostLoop):
         report = procs.sweep(runs=[str(r) for r in request.get("runs") or []],
                              cluster=request.get("cluster"), all_runs=bool(request.get("all")),
                              pattern=request.get("pattern"), scope=request.get("scope"),
-                             force=bool(request.get("force")),
+                             force=bool(request.get("force")), spare=request.get("spare"),
                              by=by if isinstance(by, dict) else None, wait=self._pump)
         self.send(wire.SWEPT, report)
         self.send(wire.DONE)

@@ -89,6 +89,39 @@ def own_pids() -> List[int]:
     return pids
 
 
+def boot_id() -> str:
+    """This machine's boot id: equal on two processes means their pids name the same
+    processes (one kernel, one boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def lineage() -> Dict[str, Any]:
+    """This process and its ancestors, as ``{"boot", "pids": [[pid, start], ...]}``: what
+    a cleanup sends so that an agent on the same machine spares it (`spared`)."""
+    return {"boot": boot_id(),
+            "pids": [[p, start_time(p)] for p in sorted(_lineage()) if start_time(p)]}
+
+
+def spared(given: Any) -> Set[int]:
+    """The pids of a `lineage` sent from this same machine that are still those
+    processes (pid and start time both match); empty from another machine."""
+    if not isinstance(given, dict) or not given.get("boot") or given["boot"] != boot_id():
+        return set()
+    out = set()
+    for item in given.get("pids") or []:
+        try:
+            pid, start = int(item[0]), int(item[1])
+        except (TypeError, ValueError, IndexError):
+            continue
+        if start_time(pid) == start:
+            out.add(pid)
+    return out
+
+
 def _lineage() -> Set[int]:
     pids = {os.getpid()}
     pid = os.getppid()

@@ -52,6 +52,7 @@ from fdl_fabric.agent.pids import (
     own_pids,
     proc_stat,
     signal_pids,
+    spared,
     start_time,
     stat_fields,
     stop,
@@ -328,7 +329,7 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
           pattern: Optional[str] = None, grace: float = SWEEP_GRACE,
           folder: Optional[str] = None, keep: Optional[str] = None,
           scope: Optional[str] = None, force: bool = False,
-          by: Optional[Dict[str, Any]] = None,
+          by: Optional[Dict[str, Any]] = None, spare: Optional[Dict[str, Any]] = None,
           wait: Callable[[float], None] = time.sleep) -> Dict[str, Any]:
     """Stop the recorded runs selected by id, cluster key or ``all_runs``; verify; report.
 
@@ -340,7 +341,9 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
     processes whose command line matches the regex are stopped too, like ``pkill -f``:
     an explicit opt-in, since it can hit processes fdl-fabric did not start. ``scope`` is
     a cluster key every selected run must have, whatever else selects it: a Slurm job's
-    cleanup never reaches a run of another job on the same node.
+    cleanup never reaches a run of another job on the same node. ``spare`` is the
+    cleanup's own lineage (`pids.lineage`): when it runs on this machine, the pattern
+    never matches it (its command line holds the pattern, and so may its shell's).
     """
     report: Dict[str, Any] = {"stopped": [], "leftovers": [], "stale": 0, "errors": [],
                               "live": []}
@@ -348,7 +351,7 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
     wanted = set(runs)
     selected = [r for r in records if _selects(r, wanted, cluster, all_runs, keep, scope)]
     selected, targets = _triage(selected, wanted, force, by or {}, folder, report)
-    hits = _pattern_hits(pattern, report) if pattern else []
+    hits = _pattern_hits(pattern, report, spared(spare)) if pattern else []
     stop(lambda: _sweep_members(hits, targets), grace, wait)
     for rec in selected:
         _verify_record(rec, folder, report)
@@ -411,11 +414,12 @@ def _triage(selected: List[Dict[str, Any]], wanted: Set[str], force: bool,
     return kept, targets
 
 
-def _pattern_hits(pattern: str, report: Dict[str, Any]) -> List[int]:
+def _pattern_hits(pattern: str, report: Dict[str, Any], skip: Set[int]) -> List[int]:
     """Live processes of this user whose command line matches ``pattern`` (reported as
-    stopped): the explicit ``pkill -f`` opt-in, never applied without ``--pattern``."""
+    stopped), except the cleanup's own lineage (``skip``): the explicit ``pkill -f``
+    opt-in, never applied without ``--pattern``."""
     regex = re.compile(pattern)
-    hits = [p for p in own_pids() if alive(p) and regex.search(cmdline(p))]
+    hits = [p for p in own_pids() if p not in skip and alive(p) and regex.search(cmdline(p))]
     if hits:
         report["stopped"].append({"pattern": pattern, "pids": hits,
                                   "cmdlines": [cmdline(p)[:200] for p in hits]})

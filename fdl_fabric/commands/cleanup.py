@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import reports
+from ..agent.pids import lineage
 from ..clusterfile import ClusterSpec
 from ..errors import EXIT_USAGE, FdlError
 from ..events import EventBus, Name
@@ -70,7 +71,9 @@ def sweep_request(*, runs: Sequence[str] = (), cluster: Optional[str] = None,
     """What an agent's sweep does (`fdl_fabric.agent.procs.sweep`); ``by`` says who
     stops a live run (the note its verdict quotes)."""
     return {"runs": list(runs), "cluster": cluster, "all": all_runs, "pattern": pattern,
-            "scope": scope, "force": force, "by": by or stopper("a cleanup")}
+            "scope": scope, "force": force, "by": by or stopper("a cleanup"),
+            # this cleanup's own process and its shells: a pattern never stops them
+            "spare": lineage() if pattern else None}
 
 
 def stopper(command: str) -> dict[str, Any]:
