@@ -355,10 +355,53 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
     stop(lambda: _sweep_members(hits, targets), grace, wait)
     for rec in selected:
         _verify_record(rec, folder, report)
+    prune_empty_run_folders(folder)
     left_hits = [p for p in hits if alive(p)]
     if left_hits:
         report["leftovers"].append({"pattern": pattern, "processes": describe(left_hits)})
     return report
+
+
+#: A run folder without a record and without a file is left alone this long (seconds):
+#: a starting agent makes its ranks' folders just before it writes its record.
+EMPTY_FOLDER_AGE = 60.0
+
+
+def prune_empty_run_folders(folder: Optional[str] = None, now: Optional[float] = None) -> int:
+    """Remove ``<run>@<host>`` folders that hold no file at all and no record, older than
+    `EMPTY_FOLDER_AGE`: what an agent that was killed leaves of its ranks' error-file
+    folders. Returns how many went; never raises (a sweep goes on without it)."""
+    import shutil
+
+    now = time.time() if now is None else now
+    removed = 0
+    for place in [folder] if folder else registry.readable_dirs():
+        try:
+            names = os.listdir(place)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(place, name)
+            if "@" not in name or os.path.lexists(path + ".json") or os.path.islink(path) \
+                    or not os.path.isdir(path) or not _empty_and_old(path, now):
+                continue
+            with contextlib.suppress(OSError):
+                shutil.rmtree(path)
+                removed += 1
+    return removed
+
+
+def _empty_and_old(path: str, now: float) -> bool:
+    """No file anywhere under ``path``, and nothing in it touched for `EMPTY_FOLDER_AGE`."""
+    for root, _, files in os.walk(path):
+        if files:
+            return False
+        try:
+            if now - os.lstat(root).st_mtime < EMPTY_FOLDER_AGE:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def _sweep_records(folder: Optional[str], report: Dict[str, Any]) -> List[Dict[str, Any]]:
