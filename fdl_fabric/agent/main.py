@@ -41,6 +41,7 @@ from fdl_fabric.agent import (
     codeops,
     collectors,
     fleet,
+    pids,
     procs,
     ranks,
     registry,
@@ -117,7 +118,7 @@ class Agent(HostLoop):
             # SSH the agent already leads a session of its own: this fails harmlessly.)
             with contextlib.suppress(OSError):
                 os.setsid()
-        _become_subreaper()
+        pids.become_subreaper()
 
     def hello(self) -> None:
         self.out += wire.HANDSHAKE
@@ -300,7 +301,7 @@ class Agent(HostLoop):
         self.spec = spec
         if spec.get("lease"):
             self.lease = max(float(spec["lease"]), wire.LEASE_MIN)
-        envelope = _decode_envelope(str(spec.get("envelope", "")))
+        envelope = wire.decode_envelope(str(spec.get("envelope", "")))
         if spec.get("checks"):
             from fdl_fabric.agent import checks  # only with a pre-flight: keeps starts light
 
@@ -364,6 +365,8 @@ class Agent(HostLoop):
             return
         self.started = True
         self.fleet.close()  # the ports it tested are the ranks' now
+        if not self._registry_ready(spec):
+            return
         self.watchdog = watchdog.start(str(spec["run_id"]), str(spec["host"]),
                                        float(spec["kill_grace"]))
         base = ranks.base_env(spec)
@@ -376,6 +379,21 @@ class Agent(HostLoop):
         note = registry.take_note()  # the registry had to move: said once, by this agent
         if note is not None:
             self._error(note)
+
+    def _registry_ready(self, spec: Dict[str, Any]) -> bool:
+        """The run registry can take this run's record (a full disk falls back to the
+        next place); when no place can, nothing starts: a run that `status` and
+        `cleanup` cannot see must not run (all or none, as a failed spawn)."""
+        try:
+            registry.writable_dir()
+        except OSError as exc:  # RegistryError is one
+            first = spec["ranks"][0]["rank"] if spec["ranks"] else 0
+            self.send(wire.SPAWN_FAILED, {"rank": first, "reason": (
+                f"the run registry cannot be written on this host ({exc}): status and "
+                "cleanup would not see this run, so it was not started")})
+            self._leash()
+            return False
+        return True
 
     def _spawn_one(self, spec: Dict[str, Any], entry: Dict[str, Any], base: Dict[str, str],
                    argv: List[str]) -> bool:
@@ -466,7 +484,7 @@ class Agent(HostLoop):
         carry its id, and those reparented to this agent (a subreaper), whatever their
         environment."""
         live = set(self.ranks.live_groups())
-        return [pid for pid in self._run_processes() if _pgid(pid) not in live]
+        return [pid for pid in self._run_processes() if pids.pgid(pid) not in live]
 
     def _run_processes(self) -> List[int]:
         spec = self.spec
@@ -547,36 +565,6 @@ class Agent(HostLoop):
         if self.watchdog is not None:
             self.watchdog.done()
         self.send(wire.DONE)
-
-
-def _pgid(pid: int) -> int:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return -1
-
-
-def _become_subreaper() -> None:
-    """Adopt orphans (a rank's double-forked daemons) instead of letting init have them."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except Exception:
-        pass
-
-
-def _decode_envelope(text: str) -> Dict[str, Any]:
-    if not text:
-        return {}
-    import json
-
-    try:
-        obj = json.loads(bytes.fromhex(text).decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise wire.ProtocolError(f"the envelope is not hex JSON: {exc}") from None
-    return obj if isinstance(obj, dict) else {}
 
 
 def main() -> int:

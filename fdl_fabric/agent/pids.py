@@ -248,3 +248,22 @@ def describe(pids: Sequence[int]) -> List[Dict[str, Any]]:
 __all__ = ["KILL_WAIT", "STOP_POLL", "adopted", "alive", "carriers", "cmdline", "describe",
            "descendants", "group_members", "own_pids", "proc_stat", "signal_pids", "start_time",
            "stat_fields", "stop"]
+
+
+def pgid(pid: int) -> int:
+    """``pid``'s process group, or -1 when it is gone."""
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return -1
+
+
+def become_subreaper() -> None:
+    """Adopt orphans (a rank's double-forked daemons) instead of letting init have them."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        pass

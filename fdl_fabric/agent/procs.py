@@ -152,17 +152,37 @@ def record_path(run_id: str, host: str, folder: Optional[str] = None) -> str:
 
 
 def write_record(record: Dict[str, Any], folder: Optional[str] = None) -> str:
-    """Write (or replace) a run's record atomically, 0600. Returns its path."""
-    folder = folder or registry_dir()
+    """Write (or replace) a run's record atomically, 0600. Returns its path. Without
+    ``folder``, in the registry, falling back to its next candidate when the disk of one
+    is full or read-only (`registry.write_failed`), so a live run is always seen."""
+    if folder is not None:
+        return _write_record_in(record, folder)
+    for _ in registry.candidates():
+        place = registry_dir()
+        try:
+            return _write_record_in(record, place)
+        except RegistryError:
+            raise
+        except OSError as exc:
+            registry.write_failed(place, exc)
+    return _write_record_in(record, registry_dir())  # raises: no candidate is left
+
+
+def _write_record_in(record: Dict[str, Any], folder: str) -> str:
     _checked_dir(folder, create=True)
     path = record_path(str(record["run"]), str(record["host"]), folder)
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, json.dumps(record, sort_keys=True).encode("utf-8"))
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.write(fd, json.dumps(record, sort_keys=True).encode("utf-8"))
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a full disk leaves no partial file behind
+        raise
     return path
 
 

@@ -27,7 +27,7 @@ import contextlib
 import os
 import socket
 import stat
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 #: The user's choice of registry folder (also on the launcher: passed on to agents).
 ENV_STATE_DIR = "FDL_FABRIC_STATE_DIR"
@@ -116,11 +116,43 @@ class _Choice:
     folder: Optional[str] = None
     note: Optional[str] = None
     note_taken = False
+    #: Folders a write failed in (a full disk, a read-only mount): skipped from then on.
+    failed: Dict[str, str] = {}
+
+
+#: Bytes written (and removed) to prove a folder takes a record: a full disk often still
+#: lets a folder or an empty file be made.
+PROBE_BYTES = 4096
+
+
+def cannot_write(path: str) -> Optional[str]:
+    """Why a record cannot be written in ``path`` (a full disk, a read-only mount), or
+    None when a small file could be written and removed there."""
+    probe = os.path.join(path, f".probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"\0" * PROBE_BYTES)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+    except OSError as exc:
+        return f"{path}: cannot write there ({exc.strerror or exc})"
+    return None
+
+
+def write_failed(path: str, exc: OSError) -> None:
+    """A write in ``path`` failed: the next `writable_dir` falls back past it."""
+    _Choice.failed[path] = f"{path}: cannot write there ({exc.strerror or exc})"
+    if _Choice.folder == path:
+        _Choice.folder = None
 
 
 def writable_dir() -> str:
     """The folder this process writes records to: the first usable candidate, made
-    0700. A skipped candidate is noted once (`take_note`); none usable is refused."""
+    0700, that a record can be written in. A skipped candidate is noted once
+    (`take_note`); none usable is refused."""
     if _Choice.folder is not None and foreign(_Choice.folder) is None \
             and os.path.isdir(_Choice.folder):
         return _Choice.folder
@@ -131,6 +163,10 @@ def writable_dir() -> str:
         except (RegistryError, OSError) as exc:
             skipped.append(str(exc) if isinstance(exc, RegistryError)
                            else f"{path}: {exc.strerror or exc}")
+            continue
+        why = _Choice.failed.get(path) or cannot_write(path)
+        if why is not None:
+            skipped.append(why)
             continue
         if skipped:
             _Choice.note = (f"run registry moved to {path}: {'; '.join(skipped)} (only its "

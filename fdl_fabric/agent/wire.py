@@ -260,3 +260,16 @@ class Reader:
         del self._buf[:newline + 1]
         self._waiting = False
         return True
+
+
+def decode_envelope(text: str) -> Dict[str, Any]:
+    """The spec's ``envelope`` (hex of a JSON object: the salt), or {} when there is none."""
+    if not text:
+        return {}
+    import json
+
+    try:
+        obj = json.loads(bytes.fromhex(text).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"the envelope is not hex JSON: {exc}") from None
+    return obj if isinstance(obj, dict) else {}
