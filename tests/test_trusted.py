@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from fdl_fabric.commands.trusted import untrusted
 
 
@@ -39,3 +41,19 @@ def test_a_link_is_judged_by_where_it_leads(tmp_path: Path) -> None:
     os.chmod(shared, 0o777)
     (tmp_path / "link").symlink_to(shared)
     assert untrusted(str(tmp_path / "link" / "logs")) is not None
+
+
+def test_a_folder_of_roots_in_a_sticky_folder_is_trusted_for_another_user(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In sticky /tmp, only a name's owner or root can rename it: a root-owned folder
+    there is as safe for user 1000 as one of its own; another user's is not."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    (sticky / "roots").mkdir(mode=0o755)  # made by root (this test runs as root)
+    (sticky / "theirs").mkdir(mode=0o755)
+    os.chown(sticky / "theirs", 2000, 2000)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    assert untrusted(str(sticky / "roots" / "logs")) is None
+    why = untrusted(str(sticky / "theirs" / "logs"))
+    assert why is not None and "is owned by uid 2000" in why

@@ -7,7 +7,8 @@ such a path is refused, as OpenSSH's StrictModes refuses a key file under a fold
 others can write. A path is trusted when every folder of its real path, from ``/``
 down, is owned by root or this user and writable by nobody else, except a sticky
 folder such as ``/tmp``, where other users cannot rename or remove the names this user
-owns (so the next component must be this user's, or made by the launcher now).
+or root owns (so the next component must be this user's or root's, or made by the
+launcher now).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def untrusted(path: str) -> Optional[str]:
         if below is None:
             return (f"{folder} is shared (mode {stat.S_IMODE(st.st_mode):o}): use a folder "
                     "of yours in it")
-        try:
-            if below.lstat().st_uid != me:
+        try:  # in a sticky folder only the name's owner (or root) can rename it
+            if below.lstat().st_uid not in (0, me):
                 return (f"{below} is owned by {owner(below.lstat().st_uid)}, in a folder "
                         "every user can write")
         except FileNotFoundError:
