@@ -130,6 +130,9 @@ class Name(str, Enum):
     HOST_ABANDONED = ("host_abandoned", Kind.WARNING)
     OUTSIDE_SIGNAL = ("outside_signal", Kind.INFO)
     AGENT_SIGNALED = ("agent_signaled", Kind.STOPPING)
+    #: A host's agent sent frames (output, spawns, exits, spawn failures, errors) for
+    #: ranks it does not run in this attempt: dropped, and counted once, when it ends.
+    FOREIGN_FRAMES = ("foreign_frames", Kind.WARNING)
     # -- ranks -------------------------------------------------------------------------------
     RANK_STARTED = ("rank_started", Kind.SPAWN)
     RANK_OUTPUT = ("rank_output", Kind.OUTPUT)

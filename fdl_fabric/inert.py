@@ -20,6 +20,10 @@ goes through this module first:
 * A ``\\r`` inside a line is a progress bar's redraw (tqdm): the line shows its latest
   state, the text after its last ``\\r`` (a trailing ``\\r``, as in ``\\r\\n``, does not
   count).
+* Words a host sent that the launcher quotes inside one of its own lines (an agent's
+  error, a spawn failure's reason, an exception's text: `one_line`) keep no newline
+  either: it reads ``^J``, so a host cannot begin a line of its own, at column 0, that
+  reads as the launcher's (``cluster launcher: run completed``).
 
 ``--log-dir`` keeps the raw bytes; only what is shown goes through here. Pure
 functions, no I/O.
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from rich.cells import get_character_cell_size
 
@@ -56,6 +60,15 @@ def _caret(char: str) -> str:
 
 def _inert(text: str, pattern: re.Pattern[str]) -> str:
     return pattern.sub(lambda m: _caret(m.group()), text)
+
+
+def one_line(text: str) -> str:
+    """``text`` from a host as the launcher quotes it inside one of its lines: every
+    control character shown inert, the newline too (``^J``); tabs stay. Line ends at its
+    end say nothing and are left out."""
+    if "\n" not in text and is_plain(text):
+        return text
+    return _inert(text.rstrip("\r\n"), _CONTROL)
 
 
 def neutralize(text: str, *, keep_sgr: bool = False) -> str:
@@ -147,22 +160,23 @@ def fold(line: str, width: int) -> list[str]:
 T = TypeVar("T")
 
 
-def clean(value: T) -> T:
+def clean(value: T, *, lines: bool = False) -> T:
     """Every string inside ``value`` (dicts, lists, tuples, dataclasses such as an
-    `Event`) neutralized, the rest unchanged: an event's data came from hosts."""
-    return _clean(value)  # type: ignore[no-any-return]
+    `Event`) neutralized, the rest unchanged: an event's data came from hosts. With
+    ``lines``, each string is one line (`one_line`): no newline survives either."""
+    return _clean(value, one_line if lines else neutralize)  # type: ignore[no-any-return]
 
 
-def _clean(value: Any) -> Any:
+def _clean(value: Any, inert: Callable[[str], str]) -> Any:
     if isinstance(value, str):
-        return neutralize(value)
+        return inert(value)
     if isinstance(value, dict):
-        return {_clean(k): _clean(v) for k, v in value.items()}
+        return {_clean(k, inert): _clean(v, inert) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_clean(v) for v in value)
+        return type(value)(_clean(v, inert) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: _clean(getattr(value, f.name)) for f in dataclasses.fields(value)
-                   if f.init}
+        changes = {f.name: _clean(getattr(value, f.name), inert)
+                   for f in dataclasses.fields(value) if f.init}
         return dataclasses.replace(value, **changes)
     return value
 

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from ..events import Event, Name
-from ..inert import neutralize
 from .speakers import L
 
 Words = Callable[[Event, Mapping[str, Any]], str]
@@ -64,14 +63,14 @@ def _setup_failed(e: Event, d: Mapping[str, Any]) -> str:
     if not tail:
         return f"{L}setup failed on {e.host}: {d['why']} (it wrote nothing)"
     return "\n".join([f"{L}setup failed on {e.host}: {d['why']}; its last lines:",
-                      *(f"  {neutralize(t)}" for t in tail)])
+                      *(f"  {t}" for t in tail)])
 
 
 CODE_WORDS: dict[Name, Words] = {
     Name.CODE: _code,
     Name.CODE_SYNCED: _code_synced,
     Name.CODE_IN_PLACE: _code_in_place,
-    Name.SETUP_OUTPUT: lambda e, d: f"[{e.host}:setup] {neutralize(d['text'])}",
+    Name.SETUP_OUTPUT: lambda e, d: f"[{e.host}:setup] {d['text']}",
     Name.SETUP_DONE: _setup_done,
     Name.SETUP_FAILED: _setup_failed,
     Name.VERSIONS_AGREE: lambda e, d: f"{L}versions: {d['reason']}",

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional, Protocol, TextIO
 
 from ..events import Event, Kind, Name
-from ..inert import clean, json_inert, neutralize, shown_lines
+from ..inert import json_inert, neutralize, shown_lines
 from ..states import RankState
+from .hostwords import inert_data
 from .interrupted import Interrupted
 from .layout import fit
 from .ranklines import cut_to_width, rank_block
@@ -192,7 +193,7 @@ class Console:
             event.kind in _VERBOSE_KINDS or (event.kind is Kind.EXIT and event.data.get("ok"))))
 
     def _result_text(self, event: Event) -> str:
-        event = clean(event)  # its strings came from hosts
+        event = inert_data(event)  # its strings came from hosts
         if event.name is Name.CHECK_REPORT and self.color:
             return check_table(event.data["checks"])
         return render(event)
@@ -210,16 +211,17 @@ class Console:
         return terminal_width(self.err) if self.err_terminal else None
 
     def _say(self, event: Event) -> None:
-        self._write_message(render(clean(event), self.err_width()))
+        self._write_message(render(event, self.err_width()))  # its strings made inert there
 
     def _notice(self, event: Event) -> bytes:
         """A notice of the writer thread itself (`screen`), laid out as `message` does."""
-        return self._message_bytes(render(clean(event), self.err_width()))
+        return self._message_bytes(render(event, self.err_width()))
 
     def _message_bytes(self, text: str) -> bytes:
         """A launcher line: whatever its words quote from a host (an agent's error, a
-        spawn failure's reason) was cleaned with the event's data; this last pass makes
-        sure no control but the newline and the tab reaches the terminal."""
+        spawn failure's reason) was made inert with the event's data (`words.render`);
+        this last pass makes sure no control but the newline and the tab reaches the
+        terminal."""
         text = neutralize(text)
         width = self.err_width()
         if width is not None:

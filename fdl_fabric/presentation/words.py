@@ -18,6 +18,12 @@ below, never does: a save-and-shutdown's reason on the wire is the protocol's se
 The words are one line per message, whatever its length: pipes, logs and greps get them
 whole. Only a terminal gets them laid out for its width (``render(event, width)``,
 `layout.fit`); the end-of-run tables wrap their cause column in place (`layout.table`).
+
+Words from a host are data, never terminal control: `render` makes every string of an
+event inert before any wording sees it (`hostwords.inert_data`), so whoever renders (the
+console, the record's ``message``, a Python caller's verdict line) gets no escape, and
+the fields a host sent that are quoted inside one line (`hostwords.FROM_HOSTS`) no
+newline either. The wording functions below quote them as they are.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from typing import Any, Callable, Optional
 from ..causes import cause_data as cause_data  # a verdict's cause, as callers build it
 from ..causes import cause_event as cause_event  # and back, for what reads a record
 from ..events import Event, Name
+from ..inert import one_line
 from ..shutdown import SHUTDOWN_REASONS
 from .codewords import CODE_WORDS
 from .commandwords import COMMAND_WORDS
 from .dryrunwords import dry_run_text
+from .hostwords import inert_data
 from .layout import HANG as HANG  # the continuation indent, as tests measure it
 from .layout import fit, table
 from .runwords import RUN_WORDS
@@ -42,7 +50,9 @@ from .stacks import stacks_text
 
 def render(event: Event, width: Optional[int] = None) -> str:
     """The event in words (one line, or a block for tables and views); with ``width``,
-    laid out for a terminal that many columns wide (what fits is left as it is)."""
+    laid out for a terminal that many columns wide (what fits is left as it is). Its
+    strings are made inert first (`inert_data`)."""
+    event = inert_data(event)
     if width is None:
         return _WORDS[event.name](event, event.data)
     fitted = _FITTED.get(event.name)
@@ -146,7 +156,7 @@ def attempt_cause(cause: Mapping[str, Any]) -> str:
     """What ended an attempt, in one line: the verdict's words and the root cause's
     exception (as the attempts table and a restart line give it)."""
     text = render(cause_event(cause)).removeprefix(L)
-    error = cause.get("error")
+    error = one_line(str(cause["error"])) if cause.get("error") else None
     return f"{text}: {error}" if error and error not in text else text
 
 
@@ -199,6 +209,16 @@ def stopper_words(note: Mapping[str, Any], host: str) -> str:
     pid = note.get("pid")
     by = f" (pid {pid} on {where})" if pid and where else ""
     return f"{what}{by} on {host}"
+
+
+def _foreign_frames(e: Event, d: Mapping[str, Any]) -> str:
+    """A host that sent frames for ranks it does not run: how many were dropped, of what
+    kinds, for which ranks (said once, when its agent ended)."""
+    kinds = ", ".join(f"{kind} {n:,}" for kind, n in sorted(d["frames"].items()))
+    ranks = ", ".join(str(r) for r in d["ranks"])
+    more = " and more" if d.get("more_ranks") else ""
+    return (f"{L}host {e.host!r} sent frames for ranks it does not run: {d['dropped']:,} "
+            f"dropped ({kinds}; ranks {ranks}{more})")
 
 
 def _pids(items: Sequence[Mapping[str, Any]]) -> str:
@@ -420,6 +440,7 @@ _WORDS: dict[Name, Words] = {
                                        "after the kill grace; abandoning its agent"),
     Name.OUTSIDE_SIGNAL: _outside_signal,
     Name.AGENT_SIGNALED: _agent_signaled,
+    Name.FOREIGN_FRAMES: _foreign_frames,
     # ranks
     Name.RANK_STARTED: lambda e, d: f"{L}started {d['label']} (pid {d['pid']})",
     Name.RANK_OUTPUT: lambda e, d: str(d["text"]),

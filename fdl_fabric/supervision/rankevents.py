@@ -8,12 +8,23 @@ a coordinator), the first failure is fatal, so every other rank is stopped at on
 (kill-all); after the cohort forms, a death is a membership event and the run carries on
 until ``max_failure``. A rank the coordinator declares dead (no heartbeat) is stopped by
 its agent.
+
+Every report about a rank is checked against its sender first (`_of_sender`): a host's
+agent (or a gateway's relay, for its leaf) speaks only of the ranks that host runs in
+this attempt. Output, a spawn, an exit, a spawn failure or an error for another host's
+rank, or for a rank number outside the plan, is dropped: it changes no record, fails
+nothing and shows nothing. A compromised host can end its own ranks, never touch
+another's. Each host's dropped frames are counted and said once, when its agent ends
+(``foreign_frames``: the count, by kind, and the first few rank numbers).
 """
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .. import reports
@@ -24,9 +35,58 @@ from .policy import Decision
 from .records import Rank, RankExit, RunPhase
 from .stopping import Stopping
 
+#: Rank numbers a ``foreign_frames`` event names; beyond, only the count.
+RANKS_NAMED = 8
+
+
+@dataclass
+class Foreign:
+    """The frames one host sent for ranks it does not run in this attempt."""
+
+    dropped: int = 0
+    #: By kind of frame: ``output``, ``spawned``, ``exited``, ``spawn_failed``, ``error``.
+    kinds: Counter[str] = field(default_factory=Counter)
+    #: The first `RANKS_NAMED` distinct rank numbers they named, and whether they named
+    #: others too.
+    ranks: list[int] = field(default_factory=list)
+    more_ranks: bool = False
+
+    def add(self, kind: str, rank: int) -> None:
+        self.dropped += 1
+        self.kinds[kind] += 1
+        if rank in self.ranks:
+            return
+        if len(self.ranks) < RANKS_NAMED:
+            self.ranks.append(rank)
+        else:
+            self.more_ranks = True
+
 
 class RankEvents(Stopping):
     """The handlers of host and rank reports (the dispatch table is the supervisor's)."""
+
+    # -- the sender ---------------------------------------------------------------------------
+    @functools.cached_property
+    def foreign(self) -> dict[str, Foreign]:
+        """Each host's frames for ranks it does not run, until its agent ends."""
+        return {}
+
+    def _of_sender(self, host: str, rank: int, kind: str) -> Optional[Rank]:
+        """The record of ``rank`` when ``host`` runs it in this attempt; else None, and
+        the frame (of ``kind``) is counted as foreign to its sender."""
+        r = self.by_rank.get(rank)
+        if r is not None and r.host == host:
+            return r
+        self.foreign.setdefault(host, Foreign()).add(kind, rank)
+        return None
+
+    def _say_foreign(self, host: str) -> None:
+        """Once per host, when its agent ended: how many of its frames were dropped."""
+        seen = self.foreign.pop(host, None)
+        if seen is not None:
+            self.events(Name.FOREIGN_FRAMES, host=host, dropped=seen.dropped,
+                        frames=dict(seen.kinds), ranks=list(seen.ranks),
+                        more_ranks=seen.more_ranks)
 
     # -- pre-flight ---------------------------------------------------------------------------
     def _preflight(self, report: reports.Preflight) -> None:
@@ -77,8 +137,8 @@ class RankEvents(Stopping):
 
     # -- ranks --------------------------------------------------------------------------------
     def _spawned(self, report: reports.Spawned) -> None:
-        r = self.by_rank.get(report.rank)
-        if r is None or r.host != report.host or r.state is not RankState.PENDING:
+        r = self._of_sender(report.host, report.rank, "spawned")
+        if r is None or r.state is not RankState.PENDING:
             return
         r.pid = report.pid
         r.state = RankState.RUNNING
@@ -96,7 +156,7 @@ class RankEvents(Stopping):
         """Bookkeeping only: the chunk itself reached the console and the logs on the
         session's reading thread (`rankoutput`), so a stalled terminal never stalls this
         loop."""
-        r = self.by_rank.get(report.rank)
+        r = self._of_sender(report.host, report.rank, "output")
         if r is None:
             return
         self._last_activity = time.monotonic()
@@ -113,14 +173,16 @@ class RankEvents(Stopping):
             r.state = RankState.JOINED
 
     def _spawn_failed(self, report: reports.SpawnFailed) -> None:
+        if self._of_sender(report.host, report.rank, "spawn_failed") is None:
+            return
         failure = event(Name.RANK_START_FAILED, host=report.host, rank=report.rank,
                         reason=report.reason)
         self.events.emit(failure)
         self._fail(failure, announced=True)
 
     def _exited(self, report: reports.Exited) -> None:
-        r = self.by_rank.get(report.rank)
-        if r is None or r.state.terminal or r.host != report.host:
+        r = self._of_sender(report.host, report.rank, "exited")
+        if r is None or r.state.terminal:
             return
         self._on_exit(r, RankExit(code=report.code, signal=report.signal,
                                   error=errorfile.parse(report.error),
@@ -204,6 +266,10 @@ class RankEvents(Stopping):
                         remaining=list(report.remaining))
 
     def _agent_error(self, report: reports.AgentError) -> None:
+        """A problem the agent survived: its own (no rank), or one of its ranks'."""
+        if report.rank is not None and \
+                self._of_sender(report.host, report.rank, "error") is None:
+            return
         self.events(Name.AGENT_WARNING, host=report.host, rank=report.rank,
                     text=report.message)
 
@@ -223,6 +289,7 @@ class RankEvents(Stopping):
 
     def _host_ended(self, name: str, reason: str, *, fault: Optional[str], warn: bool) -> None:
         """A host's agent is gone or given up on: its ranks without an exit are lost."""
+        self._say_foreign(name)
         host = self.hosts[name]
         if not host.gone:
             self._gone_hosts += 1

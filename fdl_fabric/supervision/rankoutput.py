@@ -9,6 +9,13 @@ Each rank's last stderr lines are kept here too (`supervision.tail`), before any
 sees the chunk, so the root cause can quote them whatever the console shows
 (``--quiet``, a stalled terminal) and whether or not there is a ``--log-dir``.
 
+Every chunk is checked against its sender first: only output a host's agent (or a
+gateway's relay, for its leaf) sends for a rank that host runs in this attempt goes on.
+A chunk for another host's rank, or for a rank number outside the plan, reaches no sink:
+no console line under another rank's label, no line in another rank's ``stdout.log``, no
+log folder for a rank that does not exist. The supervisor, which gets the same report,
+counts it (`rankevents`), so it is said once, not twice.
+
 It renders nothing (the console and the run log turn the events into words and files),
 so it is supervision's, next to the tails it keeps.
 """
@@ -27,26 +34,33 @@ class RankOutput:
 
     def __init__(self, events: EventBus) -> None:
         self.events = events
-        self._labels: dict[int, str] = {}
-        self._tails: dict[int, RankTail] = {}
+        #: This attempt's ranks: each one's host, label and stderr tail, in one dict that
+        #: a restart replaces whole (the reading threads see the old one or the new one).
+        self._ranks: dict[int, tuple[str, str, RankTail]] = {}
 
     def attempt(self, plan: LaunchPlan) -> None:
-        """The labels of this attempt's ranks (a restart may number them differently);
-        the stderr tails start afresh, one per rank of the plan."""
-        self._labels = {r.rank: r.label for r in plan.ranks}
-        self._tails = {r.rank: RankTail() for r in plan.ranks}
+        """The hosts and labels of this attempt's ranks (a restart may number them
+        differently); the stderr tails start afresh, one per rank of the plan. Until the
+        first attempt's plan, no rank is anyone's: no output goes on."""
+        self._ranks = {r.rank: (r.host, r.label, RankTail()) for r in plan.ranks}
+
+    def runs(self, host: str, rank: int) -> bool:
+        """Whether ``host`` runs ``rank`` in this attempt: the only output it may send."""
+        of = self._ranks.get(rank)
+        return of is not None and of[0] == host
 
     def tail(self, rank: int) -> list[str]:
         """The last stderr lines of ``rank`` in this attempt, made inert; [] if none."""
-        kept = self._tails.get(rank)
-        return kept.lines() if kept is not None else []
+        of = self._ranks.get(rank)
+        return of[2].lines() if of is not None else []
 
     def __call__(self, report: reports.Output) -> None:
+        of = self._ranks.get(report.rank)
+        if of is None or of[0] != report.host:
+            return  # forged or misrouted: dropped here, counted by the supervisor
+        _, label, kept = of
         if report.stderr:
-            kept = self._tails.get(report.rank)
-            if kept is not None:
-                kept.feed(report.data, report.partial)
-        label = self._labels.get(report.rank, f"{report.host}:?:r{report.rank}")
+            kept.feed(report.data, report.partial)
         text = report.data.decode("utf-8", "replace")
         body = text[:-1] if text.endswith("\n") else text
         self.events(Name.RANK_OUTPUT, host=report.host, rank=report.rank, label=label,
