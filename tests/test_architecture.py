@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     # The vocabulary every layer may use, and the two standalone parts shipped to hosts
     # or imported by training scripts (standard library only: tests/test_agent.py).
     "agent": 0, "rank": 0, "events": 0, "errors": 0, "limits": 0, "shell": 0, "inert": 0,
-    "reports": 0, "states": 0, "causes": 0, "shutdown": 0,
+    "reports": 0, "states": 0, "causes": 0, "shutdown": 0, "masking": 0,
     "clusterfile": 1,
     "planning": 2,
     "presentation": 3,

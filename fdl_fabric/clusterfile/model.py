@@ -198,6 +198,9 @@ class ClusterSpec:
     python: Optional[str] = None
     #: ``check_packages`` and ``strict_versions``.
     versions: VersionsSpec = VersionsSpec()
+    #: ``secret_env``: variables (names or globs) whose values are secrets whatever
+    #: they look like: shown and kept as ``***`` (`masking`).
+    secret_env: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,10 +8,12 @@ later code multiplies checked (workers, ranks, env variables, command bytes), so
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Optional, Union
 
 from yaml.nodes import Node
 
+from .. import masking
 from ..agent.wire import AGENT_TIMEOUT_MIN
 from ..limits import (
     NUMBER_MAX_CHARS,
@@ -38,7 +40,7 @@ from .names import (
     command_problem,
     shown,
 )
-from .values import _check_rank_env, _or, _read_env_forward, read_env
+from .values import _check_rank_env, _or, _read_env_forward, read_env, read_secret_env
 from .workers import _read_local_devices, _read_worker, _resolve_path
 from .yamlread import Block, Field, NodeReader, describe, line_of
 
@@ -48,7 +50,7 @@ _DEFAULT_AGENT_TIMEOUT = ClusterSpec.agent_timeout
 
 _TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "master_port",
              "elastic", "workers", "scheduler", "nproc_per_node", "local_devices", "path",
-             "agent_timeout", "hang_timeout", "fanout", "on_exit", *CODE_KEYS)
+             "agent_timeout", "hang_timeout", "fanout", "on_exit", "secret_env", *CODE_KEYS)
 #: Top-level keys that only a Slurm launch reads: every node gets the same ranks.
 _SLURM_KEYS = ("nproc_per_node", "local_devices", "path")
 _CONTROLLER_KEYS = ("host", "port")
@@ -70,6 +72,7 @@ def read_cluster(
     # big, saying so again for every worker would only bury the first message.
     rank_env = env if _check_rank_env(r, env_field, env, {}) else {}
     env_forward = _read_env_forward(r, top.field("env_forward"))
+    secret_env = read_secret_env(r, top.field("secret_env"))
     kill_grace = r.number(top.field("kill_grace"), minimum=0.0, maximum=SECONDS_MAX)
     agent_timeout = r.number(top.field("agent_timeout"), minimum=AGENT_TIMEOUT_MIN,
                              maximum=SECONDS_MAX)
@@ -96,6 +99,7 @@ def read_cluster(
     _check_ranks(r, workers_field, workers)
     if r.problems:
         return None
+    _declare_secrets(secret_env, [env, *(w.env for w in workers)])
     return ClusterSpec(
         file=r.file,
         folder=folder,
@@ -116,7 +120,17 @@ def read_cluster(
         setup=code.setup,
         python=code.python,
         versions=code.versions,
+        secret_env=secret_env,
     )
+
+
+def _declare_secrets(names: tuple[str, ...], envs: list[dict[str, str]]) -> None:
+    """``secret_env``'s names, and the values the file gives them, are secrets from now
+    on in this process (`masking.declare`): from the first thing shown or kept (the
+    run's record opens before its plan is built), not only from the plan's."""
+    if names:
+        masking.declare(names, [value for env in envs for key, value in env.items()
+                                if any(fnmatch.fnmatchcase(key, name) for name in names)])
 
 
 def _read_command(r: NodeReader, field: Field, name: str) -> Optional[str]:

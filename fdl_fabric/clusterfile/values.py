@@ -43,8 +43,23 @@ _FORWARD_RE = re.compile(r"[A-Za-z_*?\[][A-Za-z0-9_*?\[\]!]*")
 
 def _read_env_forward(r: NodeReader, field: Field) -> tuple[str, ...]:
     """Launcher variables to carry to the ranks: names or globs, never reserved names."""
-    items = r.sequence(field, expected="a list of variable names or globs, e.g. [HF_TOKEN, "
-                       "'WANDB_*']")
+    return _read_names(r, field, "a list of variable names or globs, e.g. [HF_TOKEN, "
+                       "'WANDB_*']", forwarded=True)
+
+
+def read_secret_env(r: NodeReader, field: Field) -> tuple[str, ...]:
+    """``secret_env``: variables whose values are secrets whatever they look like
+    (`masking`): names or globs. A reserved name is allowed (it hides nothing of
+    ours, and refusing it would only make a careful file fail)."""
+    return _read_names(r, field, "a list of variable names or globs, e.g. [DATABASE_URL, "
+                       "'DB_*']", forwarded=False)
+
+
+def _read_names(r: NodeReader, field: Field, expected: str, *,
+                forwarded: bool) -> tuple[str, ...]:
+    """A list of variable names or globs of them (``env_forward``, ``secret_env``);
+    ``forwarded``: a reserved name is refused, the launcher sets it for each rank."""
+    items = r.sequence(field, expected=expected)
     if items is None:
         return ()
     if len(items) > ENV_VARS_MAX:
@@ -60,7 +75,7 @@ def _read_env_forward(r: NodeReader, field: Field) -> tuple[str, ...]:
             r.problem(item_field, "expected a variable name or a glob of one "
                       f"([A-Za-z_][A-Za-z0-9_]*, with * ? [...]), got {shown(name)}")
             continue
-        if not any(c in name for c in "*?[") and is_reserved_env_key(name):
+        if forwarded and not any(c in name for c in "*?[") and is_reserved_env_key(name):
             r.problem(item_field, f"{name} is set by the launcher for each rank; it cannot be "
                       "forwarded")
             continue

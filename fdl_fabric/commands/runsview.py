@@ -3,7 +3,8 @@
 Detached and foreground alike, each with its state: starting, running (attempt k),
 stopping, ended with its verdict and exit code, or lost (its launcher is gone without
 a verdict). Ended and lost runs are shown with ``--all``; the hosts' view of ``status``
-follows (`status`).
+follows (`status`). Each row as `masking` lets it be shown: a record written before
+the rule knew a secret (an older launcher's) still shows none.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..masking import mask_data
 from ..runs import place
 from ..runs.reading import view
 
@@ -23,7 +25,7 @@ def controller_runs(*, every_run: bool) -> dict[str, Any]:
     except OSError as exc:
         return {"folder": str(exc), "runs": [], "all": every_run, "ended_hidden": 0,
                 "now": time.time()}
-    rows = [view(folder).row() for folder in place.records()]
+    rows = [mask_data(view(folder).row()) for folder in place.records()]
     shown = rows if every_run else [r for r in rows if r["state"] not in ("ended", "lost")]
     return {"folder": root, "runs": shown, "all": every_run,
             "ended_hidden": len(rows) - len(shown), "now": time.time()}

@@ -4,6 +4,7 @@ Read from the records the agents keep on each host (`fdl_fabric.agent.procs`), t
 one agent per host (`asking`), so it works from any terminal while the launcher runs,
 and after the launcher died too: a run whose launcher is gone but whose ranks are still
 up shows as such. Like ``squeue`` for a Slurm user: what runs, where, since when.
+What the hosts say is shown as `masking` lets it be, as the controller's rows are.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .. import reports
 from ..clusterfile import ClusterSpec
 from ..errors import EXIT_FAILURE
 from ..events import EventBus, Name
+from ..masking import mask_data
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from .asking import ANSWER_TIMEOUT, asking_agents, cluster_to_ask, collect
@@ -51,9 +53,9 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
     problems.update(errors)
     runs = live_runs([r for rep in listed.values() for r in rep.runs], now=time.time())
     # ``hosts``: the hosts that answered (the runs listed are theirs), ``of``: all of them.
-    data: dict[str, Any] = {"file": cluster.file, "hosts": len(listed),
-                            "of": len(cluster.workers), "runs": runs,
-                            "problems": dict(sorted(problems.items()))}
+    data: dict[str, Any] = mask_data({"file": cluster.file, "hosts": len(listed),
+                                      "of": len(cluster.workers), "runs": runs,
+                                      "problems": dict(sorted(problems.items()))})
     if as_json:
         console.json({**data, "controller": mine})
     else:

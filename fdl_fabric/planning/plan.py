@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .. import masking
 from ..agent.wire import VERSION as AGENT_PROTOCOL
 from ..clusterfile import ClusterSpec, WorkerSpec, is_reserved_env_key
 from .envelope import (
@@ -246,6 +247,7 @@ def build_plan(
         environ=environ,
     )
     ranks, envelopes = _plan_workers(run, devices_by_worker, salt, prebuilt, argv)
+    _declare_secrets(cluster, ranks)
     return LaunchPlan(
         cluster=cluster,
         run_id=run_id,
@@ -272,6 +274,17 @@ class _RunFacts:
     attempt: int
     #: The launcher's environment: the source of ``env_forward`` and `FORWARDED_ENV`.
     environ: Mapping[str, str]
+
+
+def _declare_secrets(cluster: ClusterSpec, ranks: Sequence[RankPlan]) -> None:
+    """The values ``secret_env`` names, as the ranks get them (``env_forward`` brings
+    the launcher's), are secrets wherever they appear from now on (`masking.declare`).
+    The plan keeps the real values: the agents' specs carry them to the ranks, and
+    nothing that shows or keeps a plan does so without `masking`."""
+    names = cluster.secret_env
+    if names:
+        masking.declare(names, {value for r in ranks for key, value in r.env.items()
+                                if any(fnmatch.fnmatchcase(key, n) for n in names)})
 
 
 def _check_prebuilt_hosts(cluster: ClusterSpec, prebuilt: Mapping[str, PrebuiltBinary]) -> None:

@@ -10,13 +10,16 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from .. import shell
+from ..masking import mask_env, mask_text
 from .codewords import size
 
 
 def dry_run_text(d: Mapping[str, Any]) -> str:
     """``--dry-run``: one block per host (how its agent is reached, the spec it would get:
-    cwd, argv, the environment its ranks share, then what differs per rank), secrets and
-    the envelope already redacted in the facts (`dryrun.dry_run_data`)."""
+    cwd, argv, the environment its ranks share, then what differs per rank), the envelope
+    already left out of the facts (`dryrun.dry_run_data`). Secrets are hidden here too,
+    whatever the facts hid (`masking`: by name, ``secret_env`` and by value), so the
+    words a dry run shows can never say more than the rule allows."""
     lines = [f"# dry run of {d['file']}: {d['world_size']} rank(s) on {len(d['hosts'])} "
              "host(s); nothing is connected or started",
              f"controller {d['controller']}:{d['port']} (coordinator binds {d['bind']}), "
@@ -44,7 +47,7 @@ def dry_run_text(d: Mapping[str, Any]) -> str:
     if d.get("min_hosts") is not None:
         lines += [f"min_hosts {d['min_hosts']}: an attempt starts with at least that many "
                   "hosts"]
-    return "\n".join(lines) + "\n"
+    return mask_text("\n".join(lines)) + "\n"
 
 
 #: Files of a sync a dry run names (``--json`` has them all).
@@ -81,4 +84,4 @@ def _tree_words(tree: Mapping[str, Any]) -> list[str]:
 
 
 def _env_words(env: Mapping[str, str]) -> str:
-    return " ".join(f"{k}={shell.quote(v)}" for k, v in env.items())
+    return " ".join(f"{k}={shell.quote(v)}" for k, v in mask_env(env).items())

@@ -13,15 +13,22 @@ in what they leave out, each said in docs/events.md: events.jsonl keeps rank out
 in the rank's files (no ``output`` records), and a bulky value in a file of its own
 (``error_file``, the stacks' ``ranks``); ``--json`` has no raw bytes.
 
+Every record but rank output goes through `masking` here, its data and its words alike,
+so neither sink can keep a secret the rule hides (a URL's password, a token, a
+``secret_env`` value). Rank output is the rank's own bytes, kept as they are, like its
+log files.
+
 `upgrade` reads the flat records events.jsonl had before version 1 (``event`` for the
 kind, data keys at the top), so a log written by an older launcher still plots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from ..events import Event, Kind, Name
+from ..masking import mask_data, mask_text
 from .words import render
 
 #: The version of the record shape (the ``v`` field).
@@ -34,15 +41,27 @@ def record(event: Event, *, attempt: Optional[int] = None,
            data: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """``event`` as a record, every field present: ``attempt`` null outside a launch,
     ``message`` (its words) null for rank output, ``data`` the event's (or the given
-    one: a sink that moved a bulky value to a file)."""
+    one: a sink that moved a bulky value to a file). Secrets masked (`masking`): the
+    words are said of the masked data, then masked again, as the data is."""
     out: dict[str, Any] = {"v": VERSION, "time": round(event.time, 6),
                            "kind": event.kind.value, "name": event.name.value,
                            "host": event.host, "rank": event.rank, "attempt": attempt,
-                           "message": None if event.kind is Kind.OUTPUT else render(event)}
-    body = dict(event.data) if data is None else data
+                           "message": None}
+    body = dict(event.data) if data is None else dict(data)
     body.pop("raw", None)  # rank output's bytes: the rank's log file has them
+    if event.kind is not Kind.OUTPUT:
+        out["message"] = mask_text(render(masked(event)))
+        body = mask_data(body)
     out["data"] = body
     return out
+
+
+def masked(event: Event) -> Event:
+    """``event`` with its data as `masking` lets it be shown: what a sink renders or
+    keeps of an event that is not rank output."""
+    if event.kind is Kind.OUTPUT:
+        return event
+    return dataclasses.replace(event, data=mask_data(event.data))
 
 
 class Attempts:

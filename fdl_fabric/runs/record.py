@@ -7,7 +7,7 @@ Layout of ``<runs>/<run_id>/`` (`place`), folders 0700 and files 0600::
     console.log     the console as rendered: launcher lines and every rank line behind
                     its ``[host:device:rN]`` prefix, plain (no colour, no live table)
     events.jsonl    every event, one v1 record a line (docs/events.md)
-    cluster.json    the resolved plan, secrets redacted
+    cluster.json    the resolved plan, secrets masked
     attempt_<k>/r<rank>/{stdout,stderr}.log   each rank's output, byte for byte
     stop.json       who asked ``fdl-fabric stop`` to stop it (`stopping`)
     supervisor.log  a detached supervisor's own stderr (a crash's traceback)
@@ -17,6 +17,11 @@ Layout of ``<runs>/<run_id>/`` (`place`), folders 0700 and files 0600::
 console.log and every rank log rotate past `limits.RECORD_LOG_BYTES` (`rotating`). The
 state is derived from the events the launch emits, so nothing else has to remember to
 update it: ``attach``, ``logs``, ``wait`` and ``status`` read it (`reading`).
+
+Everything written here but the ranks' own output goes through `masking` first (the
+state's command, the console's words, the events, the plan, the result), so a record
+read by another user's ``status`` or copied into a bug report keeps no secret the rule
+hides.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from typing import Any, Callable, Optional
 
 from ..events import Event, Kind, Name
 from ..limits import RECORD_LOG_BYTES
+from ..masking import mask_data
 from ..presentation.output import Console, RunLog
+from ..presentation.records import masked
 from ..presentation.rotating import RotatingFile, TextLog, open_private
 from ..presentation.words import render
 
@@ -133,18 +140,19 @@ class RunRecord:
         self._state: dict[str, Any] = {
             "run_id": run_id, "state": RunState.STARTING.value, "attempt": 0,
             "launcher": who(), "detached": detached, "started": time.time(),
-            "cwd": os.getcwd(), **about}
+            "cwd": os.getcwd(), **mask_data(about)}
         self._save()
 
     def emit(self, event: Event) -> None:
+        shown = masked(event)  # the console, the state and the result keep no secret
         try:
-            self.console.emit(event)
+            self.console.emit(shown)
         except OSError as exc:
             self._failure(exc)
-        self.log.emit(event)
+        self.log.emit(event)  # events.jsonl: masked by its records (`records.record`)
         if event.kind is not Kind.OUTPUT:
             with self._lock:
-                self._see(event)
+                self._see(shown)
         self._report()
 
     def _failure(self, exc: OSError) -> None:
@@ -223,8 +231,9 @@ class RunRecord:
     root_cause: Optional[str] = None
 
     def write_cluster(self, data: dict[str, Any]) -> None:
+        """``cluster.json``: the plan as `masking` lets it be kept."""
         with contextlib.suppress(OSError):
-            self.log.write_cluster(data)
+            self.log.write_cluster(mask_data(data))
 
     def close(self) -> None:
         self.log.close()
