@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import pytest
 
-from labutil import PROBE, launch_argv
+from labutil import PROBE, ROOT, launch_argv
 
 PASSWORD = "Zq7-fake-Pw-0x41"
 DATABASE_URL = f"postgres://trainer:{PASSWORD}@db.invalid:5432/runs"
@@ -61,6 +61,10 @@ class Launched:
             """))
         self.env = {k: v for k, v in os.environ.items() if k not in _UNSET}
         self.env["FDL_FABRIC_RUNS_DIR"] = str(self.runs)
+        # ``python -m fdl_fabric`` run from another folder imports this checkout, whatever
+        # copy the interpreter has installed.
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.command = f"python3 {PROBE} --dump {self.dump} {GH_TOKEN}"
         #: The module's launch, once it ran.
         self.result: Optional[subprocess.CompletedProcess[str]] = None
