@@ -46,7 +46,7 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
            on_event: Optional[Callable[[Event], None]] = None,
            on_exit: Optional[str] = None, detach: bool = False,
            on: Optional[str] = None, sync: Optional[bool] = None,
-           python: Optional[str] = None) -> Any:
+           python: Optional[str] = None, trust_ssh_config: bool = False) -> Any:
     """Launch the job of ``cluster`` (a cluster file, or a `ClusterSpec` built in code),
     or of ``hosts``/``hostfile`` (then pass ``cluster=None``), and supervise it to its
     verdict.
@@ -58,6 +58,10 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
 
     ``sync``: True sends the code first (``--sync``), False runs what the hosts have
     (``--no-sync``); None: as the cluster file says.
+
+    ``trust_ssh_config=True``: the ssh_config a cluster file names may run commands
+    (``ProxyCommand``, ``Match exec``...), as ``--trust-ssh-config``; refused otherwise
+    (docs/security.md).
 
     ``detach=True``: returns a `handle.RunHandle` once every rank runs under a detached
     supervisor (the run outlives this process); a launch that fails before that raises
@@ -80,7 +84,8 @@ def launch(cluster: Union[PathLike, ClusterSpec, None] = "cluster.yml",
         "preflight": preflight, "smoke": smoke, "log_dir": _path(log_dir), "dry_run": dry_run,
         "quiet": quiet, "verbose": str(verbosity) if verbosity else None, "json": json,
         "env": dict(env or {}), "on_exit": on_exit, "detach": detach,
-        "sync": sync is True, "no_sync": sync is False, "python": python}
+        "sync": sync is True, "no_sync": sync is False, "python": python,
+        "trust_ssh_config": trust_ssh_config}
     if isinstance(cluster, ClusterSpec) and (hosts or hostfile):
         raise FdlError("hosts: give a ClusterSpec or hosts, not both", EXIT_USAGE)
     words = () if command is None or isinstance(command, str) else list(command)

@@ -218,11 +218,15 @@ def prebuild_check(c: Context, **given: Any) -> None:
     Exit 0 when nothing FAILs, 1 otherwise, 2 on a config error.
     """
     file, from_hosts = _hosts(c, "prebuild-check", given)
+    from .commands.trusted import untrusted
     from .preflight import check_cluster
 
     code = check_cluster(file, cluster=from_hosts, cmd=given.get("cmd"), words=_remainder(),
                          as_json=bool(given.get("json")), fast=bool(given.get("fast")),
-                         smoke=bool(given.get("smoke")))
+                         smoke=bool(given.get("smoke")),
+                         trust_ssh_config=bool(given.get("trust_ssh_config")),
+                         file_untrusted=untrusted(file) if file and os.path.isfile(file)
+                         else f"{file} is not a file of yours")
     if code:
         raise Exit(code=code)
 

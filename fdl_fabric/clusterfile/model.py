@@ -34,6 +34,13 @@ class SshSpec:
     options: tuple[str, ...] = ()
     #: An ssh_config file read instead of ``~/.ssh/config`` (``ssh -F``, ``--ssh-config``).
     config_file: Optional[str] = None
+    #: ``allow_commands: true``, as the file says: its ``config_file`` may run commands
+    #: (``ProxyCommand``, ``Match exec``...). Honoured only in a file the operator owns.
+    allow_commands: bool = False
+    #: The launcher's decision (`transport.configtrust.with_trust`): the operator allowed
+    #: this ssh_config to run commands (``--trust-ssh-config``, or ``allow_commands`` in
+    #: a file they own). Never read from a file.
+    commands_trusted: bool = False
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ _WORKER_KEYS = (
     "python",
     "transport",
 )
-_SSH_KEYS = ("target", "user", "port", "identity_file", "options", "config_file")
+_SSH_KEYS = ("target", "user", "port", "identity_file", "options", "config_file",
+             "allow_commands")
 
 
 def _read_worker(
@@ -312,6 +313,9 @@ def _read_ssh(r: NodeReader, field: Field, folder: str) -> SshSpec:
         identity_file=identity_file,
         options=tuple(options),
         config_file=config_file,
+        # Only a claim: `transport.configtrust.with_trust` honours it in a file the
+        # operator owns.
+        allow_commands=bool(r.boolean(block.field("allow_commands"))),
     )
 
 

@@ -11,6 +11,7 @@ and every attempt make it the same way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -35,8 +36,10 @@ from ..runs import place
 from ..supervision.membership import Membership
 from ..sync.step import CodeStep, never_sent, sync_spec
 from ..transport import HostSettings, resolve_cluster, resolve_settings, with_dialable_addrs
+from ..transport.configtrust import inert, with_trust
 from .dryrun import dry_run_data, dry_run_devices
 from .launchoptions import LaunchOptions, MaxFailure
+from .trusted import untrusted
 
 
 @dataclass
@@ -106,6 +109,8 @@ def flag_changes(opts: LaunchOptions, cluster: ClusterSpec) -> dict[str, Any]:
     if opts.max_restarts is not None:
         changes["elastic"] = dataclasses.replace(cluster.elastic,
                                                  max_restarts=opts.max_restarts)
+    if opts.on_exit is not None:  # the run's end reads the flag first too (`conclusion`)
+        changes["on_exit"] = opts.on_exit
     if opts.python is not None:
         changes["python"] = opts.python
         changes["workers"] = tuple(dataclasses.replace(w, python=None)
@@ -128,10 +133,28 @@ def code_step(opts: LaunchOptions, cluster: ClusterSpec, events: EventBus
     return code
 
 
+def trusted_cluster(cluster: ClusterSpec, trust_flag: bool) -> ClusterSpec:
+    """The cluster with the ssh_configs its file names allowed to run commands where the
+    operator allowed it (`configtrust.with_trust`): ``--trust-ssh-config``, or
+    ``ssh.allow_commands: true`` in a cluster file nobody else can change (`untrusted`);
+    a refusal is exit 2. Applied before any ssh_config is looked up."""
+    if cluster.named_by is not None or not any(w.ssh.config_file for w in cluster.workers):
+        return cluster  # the operator's own -F, or none: nothing came with a file
+    owned = untrusted(cluster.file) if os.path.isfile(cluster.file) else \
+        f"{cluster.file} is not a file of yours"
+    return with_trust(cluster, flag=trust_flag, file_untrusted=owned)
+
+
 def resolve(opts: LaunchOptions, events: EventBus) -> tuple[Resolved, Optional[CodeStep]]:
     """Every input checked (exit 2 on a mistake), nothing contacted: the resolved
-    settings, and the code to send (``sync``) if any."""
-    cluster = with_dialable_addrs(load_for(opts))
+    settings, and the code to send (``sync``) if any. A dry run's resolves inside
+    `configtrust.inert`: no ssh_config runs anything while it looks hosts up."""
+    with inert() if opts.dry_run else contextlib.nullcontext():
+        return _resolve(opts, events)
+
+
+def _resolve(opts: LaunchOptions, events: EventBus) -> tuple[Resolved, Optional[CodeStep]]:
+    cluster = with_dialable_addrs(trusted_cluster(load_for(opts), opts.trust_ssh_config))
     changes = flag_changes(opts, cluster)
     sync = sync_spec(cluster, opts.sync)
     if sync != cluster.sync:
@@ -183,10 +206,30 @@ def plan_attempt(r: Resolved, cluster: ClusterSpec, resolved: Mapping[str, list[
 
 def dry_run(r: Resolved, membership: Membership, code: Optional[CodeStep],
             events: EventBus) -> None:
-    """``--dry-run``: the plan of the whole roster, shown; nothing is contacted."""
+    """``--dry-run``: the plan of the whole roster, shown; nothing is contacted, and no
+    ssh_config runs anything while its hosts are described (`configtrust.inert`)."""
+    with inert():
+        _dry_run(r, membership, code, events)
+
+
+def _dry_run(r: Resolved, membership: Membership, code: Optional[CodeStep],
+             events: EventBus) -> None:
     roster = attempt_cluster(r.cluster, membership.roster)
     if code is not None:
         roster = code.planned(roster)
     plan = plan_attempt(r, roster, dry_run_devices(roster))
     events(Name.DRY_RUN, **dry_run_data(plan, r.settings), spares=list(membership.spares),
-           min_hosts=r.cluster.elastic.min_hosts, code=code.dry_run() if code else None)
+           min_hosts=r.cluster.elastic.min_hosts, code=code.dry_run() if code else None,
+           **programs_shown(r.cluster, code))
+
+
+def programs_shown(cluster: ClusterSpec, code: Optional[CodeStep]) -> dict[str, Any]:
+    """The commands besides the ranks' that the file (or ``--on-exit``) names, as a dry
+    run shows them and never runs them: ``setup`` (run on each host after the sync;
+    None without ``sync:``, which never runs it) and ``on_exit`` (run here when the run
+    ends)."""
+    setup = cluster.setup if code is not None else None
+    return {"setup": None if setup is None else {
+                "command": setup.command, "inputs": list(setup.inputs),
+                "timeout": setup.timeout},
+            "on_exit": cluster.on_exit}

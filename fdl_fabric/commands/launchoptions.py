@@ -64,6 +64,9 @@ class LaunchOptions:
     sync: Optional[bool] = None
     #: ``--python``: every host's interpreter for the ranks (wins over the file's).
     python: Optional[str] = None
+    #: ``--trust-ssh-config``: the ssh_config a cluster file names may run commands
+    #: (``ProxyCommand``, ``Match exec``...; `transport.configtrust`).
+    trust_ssh_config: bool = False
 
 
 __all__ = ["LaunchOptions", "MaxFailure"]

@@ -10,6 +10,7 @@ flag not given, keyed by the flag's Python name (`commands.vocabulary`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -50,8 +51,10 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
     if common["smoke"] and not common["preflight"]:
         raise usage("--smoke", "it is part of the pre-flight, which --no-preflight turns off: "
                     "drop one")
-    from_hosts = hosts_cluster(values, command=command, nproc_per_node=per_node,
-                               launching=True)
+    # A dry run runs nothing of an ssh_config, even while -F's aliases are looked up.
+    with _inert() if common["dry_run"] else contextlib.nullcontext():
+        from_hosts = hosts_cluster(values, command=command, nproc_per_node=per_node,
+                                   launching=True)
     if from_hosts is not None:
         if command == "run":
             from_hosts = _with_nnodes(from_hosts, v.get("nnodes"))
@@ -64,6 +67,14 @@ def launch_options(values: Mapping[str, Any], *, command: str, argv: Sequence[st
                              kill_grace=RUN_KILL_GRACE if grace is None else grace,
                              **common)  # type: ignore[arg-type]
     return _file_launch(v, command, settings, per_node, grace, common)
+
+
+def _inert() -> contextlib.AbstractContextManager[None]:
+    """`transport.configtrust.inert`, imported only for a dry run: the options of a
+    ``--detach`` front load no transport."""
+    from ..transport.configtrust import inert
+
+    return inert()
 
 
 def _common(v: _Values, argv: Sequence[str], settings: Mapping[str, str]
@@ -82,7 +93,8 @@ def _common(v: _Values, argv: Sequence[str], settings: Mapping[str, str]
         fanout=flags.fanout(v.get("fanout")), json=bool(v.get("json")),
         env_overrides=dict(v.get("env") or {}),
         on_exit=flags.on_exit(v.get("on_exit")), detach=bool(v.get("detach")),
-        sync=_sync_choice(v), python=flags.python(v.get("python")))
+        sync=_sync_choice(v), python=flags.python(v.get("python")),
+        trust_ssh_config=bool(v.get("trust_ssh_config")))
 
 
 def _file_launch(v: _Values, command: str, settings: Mapping[str, str],

@@ -95,6 +95,10 @@ FLAGS: tuple[Flag, ...] = (
        "wins), as ssh -p", HOSTED, metavar="PORT", short="p", default="22, or ssh_config"),
     _f("identity", "with --hosts/--hostfile: the private key for every host, as ssh -i",
        HOSTED, metavar="FILE", short="i"),
+    _f("trust_ssh_config", "let the ssh_config a cluster file names (ssh.config_file) "
+       "run commands: ProxyCommand, Match exec, LocalCommand, KnownHostsCommand "
+       "(refused otherwise, unless ssh.allow_commands: true in a cluster file you own; "
+       "docs/security.md)", _BOTH | frozenset({"prebuild-check"})),
     _f("slurm", "the nodes of the Slurm allocation this runs in (salloc, sbatch), one "
        "agent per node started by srun; reads a cluster file only with --cluster",
        frozenset({"launch", "cleanup"})),

@@ -2,7 +2,7 @@
 
 Settings come from `fdl_fabric.transport.sshconfig`. Fabric's default host-key policy,
 ``AutoAddPolicy``, accepts changed keys too and is replaced here with OpenSSH's
-``accept-new``: an unknown key is recorded, a changed key is refused. Sessions open
+``accept-new`` (`hostkeys`): an unknown key is recorded, a changed key is refused. Sessions open
 with a timeout, and a remote command killed by a signal is recorded as such.
 """
 
@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
@@ -27,9 +26,18 @@ from ..events import EventBus
 from ..shell import quote
 from . import bundle, channels, connerrors, kinds
 from .base import AgentProcess, ByteSink, ProbeResult, Transport, TransportError
+
+# AcceptNewPolicy: named here too, where the host-key rules were before `hostkeys`.
+from .hostkeys import AcceptNewPolicy as AcceptNewPolicy
+from .hostkeys import apply_host_key_policy, known_hosts_of
 from .probeout import ClockedOutput
 from .runners import RUN_OPTIONS, InvokeAgentProcess
-from .sshconfig import DEFAULT_KNOWN_HOSTS, SshSettings, resolve_all_settings
+from .sshconfig import (
+    SshOptionError,
+    SshSettings,
+    read_config,
+    resolve_all_settings,
+)
 from .tunnel import forwarding
 
 if TYPE_CHECKING:
@@ -57,39 +65,6 @@ class SshConnectError(RuntimeError):
         super().__init__(f"host {host!r}: {reason}")
         self.host = host
         self.reason = reason
-
-
-_known_hosts_lock = threading.Lock()
-
-
-class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
-    """OpenSSH's ``accept-new``: record an unknown key, never a changed one.
-
-    A changed key never reaches this policy: paramiko raises
-    BadHostKeyException itself when a loaded key differs. We append one line
-    instead of rewriting the file, so concurrent connections cannot clobber
-    each other's entries.
-    """
-
-    def __init__(self, known_hosts_file: str) -> None:
-        self.known_hosts_file = known_hosts_file
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: Any) -> None:
-        entry = paramiko.hostkeys.HostKeyEntry([hostname], key)
-        with _known_hosts_lock:
-            folder = os.path.dirname(self.known_hosts_file)
-            if folder:
-                os.makedirs(folder, mode=0o700, exist_ok=True)
-            with open(self.known_hosts_file, "a", encoding="utf-8") as fh:
-                fh.write(entry.to_line() or "")
-        client.get_host_keys().add(hostname, key.get_name(), key)
-
-
-class _RecordOnlyPolicy(paramiko.MissingHostKeyPolicy):
-    """``StrictHostKeyChecking=no``: accept anything, record nothing."""
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: Any) -> None:
-        client.get_host_keys().add(hostname, key.get_name(), key)
 
 
 def _handle_request(chan: paramiko.Channel, m: paramiko.Message) -> None:
@@ -173,25 +148,6 @@ class FdlConnection(Connection):  # type: ignore[misc]
                 handler.close()
         self.agent_handlers.clear()
 
-
-def apply_host_key_policy(client: paramiko.SSHClient, strict: str = "accept-new",
-                          known_hosts_file: str = DEFAULT_KNOWN_HOSTS) -> None:
-    """Our host-key rules on a client that has not connected yet (Fabric's default
-    AutoAddPolicy would accept a changed key): ``accept-new``, ``yes`` or ``no``."""
-    known_hosts_file = os.path.expanduser(known_hosts_file)
-    if strict == "no":
-        client.set_missing_host_key_policy(_RecordOnlyPolicy())
-        return
-    if os.path.exists("/etc/ssh/ssh_known_hosts"):
-        client.load_system_host_keys("/etc/ssh/ssh_known_hosts")
-    if os.path.exists(known_hosts_file):
-        client.load_host_keys(known_hosts_file)
-    if strict == "accept-new":
-        client.set_missing_host_key_policy(AcceptNewPolicy(known_hosts_file))
-    else:
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
-
-
 def make_connection(
     settings: SshSettings, config: Optional[Config] = None, *, _hop: str = ""
 ) -> FdlConnection:
@@ -255,6 +211,8 @@ def _connection_kwargs(settings: SshSettings, config: Optional[Config],
         "connect_kwargs": connect_kwargs,
         "inline_ssh_env": True,
     }
+    if gateway is None and settings.proxy_command:  # Fabric starts it when connecting
+        gateway = settings.proxy_command
     optional = {"user": settings.user or None, "port": settings.port or None,
                 "forward_agent": settings.forward_agent, "gateway": gateway}
     kwargs.update({k: v for k, v in optional.items() if v is not None})
@@ -262,8 +220,17 @@ def _connection_kwargs(settings: SshSettings, config: Optional[Config],
     # (gateway, inline_ssh_env, ...) into its config, and a Config shared between the
     # threads that connect hosts in parallel made one connect in 26 fail with "No
     # attribute or config key found for 'gateway'" at 32 hosts.
-    kwargs["config"] = config.clone() if config is not None else Config(
-        runtime_ssh_path=settings.config_file)
+    # Our own reading of the ssh_config (`sshconfig.read_config`: the ``-F`` file, else
+    # ~/.ssh/config and /etc/ssh/ssh_config, as Fabric reads them): the Connection's
+    # lookup then runs no ``Match exec`` inside a dry run (`configtrust.inert`).
+    if config is not None:
+        kwargs["config"] = config.clone()
+        return kwargs
+    try:
+        ssh_config = read_config(settings.config_file, checked=settings.config_checked)
+    except SshOptionError as exc:  # changed since it was checked: runs nothing, said so
+        raise SshConnectError(settings.host, str(exc)) from None
+    kwargs["config"] = Config(ssh_config=ssh_config)
     return kwargs
 
 
@@ -361,7 +328,10 @@ def known_host_state(settings: SshSettings, config: Any = None) -> tuple[str, st
     """
     if settings.strict_host_key_checking == "no":
         return "unchecked", ""
-    scratch = make_connection(settings, config)  # resolves aliases; opens no socket
+    try:
+        scratch = make_connection(settings, config)  # resolves aliases; opens no socket
+    except SshConnectError:  # the connect that follows fails, saying why
+        return "unknown", settings.target
     name = scratch.host if int(scratch.port) == 22 else f"[{scratch.host}]:{scratch.port}"
     for path in (settings.known_hosts_file, "/etc/ssh/ssh_known_hosts"):
         if not os.path.exists(path):
@@ -398,7 +368,7 @@ class SshTransport(Transport):
         policy and our Transport class before it opens, like every connection we make."""
         transport = cls(worker)
         if not conn.is_connected:
-            apply_host_key_policy(conn.client)
+            apply_host_key_policy(conn.client, known_hosts_file=known_hosts_of(conn))
             conn.connect_kwargs.setdefault("transport_factory", _transport_factory)
             # Every wait bounded, as for our own connections: fab's default is no connect
             # timeout (and paramiko's banner and login waits are 15 s and 30 s).
@@ -572,6 +542,8 @@ class SshTransport(Transport):
             parts.append("identity: ssh-agent and default keys")
         if settings.proxy_jump:
             parts.append(f"via {settings.proxy_jump}")
+        elif settings.proxy_command:
+            parts.append(f"via ProxyCommand {settings.proxy_command}")
         return ", ".join(parts) + "; one session runs the agent"
 
     def details(self) -> dict[str, Any]:

@@ -10,11 +10,12 @@ only local workers never loads paramiko; `fdl_fabric.transport.ssh` connects wit
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from ..clusterfile import ClusterSpec, ConfigError, Problem, WorkerSpec, load_cluster
 from ..clusterfile.names import (
@@ -26,6 +27,7 @@ from ..clusterfile.names import (
 )
 from ..events import EventBus, Name
 from ..limits import PORT_MAX
+from .configtrust import HOW_TO_ALLOW, directives_in, named_by_file, refuse_commands
 from .kinds import SSH, kind_name
 
 #: OpenSSH options we understand, by lowercase name.
@@ -83,6 +85,13 @@ class SshSettings:
     #: ``ForwardAgent=yes|no`` among the options; None: ssh_config decides (Fabric).
     #: A gateway needs it when its leaves' keys are in the controller's agent.
     forward_agent: Optional[bool] = None
+    #: ``config_file`` is a cluster file's, not allowed to run commands: each reading
+    #: of it is checked again (`read_config`).
+    config_checked: bool = False
+    #: The ``ProxyCommand`` the ``-F`` file gives the host (as ssh reads it for the name
+    #: the worker gives, alias included), its ``%h``/``%p`` expanded; only ever set when
+    #: the operator allowed that file to run commands, or it is their own.
+    proxy_command: Optional[str] = None
 
     @property
     def alive_timeout(self) -> float:
@@ -162,7 +171,12 @@ def _check_spec_names(worker: WorkerSpec) -> None:
         raise SshOptionError(f"ssh.port: must be between 1 and {PORT_MAX}, got {spec.port}")
 
 
-def resolve_settings(worker: WorkerSpec) -> SshSettings:
+def _checked(cluster: ClusterSpec, worker: WorkerSpec) -> bool:
+    """Whether ``worker``'s ssh_config is a cluster file's that may not run commands."""
+    return named_by_file(cluster, worker) and not worker.ssh.commands_trusted
+
+
+def resolve_settings(worker: WorkerSpec, *, checked: bool = False) -> SshSettings:
     """Merge a worker's ``ssh`` block, its options and our defaults.
 
     Precedence: the explicit ``ssh.target/user/port/identity_file`` fields,
@@ -172,7 +186,7 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
     """
     spec = worker.ssh
     _check_spec_names(worker)
-    opts = {**DEFAULT_OPTIONS, **_from_config_file(spec.config_file, worker.host),
+    opts = {**DEFAULT_OPTIONS, **_from_config_file(spec.config_file, worker.host, checked),
             **parse_options(spec.options)}
     strict = opts["stricthostkeychecking"].lower()
     if strict == "off":
@@ -207,27 +221,55 @@ def resolve_settings(worker: WorkerSpec) -> SshSettings:
         proxy_jump=opts.get("proxyjump") if opts.get("proxyjump", "none") != "none" else None,
         batch_mode=opts["batchmode"].lower() == "yes",
         config_file=spec.config_file,
+        config_checked=checked,
+        proxy_command=opts.get("proxycommand"),
         forward_agent=(opts["forwardagent"].lower() == "yes") if "forwardagent" in opts
         else None,
     )
 
 
-#: What an ``ssh -F`` file may set that the launcher applies itself (the rest, HostName,
-#: User, Port, IdentityFile, ProxyJump, Fabric reads from the same file when connecting).
+#: What an ``ssh -F`` file may set that the launcher applies itself (the rest Fabric reads
+#: from the same file when connecting, looking up the target). ``ProxyCommand`` is taken
+#: for the worker's own name, as ssh would: Fabric, looking up the ``HostName``, misses
+#: one written under a ``Host`` alias.
 _FROM_CONFIG_FILE = ("stricthostkeychecking", "userknownhostsfile", "connecttimeout",
                      "serveraliveinterval", "serveralivecountmax", "batchmode", "port",
-                     "hostname", "user", "identityfile", "proxyjump")
+                     "hostname", "user", "identityfile", "proxyjump", "proxycommand")
 
 
-def _from_config_file(path: Optional[str], host: str) -> dict[str, str]:
+def read_config(path: Optional[str], *, checked: bool = False) -> Any:
+    """The ssh_config a lookup reads, as Fabric would: ``path`` alone (``ssh -F``), else
+    ``~/.ssh/config`` then ``/etc/ssh/ssh_config``; parsed, nothing run. Its lookups run
+    a ``Match exec`` only outside `configtrust.inert` (a dry run), so every ssh_config
+    the launcher reads obeys that switch. OSError: ``path`` cannot be read.
+
+    ``checked``: a cluster file's ssh_config the operator did not allow to run commands.
+    The text parsed is the text checked, every time it is read, so a file changed after
+    `configtrust.refuse_commands` looked at it runs nothing either: SshOptionError."""
+    from .configread import InertAwareConfig  # paramiko: only for a host over SSH
+
+    config = InertAwareConfig()
+    paths = [path] if path is not None else [os.path.expanduser("~/.ssh/config"),
+                                             "/etc/ssh/ssh_config"]
+    for one in paths:
+        if path is None and not os.path.isfile(one):
+            continue
+        with open(os.path.expanduser(one), encoding="utf-8") as fh:
+            text = fh.read()
+        found = directives_in(text, one) if checked else []
+        if found:
+            raise SshOptionError(f"{found[0]}; {HOW_TO_ALLOW}")
+        config.parse(io.StringIO(text))
+    return config
+
+
+def _from_config_file(path: Optional[str], host: str, checked: bool) -> dict[str, str]:
     """The options an ``ssh -F`` file gives ``host``, as ssh would read them (first
     match wins); a file that cannot be read is an error naming it."""
     if path is None:
         return {}
-    import paramiko  # only for an -F file: a local-only launch loads no SSH library
-
     try:
-        found = paramiko.SSHConfig.from_path(path).lookup(host)
+        found = read_config(path, checked=checked).lookup(host)
     except OSError as exc:
         raise SshOptionError(f"ssh config {path}: {exc.strerror or exc}") from None
     out: dict[str, str] = {}
@@ -241,7 +283,7 @@ def _from_config_file(path: Optional[str], host: str) -> dict[str, str]:
     return out
 
 
-def hostname_of(host: str, config_file: Optional[str]) -> str:
+def hostname_of(host: str, config_file: Optional[str], *, checked: bool = False) -> str:
     """The name ssh dials for ``host``, as ``ssh -G`` reads it: the ``HostName`` of the
     ``-F`` file (``ssh.config_file``), else of ``~/.ssh/config``; ``host`` itself when
     neither has one. A ``Host`` alias exists only for ssh: a rank given it as MASTER_ADDR
@@ -249,10 +291,8 @@ def hostname_of(host: str, config_file: Optional[str]) -> str:
     path = config_file or os.path.expanduser("~/.ssh/config")
     if not os.path.isfile(path):
         return host
-    import paramiko  # only for a file that may say it: a local-only launch loads none
-
     try:
-        found = paramiko.SSHConfig.from_path(path).lookup(host).get("hostname", host)
+        found = read_config(path, checked=checked).lookup(host).get("hostname", host)
     except OSError as exc:
         raise SshOptionError(f"ssh config {path}: {exc.strerror or exc}") from None
     return str(found)
@@ -264,12 +304,14 @@ def with_dialable_addrs(cluster: ClusterSpec) -> ClusterSpec:
     peers' addresses are names the ranks resolve; an ``addr`` written apart is kept."""
     import dataclasses
 
+    refuse_commands(cluster)  # before any lookup: a Match exec runs inside one
     workers = []
     for w in cluster.workers:
         dest = (w.ssh.target or w.host).rpartition("@")[2]
         if kind_name(w) == SSH and w.addr == dest:
             try:
-                w = dataclasses.replace(w, addr=hostname_of(dest, w.ssh.config_file))
+                w = dataclasses.replace(w, addr=hostname_of(
+                    dest, w.ssh.config_file, checked=_checked(cluster, w)))
             except SshOptionError as exc:
                 raise ConfigError([Problem(cluster.file, f"workers[{w.index}].ssh", w.line,
                                            str(exc))]) from None
@@ -280,7 +322,9 @@ def with_dialable_addrs(cluster: ClusterSpec) -> ClusterSpec:
 def resolve_all_settings(
     cluster: ClusterSpec, events: Optional[EventBus] = None
 ) -> dict[str, SshSettings]:
-    """Every remote worker's SSH settings; a bad option is a ConfigError (exit 2)."""
+    """Every remote worker's SSH settings; a bad option is a ConfigError (exit 2), and
+    so is a cluster file's ssh_config that runs commands unallowed (`configtrust`)."""
+    refuse_commands(cluster)
     settings: dict[str, SshSettings] = {}
     problems: list[Problem] = []
     for w in cluster.workers:
@@ -290,7 +334,7 @@ def resolve_all_settings(
         if option and events is not None:
             events(Name.BATCHMODE_OFF, host=w.host, option=option)
         try:
-            settings[w.host] = resolve_settings(w)
+            settings[w.host] = resolve_settings(w, checked=_checked(cluster, w))
         except SshOptionError as exc:
             problems.append(Problem(cluster.file, f"workers[{w.index}].ssh.options", w.line,
                                     str(exc)))
