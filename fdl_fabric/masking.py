@@ -235,7 +235,15 @@ def _prefixed(match: re.Match[str]) -> str:
     return MASK if _kinds(tail) >= 2 and separators * 10 <= len(tail) else match.group(0)
 
 
+#: What precedes a public fingerprint (an SSH host key's ``SHA256:...``, as ssh and the
+#: connection errors print it): random-looking by nature, and no secret.
+_FINGERPRINT_PREFIXES = ("SHA256:", "SHA384:", "SHA512:")
+
+
 def _word(match: re.Match[str]) -> str:
+    before = match.string[max(0, match.start() - 7):match.start()]
+    if before in _FINGERPRINT_PREFIXES:
+        return match.group(0)
     return MASK if token_shaped(match.group(0)) else match.group(0)
 
 

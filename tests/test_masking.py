@@ -378,3 +378,9 @@ def test_the_agents_spec_carries_the_real_values_that_every_view_masks(
         assert secret not in shown
     # The launcher's forwarded value is declared by the plan: masked in any text now.
     assert mask_text("retry with pin-8812-x") == "retry with ***"
+
+
+def test_a_host_keys_fingerprint_is_public_and_stays_readable() -> None:
+    line = ("host key for [127.0.0.1]:2222 CHANGED: "
+            "SHA256:nThbg6kXUpJWGl7E1IGOCspRomTxdCARLviKw6E5SY8 is not the one recorded")
+    assert masking.mask_text(line) == line

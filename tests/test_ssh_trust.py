@@ -162,6 +162,12 @@ def test_setup_and_on_exit_are_shown_by_a_dry_run_and_never_run(tmp_path: Path) 
     assert plan["setup"]["command"] == f"touch {setup_mark}"
     assert plan["on_exit"] == f"touch {exit_mark}"
     assert not setup_mark.exists() and not exit_mark.exists() and not mark.exists()
+    text = _inv("launch", "-c", str(cluster), "--dry-run", "--trust-ssh-config")
+    assert f"setup (each host, after the sync; a dry run runs none): touch {setup_mark}" \
+        in text.stdout + text.stderr
+    assert f"on_exit (here, when the run ends; a dry run runs none): touch {exit_mark}" \
+        in text.stdout + text.stderr
+    assert not setup_mark.exists() and not exit_mark.exists()
 
     flag = _inv("launch", "-c", str(cluster), "--dry-run", "--json", "--trust-ssh-config",
                 "--on-exit", f"touch {exit_mark}.flag")

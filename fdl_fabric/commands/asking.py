@@ -20,6 +20,7 @@ from ..events import EventBus, Name
 from ..transport import HostSettings, for_cluster, resolve_cluster, resolve_settings
 from ..transport.fanout import close_all, connect_each, start_each
 from ..transport.session import AgentSession
+from .launch_settings import trusted_cluster
 
 #: Seconds every host has to list its runs, and then to report its ranks' stacks.
 ANSWER_TIMEOUT = 30.0
@@ -32,7 +33,7 @@ def cluster_to_ask(cluster_file: Optional[str], cluster: Optional[ClusterSpec],
     """The cluster to ask and each host's settings, or the exit code once a refusal was
     said (a bad cluster file or flag: exit 2, nothing contacted)."""
     try:
-        cluster = resolve_cluster(cluster_file, cluster)
+        cluster = trusted_cluster(resolve_cluster(cluster_file, cluster), False)
         return cluster, resolve_settings(cluster, events)
     except FdlError as exc:
         events(Name.REFUSED, error=str(exc))

@@ -39,6 +39,7 @@ from ..transport import (
     resolve_settings,
 )
 from ..transport.fanout import close_all, connect_each, start_each
+from .launch_settings import trusted_cluster
 
 #: Seconds a sweep may take on a host (TERM, the sweep grace, KILL, plus start-up).
 SWEEP_TIMEOUT = 60.0
@@ -127,8 +128,8 @@ def run_cleanup(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] =
     try:
         if slurm:
             _refuse_with_slurm(all_runs=all_runs, pattern=pattern)
-        cluster = resolve_cluster(cluster_file, cluster, slurm=slurm,
-                                  nproc_per_node=1 if slurm else None)
+        cluster = trusted_cluster(resolve_cluster(cluster_file, cluster, slurm=slurm,
+                                                  nproc_per_node=1 if slurm else None), False)
         settings = resolve_settings(cluster, events)
     except FdlError as exc:
         events(Name.REFUSED, error=str(exc))

@@ -26,6 +26,11 @@ def dry_run_text(d: Mapping[str, Any]) -> str:
              f"kill_grace {d['kill_grace']:g}s, master_port {d['master_port']}"]
     lines += _tree_words(d.get("tree") or {})
     lines += _code_words(d.get("code"))
+    if d.get("setup"):
+        lines.append("setup (each host, after the sync; a dry run runs none): "
+                     f"{d['setup']['command']}")
+    if d.get("on_exit"):
+        lines.append(f"on_exit (here, when the run ends; a dry run runs none): {d['on_exit']}")
     for host in d["hosts"]:
         ranks = host["ranks"]
         gpus = [str(r["device"]) for r in ranks if r["device"] is not None]

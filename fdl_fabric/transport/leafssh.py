@@ -36,12 +36,13 @@ def _config_sets_kex(settings: Optional[SshSettings], host: str) -> bool:
     ~/.ssh/config cannot be read from here; the command line wins over it.)"""
     if settings is None or not settings.config_file:
         return False
-    import paramiko
+    from .sshconfig import SshOptionError, read_config
 
     try:
-        return "kexalgorithms" in paramiko.SSHConfig.from_path(settings.config_file).lookup(host)
-    except OSError:
+        found = read_config(settings.config_file, checked=settings.config_checked).lookup(host)
+    except (OSError, SshOptionError):
         return False
+    return "kexalgorithms" in found
 
 
 def leaf_ssh_argv(worker: WorkerSpec, settings: Optional[SshSettings]) -> list[str]:
