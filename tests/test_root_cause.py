@@ -74,14 +74,14 @@ def test_rank_output_keeps_each_ranks_stderr_tail_whatever_the_console_shows() -
     log = EventLog()
     output = RankOutput(EventBus(log))
     output.attempt(plan_of_two())
-    output(reports.Output("h", 0, True, b"Traceback\nValueError: boom\n", False))
-    output(reports.Output("h", 0, False, b"stdout is not quoted\n", False))
-    output(reports.Output("h", 1, True, b"peer: gloo error\n", False))
-    output(reports.Output("h", 7, True, b"a rank of no plan\n", False))
+    output(reports.Output("localhost", 0, True, b"Traceback\nValueError: boom\n", False))
+    output(reports.Output("localhost", 0, False, b"stdout is not quoted\n", False))
+    output(reports.Output("localhost", 1, True, b"peer: gloo error\n", False))
+    output(reports.Output("localhost", 7, True, b"a rank of no plan\n", False))
     assert output.tail(0) == ["Traceback", "ValueError: boom"]
     assert output.tail(1) == ["peer: gloo error"]
     assert output.tail(7) == []
-    assert len(log.named(Name.RANK_OUTPUT)) == 4  # every chunk still goes to the console
+    assert len(log.named(Name.RANK_OUTPUT)) == 3  # a rank of no plan reaches no sink (issue 34)
     output.attempt(plan_of_two())  # a restart: each attempt quotes its own lines
     assert output.tail(0) == []
 

@@ -130,7 +130,7 @@ class Liveness(RankEvents):
         if report.error and not report.ranks:
             request.problems[report.host] = report.error
         for rank, entry in report.ranks.items():
-            if rank in self.by_rank:
+            if self._of_sender(report.host, rank, "stacks") is not None:
                 request.found[rank] = entry
         self._check_stacks()
 
