@@ -384,3 +384,12 @@ def test_a_host_keys_fingerprint_is_public_and_stays_readable() -> None:
     line = ("host key for [127.0.0.1]:2222 CHANGED: "
             "SHA256:nThbg6kXUpJWGl7E1IGOCspRomTxdCARLviKw6E5SY8 is not the one recorded")
     assert masking.mask_text(line) == line
+
+
+def test_a_launcher_line_quoting_a_url_with_its_password_shows_it_masked() -> None:
+    from fdl_fabric.events import Name, event
+    from fdl_fabric.presentation.words import render
+
+    line = render(event(Name.REFUSED, error="cannot reach postgres://trainer:"
+                        "Xq7-not-real-pw@db.invalid:5432/runs (connection refused)"))
+    assert "Xq7-not-real-pw" not in line and "postgres://trainer:***@db.invalid" in line

@@ -140,6 +140,7 @@ def test_events_and_json_lines_are_masked(launched: Launched) -> None:
     assert _json_lines(result.stdout)[-1]["name"] == "verdict"
     (folder,) = [p for p in launched.logs.iterdir() if p.is_dir() and not p.is_symlink()]
     _without_secrets((folder / "events.jsonl").read_text(), "--log-dir's events.jsonl")
+    _without_secrets((folder / "cluster.json").read_text(), "--log-dir's cluster.json")
     _without_secrets(result.stderr, "the console")
 
 

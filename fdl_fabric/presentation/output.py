@@ -17,7 +17,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import shutil
 import sys
 import threading
@@ -27,6 +26,7 @@ from typing import IO, Any, Callable, Optional, Protocol, TextIO
 
 from ..events import Event, Kind, Name
 from ..inert import json_inert, neutralize, shown_lines
+from ..masking import mask_data, mask_env
 from ..states import RankState
 from .hostwords import inert_data
 from .interrupted import Interrupted
@@ -44,14 +44,10 @@ _VERBOSE_KINDS = {Kind.DEBUG, Kind.SPAWN, Kind.CONNECT, Kind.JOIN}
 #: Per-host prefix colors on a terminal (ANSI codes, and the rich style names).
 _PALETTE = ["36", "33", "35", "32", "34", "91", "96", "93"]
 
-#: Env keys whose values are shown as *** in dry-run, logs and cluster.json.
-SECRET_KEY_RE = re.compile(r"SECRET|TOKEN|PASSW|KEY|CREDENTIAL|AUTH|COOKIE|PRIVATE", re.I)
-
-
 def redact_env(env: dict[str, str]) -> dict[str, str]:
-    """Values of secret-looking keys replaced by ``***`` (the names stay visible)."""
-    return {k: ("***" if SECRET_KEY_RE.search(k) and not k.startswith("FLODL_INTERNAL_") else v)
-            for k, v in env.items()}
+    """An environment as it may be shown: the one rule of `masking` (by name, by
+    ``secret_env``, by value)."""
+    return mask_env(env)
 
 
 def is_terminal(stream: Any) -> bool:
@@ -513,7 +509,8 @@ class RunLog:
 
     def write_cluster(self, data: dict[str, Any]) -> None:
         with _private_file(self.folder / "cluster.json") as fh:
-            fh.write(json.dumps(data, indent=2, ensure_ascii=False).encode("utf-8"))
+            fh.write(json.dumps(mask_data(data), indent=2,
+                                ensure_ascii=False).encode("utf-8"))
 
     def close(self) -> None:
         with self._lock:

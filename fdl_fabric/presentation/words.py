@@ -28,13 +28,15 @@ newline either. The wording functions below quote them as they are.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 from ..causes import cause_data as cause_data  # a verdict's cause, as callers build it
 from ..causes import cause_event as cause_event  # and back, for what reads a record
-from ..events import Event, Name
+from ..events import Event, Kind, Name
 from ..inert import one_line
+from ..masking import mask_data
 from ..shutdown import SHUTDOWN_REASONS
 from .codewords import CODE_WORDS
 from .commandwords import COMMAND_WORDS
@@ -51,7 +53,10 @@ from .stacks import stacks_text
 def render(event: Event, width: Optional[int] = None) -> str:
     """The event in words (one line, or a block for tables and views); with ``width``,
     laid out for a terminal that many columns wide (what fits is left as it is). Its
-    strings are made inert first (`inert_data`)."""
+    strings are masked (`masking`: a secret by name, ``secret_env`` or value, except in
+    a rank's own output) and made inert (`inert_data`) first."""
+    if event.kind is not Kind.OUTPUT:
+        event = dataclasses.replace(event, data=mask_data(event.data))
     event = inert_data(event)
     if width is None:
         return _WORDS[event.name](event, event.data)
