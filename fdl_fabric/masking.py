@@ -85,7 +85,9 @@ _JWT_RE = re.compile(r"(?<![A-Za-z0-9_\-])eyJ[A-Za-z0-9_\-]{4,}\.eyJ[A-Za-z0-9_\
                      r"\.[A-Za-z0-9_\-]*")
 #: Words a token-shaped check looks at: the token alphabet, ``=`` only as padding.
 _WORD_RE = re.compile(r"[A-Za-z0-9+/_\-]{" + str(TOKEN_MIN) + r",}={0,2}")
-_HEXISH_RE = re.compile(r"[0-9a-fA-F\-]+")
+#: Hex digits joined by ``-`` or ``+``: UUIDs, digests, a dirty tree's code id
+#: (``git:1a2b3c4d5e6f+0a1b2c3d``): no secret looks like that.
+_HEXISH_RE = re.compile(r"[0-9a-fA-F+\-]+")
 _SEPARATORS = frozenset("+/_-=")
 #: Pieces a written word splits into: ``Auto`` ``Model`` ``LM`` ``2204``.
 _PIECE_RE = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+")
@@ -197,11 +199,15 @@ def token_shaped(word: str) -> bool:
     dashes only; at most one separator in ten characters; at least two of lowercase,
     uppercase and digits, changing kind every `_PIECE_MEAN_MAX` characters or sooner on
     average; and a Shannon entropy of at least `_ENTROPY_SHARE` of the most its length
-    allows. A git SHA, a path, ``AutoModelForCausalLM``, ``lr3e-4_bs32_seed42`` or a
-    mangled C++ name is not; ``Zk4Qp9sLx2Vb7Nw3Rt6Yh1Jm`` is."""
+    allows. A word with ``/`` is a path: each of its parts is judged alone (so a base64
+    secret whose ``/``-separated parts are all short is missed: it is caught by its
+    variable's name). A git SHA, a path, ``AutoModelForCausalLM``,
+    ``lr3e-4_bs32_seed42`` or a mangled C++ name is not; ``Zk4Qp9sLx2Vb7Nw3Rt6Yh1Jm`` is."""
     if len(word) < TOKEN_MIN or _HEXISH_RE.fullmatch(word) or word.startswith("_Z"):
         return False  # ``_Z``: a mangled C++ name (``_ZN3c1010TensorImplD2Ev``) in a stack
     core = word.rstrip("=")
+    if "/" in core:  # a path's folders are judged one by one (``.fdl-code/trees/<hex>``)
+        return any(token_shaped(part) for part in core.split("/"))
     separators = sum(1 for c in core if c in _SEPARATORS)
     if separators * 10 > len(core):
         return False

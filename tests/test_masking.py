@@ -393,3 +393,14 @@ def test_a_launcher_line_quoting_a_url_with_its_password_shows_it_masked() -> No
     line = render(event(Name.REFUSED, error="cannot reach postgres://trainer:"
                         "Xq7-not-real-pw@db.invalid:5432/runs (connection refused)"))
     assert "Xq7-not-real-pw" not in line and "postgres://trainer:***@db.invalid" in line
+
+
+def test_a_synced_tree_path_stays_readable_while_a_token_in_a_path_is_masked() -> None:
+    tree = "/tmp/tmp3k2jd9fq/lab/hosts/lab1/.fdl-code/trees/a3f9c0d2e1b4c5d6e7f8"
+    assert masking.mask_text(tree) == tree
+    assert "Zk4Qp9sLx2Vb7Nw3Rt6Yh1Jm" not in masking.mask_text(
+        "/var/run/secrets/Zk4Qp9sLx2Vb7Nw3Rt6Yh1Jm/token")
+
+
+def test_a_dirty_trees_code_id_stays_readable() -> None:
+    assert masking.mask_text("git:1a2b3c4d5e6f+0a1b2c3d") == "git:1a2b3c4d5e6f+0a1b2c3d"

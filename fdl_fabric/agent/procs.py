@@ -395,7 +395,11 @@ def prune_empty_run_folders(folder: Optional[str] = None, now: Optional[float] =
 
     now = time.time() if now is None else now
     removed = 0
-    for place in [folder] if folder else registry.readable_dirs():
+    try:
+        places = [folder] if folder else registry.readable_dirs()
+    except OSError:  # a foreign override (RegistryError): the sweep already said why
+        return 0
+    for place in places:
         try:
             names = os.listdir(place)
         except OSError:
