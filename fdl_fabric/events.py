@@ -107,6 +107,9 @@ class Name(str, Enum):
     SWEEP_UNREACHABLE = ("sweep_unreachable", Kind.WARNING)
     SWEEP_INCOMPLETE = ("sweep_incomplete", Kind.WARNING)
     SWEEP_STOPPED = ("sweep_stopped", Kind.WARNING)
+    #: A host lost to a partition answered a fresh connection: what its lost attempt
+    #: left running there was stopped (`commands.healwatch`).
+    HOST_ANSWERED_AGAIN = ("host_answered_again", Kind.WARNING)
     OUTPUT_DROPPED = ("output_dropped", Kind.INFO)
     CONSOLE_STALLED = ("console_stalled", Kind.WARNING)
     STDOUT_CLOSED = ("stdout_closed", Kind.WARNING)
@@ -181,6 +184,8 @@ class Name(str, Enum):
     ALL_RANKS_DEAD = ("all_ranks_dead", Kind.SHUTDOWN)
     PREFLIGHT_FAILED = ("preflight_failed", Kind.VERDICT)
     HOST_ENDED_EARLY = ("host_ended_early", Kind.VERDICT)
+    LAUNCHER_SUSPENDED = ("launcher_suspended", Kind.VERDICT)
+    AGENT_KILLED = ("agent_killed", Kind.VERDICT)
     COHORT_NOT_FORMED = ("cohort_not_formed", Kind.VERDICT)
     HUNG = ("hung", Kind.VERDICT)
     INTERRUPTED = ("interrupted", Kind.VERDICT)

@@ -134,6 +134,8 @@ class AgentError:
     host: str
     message: str
     rank: Optional[int] = None
+    #: The agent heard nothing from the launcher for its lease and is stopping its ranks.
+    lease_ran_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,9 @@ class AgentGone:
     host: str
     clean: bool
     reason: str
+    #: The signal that killed the agent, when its end says so (sshd's ``exit-signal``, a
+    #: local agent's status): its host's fault, and no rank's.
+    killed_by: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -30,3 +30,8 @@ class RankState(str, Enum):
 
 _TERMINAL = frozenset({RankState.SUCCEEDED, RankState.FAILED, RankState.STOPPED,
                        RankState.LOST, RankState.TOLERATED, RankState.NOT_STARTED})
+
+
+#: A rank's ``stopped_by`` when its agent stopped it because the launcher was silent for
+#: longer than the lease (the launcher was suspended): not a failure, not a forward.
+STOPPED_BY_LEASE = "lease"

@@ -401,6 +401,7 @@ def supervise_live(*scripts: dict[int, Script], grace: float = 0.05,
                    cohort: Optional[FormedCohort] = None,
                    agent_timeout: Optional[float] = None, hang_timeout: Optional[float] = None,
                    on_resume: object = None, inbox: object = None,
+                   lease: Optional[float] = None,
                    ) -> tuple[Supervisor, list[FakeHost], EventLog]:
     """`supervise`, with the liveness settings of a launch."""
     log = EventLog()
@@ -409,7 +410,7 @@ def supervise_live(*scripts: dict[int, Script], grace: float = 0.05,
                      kill_grace=grace, events=EventBus(log), cohort=cohort,
                      policy=policy_for(cohort, scripts),
                      tick=0.001, agent_timeout=agent_timeout, hang_timeout=hang_timeout,
-                     on_resume=on_resume, inbox=inbox)  # type: ignore[arg-type]
+                     on_resume=on_resume, inbox=inbox, lease=lease)  # type: ignore[arg-type]
     for h in hosts:
         h.sup = sup
     return sup, hosts, log
@@ -722,8 +723,8 @@ def test_under_kill_all_a_rank_lost_while_being_stopped_fails_the_run() -> None:
 
 
 class PausingInbox:
-    """The supervisor's inbox; its next wait lasts ``pause`` seconds, as if the launcher
-    had been stopped (SIGSTOP, a suspended VM) while it waited for reports."""
+    """The supervisor's inbox; its next wait with nothing in it lasts ``pause`` seconds,
+    as if the launcher had been stopped (SIGSTOP, a suspended VM) while it waited."""
 
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[reports.Report] = queue.SimpleQueue()
@@ -736,7 +737,7 @@ class PausingInbox:
         return self.queue.get_nowait()
 
     def get(self, timeout: Optional[float] = None) -> reports.Report:
-        if self.pause:
+        if self.pause and self.queue.empty():
             time.sleep(self.pause)
             self.pause = 0.0
         return self.queue.get(timeout=timeout)

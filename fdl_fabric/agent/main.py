@@ -180,8 +180,11 @@ class Agent(HostLoop):
         stream without an EOF must not keep ranks running for ever."""
         lease_end = self._lease_end()
         if lease_end is not None and now >= lease_end:
-            self._error(f"no word from the launcher for {self.lease:g}s (its host, its link or "
-                        "the srun carrying this agent is gone): stopping every rank")
+            self.send(wire.ERROR, {
+                "message": f"no word from the launcher for {self.lease:g}s (it was stopped or "
+                           "suspended, or its host, its link or the srun carrying this agent "
+                           "is gone): stopping every rank",
+                "rank": None, "lease": self.lease})
             self._leash()
 
     def _term_after_interrupt(self, now: float) -> None:
@@ -310,7 +313,8 @@ class Agent(HostLoop):
             self.send(wire.PREFLIGHT, {"values": values})
         if spec.get("cluster"):
             self.send(wire.SWEPT, procs.sweep(cluster=str(spec["cluster"]),
-                                              keep=str(spec["run_id"]), wait=self._pump))
+                                              keep=str(spec["run_id"]),
+                                              keep_attempt=self.attempt, wait=self._pump))
         if spec.get("start_now"):
             self._spawn_all()
 
@@ -346,15 +350,14 @@ class Agent(HostLoop):
         self.send(wire.FACTS, facts)
 
     def _on_sweep(self, request: Dict[str, Any]) -> None:
-        by = request.get("by")
-        report = procs.sweep(runs=[str(r) for r in request.get("runs") or []],
-                             cluster=request.get("cluster"), all_runs=bool(request.get("all")),
-                             pattern=request.get("pattern"), scope=request.get("scope"),
-                             force=bool(request.get("force")), spare=request.get("spare"),
-                             by=by if isinstance(by, dict) else None, wait=self._pump)
-        self.send(wire.SWEPT, report)
+        self.send(wire.SWEPT, procs.sweep_asked(request, wait=self._pump))
         self.send(wire.DONE)
         self.finished = True
+
+    @property
+    def attempt(self) -> int:
+        """This spec's attempt (``--max-restarts``): what this agent stops is its own."""
+        return int(self.spec.get("attempt", 0)) if self.spec is not None else 0
 
     # -- ranks ------------------------------------------------------------------------------
     def _spawn_all(self) -> None:
@@ -368,7 +371,7 @@ class Agent(HostLoop):
         if not self._registry_ready(spec):
             return
         self.watchdog = watchdog.start(str(spec["run_id"]), str(spec["host"]),
-                                       float(spec["kill_grace"]))
+                                       float(spec["kill_grace"]), self.attempt)
         base = ranks.base_env(spec)
         argv = [str(a) for a in spec["argv"]]
         for entry in spec["ranks"]:
@@ -426,7 +429,8 @@ class Agent(HostLoop):
                   "cluster": spec["cluster"], "host": spec["host"], "agent": os.getpid(),
                   "agent_start": procs.start_time(os.getpid()),
                   "launcher": launcher if isinstance(launcher, dict) else None,
-                  "started": time.time(), "ranks": self.ranks.record()}
+                  "started": time.time(), "attempt": self.attempt,
+                  "ranks": self.ranks.record()}
         try:
             procs.write_record(record)
             self.record_written = True
@@ -490,7 +494,7 @@ class Agent(HostLoop):
         spec = self.spec
         if spec is None or not self.started:
             return []
-        found = set(procs.carriers(str(spec["run_id"]), str(spec["host"])))
+        found = set(procs.carriers(str(spec["run_id"]), str(spec["host"]), self.attempt))
         keep = set(self.ranks.pids()) | set(self.collectors.pids())
         if self.watchdog is not None:
             keep.add(self.watchdog.pid)
@@ -556,9 +560,9 @@ class Agent(HostLoop):
             grace = min(float(spec["kill_grace"]), procs.SWEEP_GRACE) if not self.killed else 0.0
             remaining = procs.stop(self._run_processes, grace, self._pump)
         self.record_written = False
-        if not remaining:
-            procs.remove_record(run_id, host)
-        procs.remove_error_files(run_id, host)
+        # A later attempt's agent on this host may own the record (and the folder) now.
+        if not remaining and procs.remove_record(run_id, host, agent=os.getpid()):
+            procs.remove_error_files(run_id, host)
         # Output that leftovers wrote before they were stopped still belongs to the run.
         self.ranks.drain_all()
         self.send(wire.VERIFIED, {"stopped": stopped, "remaining": procs.describe(remaining)})

@@ -17,6 +17,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 from fdl_fabric.rank import ENV_HOST_NAME, ENV_RUN_ID
 
+#: The attempt a rank belongs to (torchrun's name; the plan sets it for every rank).
+ENV_ATTEMPT = "TORCHELASTIC_RESTART_COUNT"
+
 #: Seconds a sweep keeps sending KILL before it calls what survives a leftover.
 KILL_WAIT = 2.0
 #: How often a stop looks again at what is left.
@@ -136,11 +139,16 @@ def _lineage() -> Set[int]:
     return pids
 
 
-def carriers(run_id: str, host: str) -> List[int]:
-    """Live processes carrying this run's id and no other host's name (see the docstring)."""
+def carriers(run_id: str, host: str, attempt: Optional[int] = None) -> List[int]:
+    """Live processes carrying this run's id and no other host's name (see the docstring);
+    with ``attempt``, only that attempt's (``TORCHELASTIC_RESTART_COUNT``): two attempts
+    of one run can meet on a host (one cut off by a partition, the next re-admitted), and
+    what stops one must never touch the other."""
     run = f"{ENV_RUN_ID}={run_id}".encode()
     mine = f"{ENV_HOST_NAME}={host}".encode()
     prefix = f"{ENV_HOST_NAME}=".encode()
+    turn = f"{ENV_ATTEMPT}=".encode()
+    this_turn = turn + str(attempt).encode()
     found = []
     for pid in own_pids():
         env = _environ(pid)
@@ -148,6 +156,8 @@ def carriers(run_id: str, host: str) -> List[int]:
             continue
         other = [e for e in env if e.startswith(prefix)]
         if other and mine not in other:
+            continue
+        if attempt is not None and this_turn not in env and any(e.startswith(turn) for e in env):
             continue
         if alive(pid):
             found.append(pid)

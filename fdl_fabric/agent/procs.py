@@ -186,9 +186,21 @@ def _write_record_in(record: Dict[str, Any], folder: str) -> str:
     return path
 
 
-def remove_record(run_id: str, host: str, folder: Optional[str] = None) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        os.unlink(record_path(run_id, host, folder))
+def remove_record(run_id: str, host: str, folder: Optional[str] = None,
+                  agent: Optional[int] = None) -> bool:
+    """Remove a run's record on this host; with ``agent``, only while it is that agent's:
+    an attempt cut off by a partition ends after the next attempt's agent on the same
+    host wrote its own record under the same name. Whether it went."""
+    try:
+        path = record_path(run_id, host, folder)
+        if agent is not None:
+            with open(path, "rb") as fh:
+                if json.loads(fh.read(1 << 20).decode("utf-8")).get("agent") != agent:
+                    return False
+        os.unlink(path)
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def read_records(folder: Optional[str] = None) -> tuple:  # type: ignore[type-arg]
@@ -244,7 +256,9 @@ def record_members(record: Dict[str, Any]) -> List[int]:
     found: Set[int] = set()
     for r in record["ranks"]:
         found.update(group_members(int(r["pid"]), int(r["start"])))
-    found.update(carriers(record["run"], record["host"]))
+    attempt = record.get("attempt")
+    found.update(carriers(record["run"], record["host"],
+                          attempt if isinstance(attempt, int) else None))
     return sorted(found)
 
 
@@ -345,17 +359,36 @@ def list_runs(cluster: Optional[str] = None, folder: Optional[str] = None) -> Di
     return {"runs": runs, "errors": problems}
 
 
+def sweep_asked(request: Dict[str, Any], wait: Callable[[float], None]) -> Dict[str, Any]:
+    """`sweep` as a SWEEP request from the launcher asks it (a cleanup's, or the
+    launcher's own for an earlier attempt cut off by a partition)."""
+    by, spare, keep = request.get("by"), request.get("spare"), request.get("keep")
+    keep_attempt = request.get("keep_attempt")
+    return sweep(runs=[str(r) for r in request.get("runs") or []],
+                 cluster=request.get("cluster"), all_runs=bool(request.get("all")),
+                 pattern=request.get("pattern"), scope=request.get("scope"),
+                 force=bool(request.get("force")),
+                 spare=spare if isinstance(spare, dict) else None,
+                 by=by if isinstance(by, dict) else None,
+                 keep=str(keep) if keep is not None else None,
+                 keep_attempt=keep_attempt if isinstance(keep_attempt, int) else None,
+                 wait=wait)
+
+
 def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: bool = False,
           pattern: Optional[str] = None, grace: float = SWEEP_GRACE,
           folder: Optional[str] = None, keep: Optional[str] = None,
           scope: Optional[str] = None, force: bool = False,
           by: Optional[Dict[str, Any]] = None, spare: Optional[Dict[str, Any]] = None,
+          keep_attempt: Optional[int] = None,
           wait: Callable[[float], None] = time.sleep) -> Dict[str, Any]:
     """Stop the recorded runs selected by id, cluster key or ``all_runs``; verify; report.
 
     A record whose processes are all gone is removed. ``keep`` is a run never selected:
     the run the sweeping agent belongs to, whose other hosts may share this machine's
-    registry and be starting right now. A live run (`record_live`) is left alone and
+    registry and be starting right now; with ``keep_attempt``, only that attempt and
+    later ones are kept, and an earlier attempt of the run (cut off by a partition, its
+    ranks still running) is stopped as if named. A live run (`record_live`) is left alone and
     reported under ``live``, unless it is named in ``runs`` or ``force`` is set; then its
     agent first gets a note saying who stops it (``by``) and a TERM. With ``pattern``,
     processes whose command line matches the regex are stopped too, like ``pkill -f``:
@@ -369,7 +402,10 @@ def sweep(*, runs: Sequence[str] = (), cluster: Optional[str] = None, all_runs: 
                               "live": []}
     records = _sweep_records(folder, report)
     wanted = set(runs)
-    selected = [r for r in records if _selects(r, wanted, cluster, all_runs, keep, scope)]
+    selected = [r for r in records
+                if _selects(r, wanted, cluster, all_runs, (keep, keep_attempt), scope)]
+    if keep is not None and keep_attempt is not None:
+        wanted.add(keep)  # only its earlier attempts were selected: they are this run's
     selected, targets = _triage(selected, wanted, force, by or {}, folder, report)
     hits = _pattern_hits(pattern, report, spared(spare)) if pattern else []
     stop(lambda: _sweep_members(hits, targets), grace, wait)
@@ -442,11 +478,15 @@ def _sweep_records(folder: Optional[str], report: Dict[str, Any]) -> List[Dict[s
 
 
 def _selects(record: Dict[str, Any], wanted: Set[str], cluster: Optional[str],
-             all_runs: bool, keep: Optional[str], scope: Optional[str]) -> bool:
-    """Whether a sweep reaches ``record``: never the ``keep`` run nor one outside
-    ``scope`` (those bounds win over any selector), then by ``all_runs``, id or cluster."""
-    if record["run"] == keep:
-        return False
+             all_runs: bool, keep: Tuple[Optional[str], Optional[int]],
+             scope: Optional[str]) -> bool:
+    """Whether a sweep reaches ``record``: never the kept run (``keep``: its id, and the
+    first of its attempts that is kept; None, all) nor one outside ``scope`` (those
+    bounds win over any selector), then by ``all_runs``, id or cluster."""
+    run, first_kept = keep
+    if record["run"] == run:
+        attempt = record.get("attempt", 0)
+        return first_kept is not None and isinstance(attempt, int) and attempt < first_kept
     if scope is not None and record["cluster"] != scope:
         return False
     return bool(all_runs or record["run"] in wanted or (cluster and record["cluster"] == cluster))

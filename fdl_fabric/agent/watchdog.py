@@ -52,10 +52,13 @@ class Watchdog:
             self.close()
 
 
-def start(run_id: str, host: str, kill_grace: float) -> Optional[Watchdog]:
-    """Fork the watchdog; None if it cannot be started (the agent still works)."""
+def start(run_id: str, host: str, kill_grace: float, attempt: int = 0) -> Optional[Watchdog]:
+    """Fork the watchdog; None if it cannot be started (the agent still works). It stops
+    this ``attempt``'s processes only, and removes the record only while it is its
+    agent's: a later attempt of the run may share the host."""
+    agent = os.getpid()
     forked = fork_with_pipe(lambda read_fd, write_fd: _watch(read_fd, write_fd, run_id, host,
-                                                             kill_grace))
+                                                             kill_grace, (attempt, agent)))
     if forked is None:
         return None
     pid, read_fd, write_fd = forked
@@ -63,11 +66,11 @@ def start(run_id: str, host: str, kill_grace: float) -> Optional[Watchdog]:
     return Watchdog(pid, write_fd)
 
 
-def _watch(read_fd: int, write_fd: int, run_id: str, host: str,
-           kill_grace: float) -> None:  # pragma: no cover - runs in the watchdog
+def _watch(read_fd: int, write_fd: int, run_id: str, host: str, kill_grace: float,
+           whose: Tuple[int, int]) -> None:  # pragma: no cover - runs in the watchdog
     os.close(write_fd)
     _detach(read_fd)
-    _run(read_fd, run_id, host, kill_grace)
+    _run(read_fd, run_id, host, kill_grace, whose)
 
 
 def _detach(keep: int) -> None:  # pragma: no cover - runs in the watchdog
@@ -87,7 +90,8 @@ def _detach(keep: int) -> None:  # pragma: no cover - runs in the watchdog
                 os.close(fd)
 
 
-def _run(fd: int, run_id: str, host: str, kill_grace: float) -> None:  # pragma: no cover
+def _run(fd: int, run_id: str, host: str, kill_grace: float,
+         whose: Tuple[int, int]) -> None:  # pragma: no cover
     groups: List[Tuple[int, int]] = []
     buf = b""
     while True:
@@ -108,10 +112,11 @@ def _run(fd: int, run_id: str, host: str, kill_grace: float) -> None:  # pragma:
                 groups.append((int(parts[0]), int(parts[1])))
 
     def current() -> List[int]:
-        found: Set[int] = set(procs.carriers(run_id, host))
+        found: Set[int] = set(procs.carriers(run_id, host, attempt))
         for pgid, start in groups:
             found.update(procs.group_members(pgid, start))
         return sorted(found)
 
+    attempt, agent = whose
     procs.stop(current, kill_grace)
-    procs.remove_record(run_id, host)
+    procs.remove_record(run_id, host, agent=agent)

@@ -57,6 +57,7 @@ from ..supervision.policy import Restarts
 from ..supervision.rankoutput import RankOutput
 from ..supervision.rootcause import root_error
 from ..supervision.supervisor import RunResult
+from ..supervision.timing import FORCE_MARGIN
 from ..supervision.verdict import Verdict
 from ..sync.step import CodeStep
 from ..transport import check_open_files, for_cluster
@@ -72,6 +73,7 @@ from .between import (
 )
 from .conclusion import conclude, failed, interrupted
 from .dryrun import plan_as_json
+from .healwatch import HealWatch
 from .launch_hosts import Hosts
 from .launch_settings import Resolved, attempt_cluster, dry_run, membership_for, plan_attempt
 from .launch_settings import resolve as resolve_settings
@@ -117,6 +119,10 @@ class Launch:
         self.record: Optional[RunRecord] = None
         #: ``sync``: the code sent to every host (`fdl_fabric.sync`).
         self.code: Optional[CodeStep] = None
+        #: The attempt now supervised (``--max-restarts``).
+        self.attempt_now = 0
+        #: Hosts lost in an attempt, dialled again until they answer (`healwatch`).
+        self.healwatch: Optional[HealWatch] = None
 
     def run(self) -> int:
         """The launch; its exit code. Bad input is refused (exit 2, nothing started);
@@ -141,6 +147,8 @@ class Launch:
                 self.signals.raising = False
                 self.signals.supervisor = None
             try:
+                if self.healwatch is not None:
+                    self.healwatch.stop()
                 self._sweep_faulted()
             finally:
                 self._teardown()
@@ -181,6 +189,11 @@ class Launch:
         check_open_files(r.cluster, self.events)  # before anything is contacted: exit 2
         self._open_run(r)
         self.hosts.transports = for_cluster(r.cluster, r.settings)
+        assert self.run_id is not None
+        self.healwatch = HealWatch(self.run_id, lambda: self.hosts.transports,
+                                   lambda: self.attempt_now,
+                                   r.lease + r.cluster.kill_grace + FORCE_MARGIN, self.events)
+        self.events.add(self.healwatch)
         selection = self._select(r, 0)
         if selection is None:
             return
@@ -292,6 +305,7 @@ class Launch:
     def _attempt(self, r: Resolved, plan: LaunchPlan, attempt: int) -> RunResult:
         """One attempt (`attempt.Attempt`), its rank output and logs numbered with it."""
         self.output.attempt(plan)
+        self.attempt_now = attempt
         if self.log is not None:
             self.log.attempt = attempt
         if self.record is not None:

@@ -58,6 +58,7 @@ FROM_HOSTS: dict[Name, tuple[str, ...]] = {
     Name.AGENT_SIGNALED: ("signal", "by"),
     Name.STOPPED_BY_CLEANUP: ("by",),
     Name.SWEEP_UNREACHABLE: ("reason",),
+    Name.HOST_ANSWERED_AGAIN: ("problem",),
     Name.SWEEP_INCOMPLETE: ("problem",),
     Name.LIBRARY_LOG: ("text",),
     # how a rank ended: a lost host's reason, an exception's text and its lines

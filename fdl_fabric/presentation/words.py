@@ -38,6 +38,7 @@ from ..events import Event, Kind, Name
 from ..inert import one_line
 from ..masking import mask_data
 from ..shutdown import SHUTDOWN_REASONS
+from ..states import STOPPED_BY_LEASE
 from .codewords import CODE_WORDS
 from .commandwords import COMMAND_WORDS
 from .dryrunwords import dry_run_text
@@ -47,7 +48,7 @@ from .layout import fit, table
 from .runwords import RUN_WORDS
 from .setupwords import SETUP_WORDS
 from .speakers import C, L
-from .stacks import stacks_text
+from .stacks import rank_list, stacks_text
 
 
 def render(event: Event, width: Optional[int] = None) -> str:
@@ -104,6 +105,8 @@ _CAUSES = {
 
 def cause_cell(row: Mapping[str, Any]) -> str:
     """Why a rank ended, in the words of the run summary."""
+    if row.get("stopped_by") == STOPPED_BY_LEASE:
+        return "stopped by its agent's lease"
     if row.get("stopped_by"):
         return f"stopped by {row['stopped_by']} (forwarded)"
     if row.get("host_fault"):
@@ -124,6 +127,16 @@ def _s(seconds: float) -> str:
 
 
 # -- the launch -------------------------------------------------------------------------------
+def _answered_again(e: Event, d: Mapping[str, Any]) -> str:
+    said = f"{L}host {e.host!r} answered again {d['after']:g}s after it was lost"
+    if d.get("problem"):
+        return f"{said}, but what attempt {d['attempt']} left there could not be cleared: " \
+            f"{d['problem']}"
+    if d["pids"]:
+        return f"{said}: stopped what attempt {d['attempt']} still ran there (pids {d['pids']})"
+    return f"{said}: nothing of attempt {d['attempt']} was left there"
+
+
 def _tree_replanned(e: Event, d: Mapping[str, Any]) -> str:
     lost = ", ".join(d["lost"])
     gateways = d["tree"].get("gateways") or {}
@@ -233,6 +246,8 @@ def _pids(items: Sequence[Mapping[str, Any]]) -> str:
 # -- ranks ------------------------------------------------------------------------------------
 def _rank_exited(e: Event, d: Mapping[str, Any]) -> str:
     text = f"{L}{label(e)} exited with {exit_words(d['exit'])}"
+    if d.get("stopped_by") == STOPPED_BY_LEASE:
+        return f"{text} (stopped by its agent's lease)"
     return f"{text} (stopped by the launcher)" if d.get("stopped") else text
 
 
@@ -410,6 +425,7 @@ _WORDS: dict[Name, Words] = {
                                          f"{d['run_id']} left: {d['problem']}"),
     Name.SWEEP_STOPPED: lambda e, d: (f"{L}host {e.host!r}: stopped what run {d['run_id']} "
                                       f"left there (pids {d['pids']})"),
+    Name.HOST_ANSWERED_AGAIN: _answered_again,
     Name.OUTPUT_DROPPED: _output_dropped,
     Name.CONSOLE_STALLED: _console_stalled,
     Name.STDOUT_CLOSED: _stdout_closed,
@@ -522,6 +538,13 @@ _WORDS: dict[Name, Words] = {
         "skips this)"),
     Name.HOST_ENDED_EARLY: lambda e, d: (f"{L}host {e.host!r}: {d['reason']} before its ranks "
                                          "started"),
+    Name.LAUNCHER_SUSPENDED: lambda e, d: (
+        f"{L}the launcher was suspended for {d['suspended']:g} s, longer than the agents' "
+        f"lease ({d['lease']:g} s): every host stopped its ranks"),
+    Name.AGENT_KILLED: lambda e, d: (
+        f"{L}the agent of {e.host} was killed by signal {d['signal']} (sender unknown): "
+        f"its rank(s) {rank_list(d['ranks'])} were lost with it, and what they wrote after "
+        "its last frame is lost too"),
     Name.COHORT_NOT_FORMED: lambda e, d: (f"{L}cohort did not form within "
                                           f"{_s(d['formation_timeout'])}: rank(s) "
                                           f"{d['missing']} never joined"),

@@ -31,11 +31,15 @@ class Liveness(RankEvents):
     # -- pauses of this process ------------------------------------------------------------------
     def _check_pause(self) -> None:
         """A long gap between two turns: this process was stopped (Ctrl-Z, SIGSTOP, a
-        suspended VM). Nobody else was silent: every silence clock starts again."""
-        now = time.monotonic()
-        if now - self._last_turn > timing.PAUSE_GAP:
-            self._restart_clocks(now)
+        suspended VM or laptop). Nobody else was silent: every silence clock starts
+        again. A gap longer than the agents' lease is the verdict (`_suspended_past`)."""
+        now = timing.boottime()
+        gap = now - self._last_turn
         self._last_turn = now
+        if gap > timing.PAUSE_GAP:
+            self._restart_clocks(time.monotonic())
+            self._paused_for = max(self._paused_for, gap)
+            self._suspended_past(gap, slack=0.0)
 
     def _restart_clocks(self, now: float) -> None:
         self._watch_from = self._last_activity = self._pinged = now
@@ -52,6 +56,7 @@ class Liveness(RankEvents):
                 host.handle.suspend()
         self.events(Name.SUSPENDED, suspended=True)
         os.kill(os.getpid(), signal.SIGSTOP)
+        self._last_turn = timing.boottime()  # a pause the agents were told of: no gap
         self._resume()
 
     def _resume(self) -> None:

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .. import reports
-from ..events import Name, event
-from ..states import RankState
+from ..events import Event, Name, event
+from ..states import STOPPED_BY_LEASE, RankState
 from . import errorfile
 from .policy import Decision
 from .records import Rank, RankExit, RunPhase
@@ -66,6 +66,12 @@ class RankEvents(Stopping):
     """The handlers of host and rank reports (the dispatch table is the supervisor's)."""
 
     # -- the sender ---------------------------------------------------------------------------
+    @functools.cached_property
+    def agents_killed(self) -> dict[str, Event]:
+        """Hosts whose agent was killed by a signal while ranks ran: the cause of their
+        ranks' loss (`reports.AgentGone.killed_by`)."""
+        return {}
+
     @functools.cached_property
     def foreign(self) -> dict[str, Foreign]:
         """Each host's frames for ranks it does not run, until its agent ends."""
@@ -207,13 +213,21 @@ class RankEvents(Stopping):
             # A rank being stopped that reports no status is lost, not known stopped.
             lost = info.lost is not None
             self._end(r, info, RankState.LOST if lost else RankState.STOPPED)
-            self.events(Name.RANK_EXITED, host=r.host, rank=r.rank, stopped=not lost, **data)
+            by = {"stopped_by": r.stopped_by} if r.stopped_by else {}
+            self.events(Name.RANK_EXITED, host=r.host, rank=r.rank, stopped=not lost, **by,
+                        **data)
         else:
             self._died(r, info, data)
 
     def _died(self, r: Rank, info: RankExit, data: dict[str, object]) -> None:
         """A death nobody asked for: the first is the root cause; the policy tolerates
-        it (the run goes on, or survivors save and stop) or the run fails."""
+        it (the run goes on, or survivors save and stop) or the run fails. A rank lost
+        with its agent, killed by a signal, is no rank's doing: the agent's death is the
+        cause (any rank of the host may have sent the signal, or anyone else)."""
+        killed = self.agents_killed.get(r.host)
+        if killed is not None:
+            self._lost_with_killed_agent(r, info, data, killed)
+            return
         if self.root_cause is None:
             self.root_cause = r
         decision = self._decide(r.rank) if self.failure is None else Decision.STOP_ALL
@@ -229,6 +243,23 @@ class RankEvents(Stopping):
         failure = event(Name.RANK_FAILED, host=r.host, rank=r.rank, **data)
         self.events.emit(failure)
         self._fail(failure, announced=True)
+
+    def _lost_with_killed_agent(self, r: Rank, info: RankExit, data: dict[str, object],
+                                killed: Event) -> None:
+        """`_died` for a rank whose agent was killed: counted by the policy as any lost
+        rank, but never the root cause; a failure names the agent's death."""
+        decision = self._decide(r.rank) if self.failure is None else Decision.STOP_ALL
+        tolerated = decision is not Decision.STOP_ALL
+        self._end(r, info, RankState.TOLERATED if tolerated else RankState.LOST)
+        self.events(Name.RANK_TOLERATED if tolerated else Name.RANK_EXITED, host=r.host,
+                    rank=r.rank, **data)
+        if not tolerated:
+            self._fail(killed, announced=False)
+            return
+        self.tolerated += 1
+        if self.cohort is not None:
+            self.cohort.mark_dead([r.rank], {"exit": info.data})
+        self._apply(decision)
 
     def _forward_ended(self, r: Rank, info: RankExit, data: dict[str, object]) -> None:
         """A signal the launcher forwarded (USR1, USR2) killed a rank that has no handler
@@ -272,6 +303,23 @@ class RankEvents(Stopping):
             return
         self.events(Name.AGENT_WARNING, host=report.host, rank=report.rank,
                     text=report.message)
+        if report.lease_ran_out and self._paused_for:
+            self._suspended_past(self._paused_for, slack=self.ping_every)
+
+    def _suspended_past(self, gap: float, *, slack: float) -> None:
+        """This process was stopped for ``gap`` seconds, longer than the agents' lease:
+        every agent has stopped its ranks on its own. That is what ended the run, not a
+        rank: the ranks are recorded as stopped by their lease, and nobody is blamed.
+        ``slack``: an agent said its lease ran out, and it counts from the last ping it
+        heard, up to a ping interval before this process stopped."""
+        lease = self.lease
+        if lease is None or gap + slack <= lease or not self.started_any() \
+                or self.failure is not None or self._interrupt is not None:
+            return
+        for r in self.live():
+            r.stopped_by = STOPPED_BY_LEASE
+        self._fail(event(Name.LAUNCHER_SUSPENDED, suspended=round(gap, 1), lease=lease),
+                   announced=False, stopping_said=False)
 
     def _agent_done(self, report: reports.AgentDone) -> None:
         host = self.hosts.get(report.host)
@@ -284,6 +332,10 @@ class RankEvents(Stopping):
         if host is None or host.gone:
             return
         reason = f"agent lost: {report.reason}" if report.reason else "agent ended"
+        if report.killed_by is not None and any(not r.state.terminal for r in host.ranks):
+            self.agents_killed[report.host] = event(
+                Name.AGENT_KILLED, host=report.host, signal=report.killed_by,
+                ranks=[r.rank for r in host.ranks if not r.state.terminal])
         self._host_ended(report.host, reason, fault=None if report.clean else "lost",
                          warn=not report.clean)
 

@@ -84,7 +84,8 @@ class Rank:
     stop_requested: bool = False
     #: Why the coordinator declared this rank dead, once it did (its agent stops it).
     declared_dead: Optional[Mapping[str, object]] = None
-    #: The forwarded signal (its name) that ended it: the program had no handler for it.
+    #: The forwarded signal (its name) that ended it: the program had no handler for it;
+    #: or `states.STOPPED_BY_LEASE`: its agent stopped it when the launcher fell silent.
     stopped_by: Optional[str] = None
 
     @property

@@ -19,6 +19,7 @@ from .. import reports
 from ..events import Event, EventBus
 from ..planning.plan import RankPlan
 from ..states import RankState
+from . import timing
 from .policy import Decision, FailurePolicy, KillAll
 from .records import (
     Cohort,
@@ -100,7 +101,12 @@ class SupervisorState:
         #: Silence clocks start here (and again after a pause of this process).
         self._watch_from = now
         self._hosts_checked_at = 0.0
-        self._last_turn = now
+        #: The last turn of the loop, on the clock that counts a suspended machine.
+        self._last_turn = timing.boottime()
+        #: The agents' lease (seconds of the launcher's silence after which they stop
+        #: their ranks), and the longest pause of this process seen so far.
+        self.lease = lease
+        self._paused_for = 0.0
         self._last_activity = now
         self._stacks: Optional[StackRequest] = None
         self._hung: Optional[Event] = None

@@ -27,16 +27,17 @@ class Stopping(SupervisorState):
     """The supervisor's stops: on a failure, on a request, and their escalation."""
 
     # -- a failure -----------------------------------------------------------------------------
-    def _fail(self, failure: Event, *, announced: bool) -> None:
+    def _fail(self, failure: Event, *, announced: bool, stopping_said: bool = True) -> None:
         """The run failed (``failure`` says why): every rank is stopped. Unless
         ``announced`` (its event, or a warning that says as much, was emitted), it is
-        said now."""
+        said now. ``stopping_said=False``: the ranks were already stopped by others (their
+        agents' lease), so "terminating all still-running ranks" would not be true."""
         if self.failure is not None:
             return
         self.failure = failure
         if not announced:
             self.events(Name.FAILURE_ANNOUNCED, cause=cause_data(failure))
-        if self.started_any():
+        if self.started_any() and stopping_said:
             self.events(Name.STOPPING_ON_FAILURE, hung=failure is self._hung)
         self._stop_all()
 

@@ -7,6 +7,7 @@ test can shorten one for a run.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from ..agent import wire
@@ -31,6 +32,14 @@ STACKS_TIMEOUT = 15.0
 #: A gap this long between two turns of the loop means this process was stopped
 #: (Ctrl-Z, SIGSTOP): every silence clock starts again, nobody is blamed for it.
 PAUSE_GAP = 2.0
+
+
+def boottime() -> float:
+    """Seconds on the clock that counts a suspended machine too (CLOCK_BOOTTIME, where
+    there is one): a laptop lid closed for a minute is a minute of the agents' lease,
+    though CLOCK_MONOTONIC stands still through it."""
+    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    return time.clock_gettime(clock) if clock is not None else time.monotonic()
 
 
 def ping_interval(agent_timeout: Optional[float], lease: Optional[float]) -> float:

@@ -192,6 +192,13 @@ class Transport(abc.ABC):
         """True while what `connect` opened is usable (always, for a host with nothing)."""
         return True
 
+    def redial(self, timeout: float) -> Optional[Transport]:
+        """A new transport to this host whose connect waits at most ``timeout`` seconds,
+        or None where that means nothing (this machine, a Slurm node, a leaf reached
+        through a gateway): how the launcher reaches a host cut off by a partition again
+        the moment the link is back (`commands.healwatch`)."""
+        return None
+
     def reconnect(self) -> None:
         """A fresh connection: the old one is gone or cannot be trusted."""
         self.close()

@@ -164,8 +164,10 @@ def _verified(host: str, obj: dict[str, Any]) -> reports.Report:
 
 
 def _agent_error(host: str, obj: dict[str, Any]) -> reports.Report:
-    """ERROR: ``rank`` is null for a problem of the agent's own rather than a rank's."""
-    return reports.AgentError(host, str(obj.get("message", "")), _optional_int(obj.get("rank")))
+    """ERROR: ``rank`` is null for a problem of the agent's own rather than a rank's;
+    ``lease`` is set when the agent's lease ran out (it is stopping every rank)."""
+    return reports.AgentError(host, str(obj.get("message", "")), _optional_int(obj.get("rank")),
+                              lease_ran_out=obj.get("lease") is not None)
 
 
 def _agent_done(host: str, obj: dict[str, Any]) -> reports.Report:
@@ -425,7 +427,9 @@ class AgentSession:
             self._gone = True
         status = self._exit_status()
         clean = self.done and status == 0 and not self.broken
-        self.post(reports.AgentGone(self.host, clean, "" if clean else self._why(status)))
+        killed_by = -status if status is not None and status < 0 and not self.broken else None
+        self.post(reports.AgentGone(self.host, clean, "" if clean else self._why(status),
+                                    killed_by=killed_by))
 
     def _exit_status(self) -> Optional[int]:
         process = self.process

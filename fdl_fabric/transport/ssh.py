@@ -9,6 +9,7 @@ with a timeout, and a remote command killed by a signal is recorded as such.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -207,7 +208,7 @@ def _connection_kwargs(settings: SshSettings, config: Optional[Config],
         connect_kwargs["key_filename"] = list(settings.identity_files)
     kwargs: dict[str, Any] = {
         "host": settings.target,
-        "connect_timeout": int(settings.connect_timeout) or None,
+        "connect_timeout": settings.connect_timeout or None,  # 0.5 s is no "none"
         "connect_kwargs": connect_kwargs,
         "inline_ssh_env": True,
     }
@@ -379,6 +380,15 @@ class SshTransport(Transport):
                 conn.connect_kwargs.setdefault(key, timeout)
         transport.connection = conn
         return transport
+
+    def redial(self, timeout: float) -> Optional[SshTransport]:
+        if self.settings is None:  # ``fab -H``'s connection: not ours to dial again
+            return None
+        again = SshTransport(self.worker, dataclasses.replace(self._settings,
+                                                               connect_timeout=timeout),
+                             config=self.config, purpose="cleanup")
+        again.origin = self.origin
+        return again
 
     @property
     def _settings(self) -> SshSettings:
