@@ -82,7 +82,7 @@ def one_try(lab: NetnsLab, spawned: list[Any], tmp_path: Path, i: int) -> float:
         took = gone - healed
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-        assert f"host '{far.name}' answered again" in err, err
+        assert f"host '{far.name}' reached again" in err, err
         assert f"stopped what attempt 0 still ran there (pids [{old['pid']}" in err, err
         wait_for(lambda: not processes_of_run(old["run"]), 15, "nothing of the run left")
         return took

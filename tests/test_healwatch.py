@@ -158,7 +158,7 @@ def test_a_host_that_answers_with_nothing_left_is_not_mentioned(
 def test_what_the_watch_says_is_one_line_naming_the_host_and_the_attempt() -> None:
     said = render(event(Name.HOST_ANSWERED_AGAIN, host="node2", after=12.5, attempt=0,
                         pids=[4321], problem=None))
-    assert said == ("cluster launcher: host 'node2' answered again 12.5s after it was lost: "
+    assert said == ("cluster launcher: host 'node2' reached again 12.5s after it was lost: "
                     "stopped what attempt 0 still ran there (pids [4321])")
     failed = render(event(Name.HOST_ANSWERED_AGAIN, host="node2", after=1, attempt=0, pids=[],
                           problem="disk\x1b[2Kfull\nfake"))

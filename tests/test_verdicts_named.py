@@ -122,7 +122,7 @@ def test_an_agent_killed_by_a_signal_is_the_verdict_and_none_of_its_ranks_is_bla
     assert [r.state for r in result.ranks] == [RankState.LOST, RankState.LOST,
                                                RankState.STOPPED]
     assert render(result.cause).endswith(
-        "the agent of h0 was killed by signal 9 (sender unknown): its rank(s) 0, 1 were "
+        "the agent of h0 was killed by signal 9 (sender unknown): ranks 0, 1 were "
         "lost with it, and what they wrote after its last frame is lost too")
 
 

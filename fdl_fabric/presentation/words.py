@@ -127,8 +127,16 @@ def _s(seconds: float) -> str:
 
 
 # -- the launch -------------------------------------------------------------------------------
+def _agent_killed(e: Event, d: Mapping[str, Any]) -> str:
+    one = len(d["ranks"]) == 1
+    ranks = f"rank {d['ranks'][0]} was" if one else f"ranks {rank_list(d['ranks'])} were"
+    return (f"{L}the agent of {e.host} was killed by signal {d['signal']} (sender unknown): "
+            f"{ranks} lost with it, and what {'it' if one else 'they'} wrote after its last "
+            "frame is lost too")
+
+
 def _answered_again(e: Event, d: Mapping[str, Any]) -> str:
-    said = f"{L}host {e.host!r} answered again {d['after']:g}s after it was lost"
+    said = f"{L}host {e.host!r} reached again {d['after']:g}s after it was lost"
     if d.get("problem"):
         return f"{said}, but what attempt {d['attempt']} left there could not be cleared: " \
             f"{d['problem']}"
@@ -541,10 +549,7 @@ _WORDS: dict[Name, Words] = {
     Name.LAUNCHER_SUSPENDED: lambda e, d: (
         f"{L}the launcher was suspended for {d['suspended']:g} s, longer than the agents' "
         f"lease ({d['lease']:g} s): every host stopped its ranks"),
-    Name.AGENT_KILLED: lambda e, d: (
-        f"{L}the agent of {e.host} was killed by signal {d['signal']} (sender unknown): "
-        f"its rank(s) {rank_list(d['ranks'])} were lost with it, and what they wrote after "
-        "its last frame is lost too"),
+    Name.AGENT_KILLED: _agent_killed,
     Name.COHORT_NOT_FORMED: lambda e, d: (f"{L}cohort did not form within "
                                           f"{_s(d['formation_timeout'])}: rank(s) "
                                           f"{d['missing']} never joined"),
