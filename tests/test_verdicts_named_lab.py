@@ -10,19 +10,15 @@ Real OpenSSH sshd hosts (the lab), a real ``inv launch``, real signals:
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
-from test_liveness_lab import rank_pids
-from test_reliability import cluster_file, kill_run, private_lab, wait_run_gone
+from test_liveness_lab import freeze, launches, rank_pids  # noqa: F401  (the fixture)
+from test_reliability import cluster_file, private_lab, wait_run_gone
 
-from labutil import PROBE, LiveLaunch, wait_for
+from labutil import PROBE, wait_for
 
 pytestmark = pytest.mark.lab
 
@@ -30,37 +26,17 @@ LEASE = 10.0
 STOPPED_FOR = 45.0
 
 
-@pytest.fixture
-def launches() -> Iterator[Callable[..., LiveLaunch]]:
-    started: list[LiveLaunch] = []
-
-    def start(cluster: Path, *args: str, **kw: Any) -> LiveLaunch:
-        launch = LiveLaunch(cluster, *args, **kw)
-        started.append(launch)
-        return launch
-
-    yield start
-    for launch in started:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(launch.proc.pid, signal.SIGCONT)  # never leave it stopped
-        run = None
-        with contextlib.suppress(AssertionError):
-            run = launch.run_id
-        launch.kill()
-        if run:
-            kill_run(run)
-
-
 @pytest.mark.timeout(150)
 def test_a_launcher_stopped_longer_than_the_lease_gets_the_suspension_as_its_verdict(
-        sshd_lab, launches, tmp_path: Path) -> None:
+        sshd_lab, launches, tmp_path: Path) -> None:  # noqa: F811
     lab = private_lab(sshd_lab, 2)
     cluster = cluster_file(lab, elastic={"heartbeat_timeout": LEASE})
     run = launches(cluster, "--cmd", f"python3 {PROBE} --sleep 300")
     run.wait_line("hello from rank 1")
     ranks = wait_for(lambda: len(rank_pids(run.run_id)) == 2 and rank_pids(run.run_id), 20,
                      "both ranks")
-    stopped_at = run.signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    freeze(run, run.proc.pid)  # SIGCONT at teardown, whatever happens
     try:
         # Every agent stops its ranks once the lease runs out, while the launcher sleeps.
         wait_for(lambda: not any(p.is_running() for p in ranks.values()), LEASE + 10,
@@ -96,7 +72,7 @@ time.sleep(300)
 
 @pytest.mark.timeout(90)
 def test_a_rank_that_kills_its_agent_gets_no_innocent_rank_blamed(
-        sshd_lab, launches, tmp_path: Path) -> None:
+        sshd_lab, launches, tmp_path: Path) -> None:  # noqa: F811
     lab = private_lab(sshd_lab, 1)
     prog = tmp_path / "kills_agent.py"
     prog.write_text(KILLS_ITS_AGENT)
