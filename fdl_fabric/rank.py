@@ -1,26 +1,22 @@
 """The rank side of the coordinator protocol: join the cohort, heartbeat, hear verdicts.
 
-A training program launched by fdl-fabric calls `join()` once. From then on
-the launcher's coordinator knows the rank is alive (a heartbeat every second),
-tells it which ranks survive (`survivors()`), and can ask it to save and stop
-(`should_stop()`, `on_shutdown()`). A program that never calls `join()` keeps
-the launcher's kill-all semantics, which is the safe default for plain scripts.
+A training program launched by fdl-fabric calls `join()` once. From then on the
+launcher's coordinator knows the rank is alive (a heartbeat every second), tells it
+which ranks survive (`survivors()`), and can ask it to save and stop (`should_stop()`,
+`on_shutdown()`). A program that never calls `join()` keeps kill-all, the safe default.
+A rank started by an agent reaches the coordinator through that agent's Unix socket;
+one started by hand, through the coordinator's TCP port (docs/protocol.md).
 
-This module is deliberately standalone: standard library only, Python 3.8+,
-no imports from fdl_fabric, so it can be copied next to a training script on
-any host, and the agent ships it to hosts. It is also the one implementation
-of the coordinator's framing (4-byte big-endian length, 32-byte HMAC-SHA256
-tag over run id, NUL, 8-byte sequence number and payload, then a JSON
-object): `fdl_fabric.coordinator` imports it from here. docs/protocol.md is
-the contract.
+Standalone on purpose: standard library only, Python 3.8+, no imports from fdl_fabric,
+so it can be copied next to a training script, and the agent ships it to hosts. It is
+the one implementation of the coordinator's framing (length, HMAC-SHA256 tag over run
+id, NUL, sequence number and payload, then JSON), which the coordinator and the agent
+import from here. docs/protocol.md is the contract.
 
-One client per process, kept in module state. A reader thread handles what
-the coordinator sends; a heartbeat thread sends a frame every second. On a
-clean interpreter exit, an atexit hook announces ``exiting`` so the rank is
-never counted dead. "Clean" is judged best-effort: an uncaught exception or
-``sys.exit(n)`` with a non-zero status skips the announcement, but a bare
-``raise SystemExit(n)`` cannot be seen from atexit; call `exiting()` yourself
-when the exit status matters.
+One client per process, in module state: a reader thread and a heartbeat thread. On a
+clean interpreter exit an atexit hook announces ``exiting``, so the rank is never
+counted dead; an uncaught exception or ``sys.exit(n)`` with n != 0 skips it, but a bare
+``raise SystemExit(n)`` cannot be seen from atexit: call `exiting()` when that matters.
 """
 
 from __future__ import annotations
@@ -56,21 +52,26 @@ ENV_HOST_NAME = "FLODL_HOST_NAME"
 ENV_VERBOSITY = "FLODL_VERBOSITY"
 #: torchrun's per-rank error file, which torch's ``@record`` writes.
 ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+#: The Unix socket of the agent that started this rank: `join` dials it, not the TCP port.
+ENV_AGENT_SOCKET = "FLODL_INTERNAL_AGENT_SOCKET"
+
+#: The rank protocol's version, in every hello (``lib``): an agent of another refuses it.
+PROTOCOL = 1
 
 #: Seconds between heartbeats. Not scaled: the coordinator's timeout is what scales.
 HEARTBEAT_INTERVAL = 1.0
-#: The longest pause between connection attempts (the coordinator not up yet, or turning
-#: connections away under a flood): pauses start at `RETRY_FIRST` and double up to this.
-CONNECT_RETRY = 0.5
-#: The first pause before dialing again after a refusal or a reset (with jitter: 50-100 %).
+#: Pauses between dials (not up yet, or a flood) start at this (with jitter: 50-100 %)...
 RETRY_FIRST = 0.05
+#: ...and double up to this.
+CONNECT_RETRY = 0.5
 #: Socket timeout after the handshake: bounds a stalled write, paces the reader loop.
 SOCKET_TIMEOUT = 5.0
 #: The `on_shutdown` reason when the connection to the coordinator is gone.
 LOST_REASON = "lost the coordinator"
-
 TAG_BYTES = 32
 MAX_FRAME = 1 << 20
+#: Largest frame before a verified hello (a hello is ~100 bytes): a stranger holds little.
+PRE_AUTH_FRAME = 4096
 _LENGTH = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
 
@@ -365,7 +366,7 @@ def _call(callback: Callable[[str], None], reason: str) -> None:
     """Run a user callback; its exception is printed, never allowed to kill our thread."""
     try:
         callback(reason)
-    except Exception:
+    except Exception:  # noqa: BLE001 - anything a user's callback raises
         traceback.print_exc()
 
 
@@ -382,21 +383,40 @@ def _pause(attempt: int, deadline: float) -> None:
 
 
 def _connect(config: _Config, deadline: float, budget: float) -> socket.socket:
-    """Dial until the coordinator answers (pausing as `_pause` says), until the deadline."""
-    address = (config.controller_host, config.controller_port)
+    """Dial until the coordinator answers (pausing as `_pause` says), until the deadline:
+    through the rank's agent when it started this process (`ENV_AGENT_SOCKET`), else the
+    coordinator's TCP port (a script started by hand with the rank environment)."""
+    agent = os.environ.get(ENV_AGENT_SOCKET, "")
+    where = agent or f"{config.controller_host}:{config.controller_port}"
     last: Optional[OSError] = None
     attempt = 0
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RuntimeError(f"cluster rank: could not reach the coordinator at "
-                               f"{address[0]}:{address[1]} within {budget:g}s: {last}")
+            raise RuntimeError(f"cluster rank: could not reach the coordinator at {where} "
+                               f"within {budget:g}s: {last}")
         try:
-            return socket.create_connection(address, timeout=min(remaining, SOCKET_TIMEOUT))
+            if agent:
+                return _dial_agent(agent, min(remaining, SOCKET_TIMEOUT))
+            return socket.create_connection((config.controller_host, config.controller_port),
+                                            timeout=min(remaining, SOCKET_TIMEOUT))
         except OSError as exc:
             last = exc
         _pause(attempt, deadline)
         attempt += 1
+
+
+def _dial_agent(path: str, timeout: float) -> socket.socket:
+    """The agent's Unix socket (its folder is this user's alone; the agent checks that the
+    caller is one of its ranks)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        return sock
+    except OSError:
+        sock.close()
+        raise
 
 
 class _TurnedAway(Exception):
@@ -434,7 +454,8 @@ def _greet(sock: socket.socket, config: _Config, deadline: float, budget: float)
     buf = bytearray()
     try:
         sock.settimeout(max(deadline - time.monotonic(), 1.0))
-        hello = {"type": "hello", "rank": me.rank, "host": me.host, "pid": os.getpid()}
+        hello = {"type": "hello", "rank": me.rank, "host": me.host, "pid": os.getpid(),
+                 "lib": PROTOCOL}
         sock.sendall(encode_frame(config.salt, config.run_id, 0, hello))
         reply = receive(sock, buf, config.salt, config.run_id, 0)
     except socket.timeout:
@@ -483,11 +504,9 @@ def _members(world_size: int, message: Dict[str, Any]) -> Optional[List[int]]:
 def join(timeout: float = 30.0) -> Membership:
     """Join the cohort; returns who this process is. Idempotent within a process.
 
-    ``timeout`` (scaled by FLODL_NET_TIMEOUT_SCALE) bounds dialing plus the
-    handshake; the coordinator may start after the rank, and a connection it refuses
-    or resets (a flood of other connections on its port) is dialed again, after a
-    pause of 25 ms doubling up to 0.5 s. Raises RuntimeError on a reject, a timeout or
-    a bad environment.
+    ``timeout`` (scaled by FLODL_NET_TIMEOUT_SCALE) bounds dialing plus the handshake;
+    a refused or reset connection (a flood on the port) is dialed again, after 25 ms
+    doubling up to 0.5 s. RuntimeError on a reject, a timeout or a bad environment.
     """
     global _client
     with _lock:
@@ -509,11 +528,8 @@ def should_stop() -> bool:
 
 
 def on_shutdown(callback: Callable[[str], None]) -> None:
-    """Call ``callback(reason)`` once when the run must stop (from the reader thread).
-
-    Registered after the stop already happened, it is called at once. Before
-    `join()` it raises, because nothing could ever call it.
-    """
+    """Call ``callback(reason)`` once when the run must stop (from the reader thread);
+    at once if it already did. Before `join()` it raises: nothing could ever call it."""
     client = _client
     if client is None:
         raise RuntimeError("cluster rank: on_shutdown() needs join() first")

@@ -219,6 +219,26 @@ class Request:
     cause: Optional[Event] = None
 
 
+@dataclass(frozen=True)
+class CohortUp:
+    """One of the host's ranks, through its agent (docs/protocol.md): a message the agent
+    verified (``msg``: a hello, exiting or ack_shutdown), or its closed connection
+    (``closed``, why). For the coordinator, not the supervisor."""
+
+    host: str
+    rank: int
+    msg: Optional[dict[str, Any]] = None
+    closed: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Beats:
+    """Every joined rank of the host: seconds since its last frame, and its progress."""
+
+    host: str
+    ranks: dict[int, tuple[float, int]]
+
+
 Report = Union[AgentReady, Facts, Preflight, Swept, Spawned, SpawnFailed, Output, Exited,
                Verified, AgentError, AgentDone, AgentGone, Signaled, Joined, Request, Stacks,
-               Runs, DeclaredDead, SyncAnswer, SetupOutput, SetupDone]
+               Runs, DeclaredDead, SyncAnswer, SetupOutput, SetupDone, CohortUp, Beats]

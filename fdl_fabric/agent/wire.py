@@ -70,6 +70,10 @@ SETUP = 15
 #: {"entries": [[rel, kind, mode, size, sha | link, mtime_ns], ...]}: the manifest, the
 #: same frame for every host that lacks the tree; answered by SYNC_NEED with what it lacks
 SYNC_MANIFEST = 16
+#: {"rank": r | null, "msg": {...}} or {"rank": r, "close": true}: a coordinator message
+#: for one of this host's ranks (null: every joined one), which the agent frames for it
+#: on its local channel (`fdl_fabric.agent.cohortrelay`; docs/protocol.md)
+COHORT_DOWN = 17
 
 #: Seconds between the launcher's pings to each agent during a run.
 PING_INTERVAL = 2.0
@@ -116,14 +120,20 @@ SYNCED = 80
 SETUP_OUTPUT = 81  #: binary: stream u8 (1 out, 2 err), then the bytes setup wrote
 #: {"skipped", "code", "signal", "timed_out", "tail", "made", "seconds"} or {"error"}
 SETUP_DONE = 82
+#: {"rank": r, "msg": {...}} (a verified hello, exiting or ack_shutdown of the agent's rank
+#: r) or {"rank": r, "closed": reason}: the agent speaks for its ranks to the coordinator
+COHORT_UP = 83
+#: {"ranks": {"<r>": [age, progress]}}: every joined rank's silence and progress, folded
+#: into one frame per host per `HEARTBEAT_INTERVAL`
+BEATS = 84
 
 DOWN_TYPES: FrozenSet[int] = frozenset({SPEC, START, SIGNAL, STOP, KILL, PROBE, SWEEP, PING,
                                         SUSPEND, RESUME, STACKS, LIST, SYNC, SYNC_DATA,
-                                        SETUP, SYNC_MANIFEST})
+                                        SETUP, SYNC_MANIFEST, COHORT_DOWN})
 UP_TYPES: FrozenSet[int] = frozenset({HELLO, FACTS, PREFLIGHT, SWEPT, SPAWNED, OUTPUT, EXITED,
                                       VERIFIED, ERROR, SPAWN_FAILED, DONE, SIGNALED, HEARTBEAT,
                                       STACKS_REPORT, RUNS, SYNC_NEED, SYNCED, SETUP_OUTPUT,
-                                      SETUP_DONE})
+                                      SETUP_DONE, COHORT_UP, BEATS})
 
 STDOUT = 1
 STDERR = 2

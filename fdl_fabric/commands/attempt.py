@@ -24,6 +24,7 @@ from ..preflight.run import port_owner
 from ..presentation.output import Console
 from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
 from ..supervision.policy import Elastic
+from ..supervision.relayed import link_sessions
 from ..supervision.supervisor import RunResult, Supervisor
 from .launch_hosts import Hosts
 from .launch_settings import Resolved
@@ -96,7 +97,10 @@ class Attempt:
             coordinator_spec(plan, self.resolved.scale), self.events,
             on_join=lambda rank: inbox.put(reports.Joined(rank)),
             on_dead=lambda rank, why: inbox.put(reports.DeclaredDead(rank, why)),
-            on_abort=lambda why: inbox.put(reports.Request("abort", cause=why)))
+            on_abort=lambda why: inbox.put(reports.Request("abort", cause=why)),
+            rank_hosts={r.rank: r.host for r in plan.ranks})
+        # The ranks reach it through their agents' sessions (docs/protocol.md).
+        link_sessions(coordinator, self.hosts.sessions)
         try:
             coordinator.start()
         except CoordinatorError as exc:

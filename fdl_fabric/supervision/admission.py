@@ -20,11 +20,9 @@ import time
 from typing import Generic, Optional, TypeVar
 
 from ..events import EventBus, Name
+from ..rank import PRE_AUTH_FRAME as PRE_AUTH_FRAME  # the one bound, the agent's too
 from ..rank import FrameError, take_frame
 
-#: Largest frame a connection may send before its hello verified: a hello or a probe is
-#: about a hundred bytes, so an unauthenticated peer can make us hold little.
-PRE_AUTH_FRAME = 4096
 #: Connections accepted per turn of the I/O loop. Under a steady stream of connects the
 #: listener is always ready; past this many the next turn reads the ranks' frames first and
 #: the tick keeps its place. Small, because an accept under a flood also does the kernel's

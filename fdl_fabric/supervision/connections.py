@@ -20,6 +20,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -66,9 +67,11 @@ class CoordinatorError(RuntimeError):
 
 @dataclass(eq=False)
 class Conn:
-    """One accepted connection; touched only by the I/O thread."""
+    """One rank's connection (or one not yet judged); touched only by the I/O thread.
+    Either an accepted socket (``sock``), or a rank that reaches the coordinator through
+    its host's agent (``down``: how a message reaches it; `relayed`)."""
 
-    sock: socket.socket
+    sock: Optional[socket.socket]
     peer: str
     opened: float
     #: The peer's address without its port: what `PendingPeers` counts per source.
@@ -78,6 +81,10 @@ class Conn:
     tx_seq: int = 0
     rank: Optional[int] = None
     closed: bool = False
+    #: A relayed rank: its host's agent's sender of COHORT_DOWN bodies, and its rank
+    #: number as the agent bound it (before its hello, too).
+    down: Optional[Callable[[dict[str, Any]], None]] = None
+    via_rank: int = -1
 
 
 class Connections:
@@ -253,12 +260,13 @@ class Connections:
         self._register(conn)
 
     def _register(self, conn: Conn) -> None:
-        assert self._selector is not None
+        assert self._selector is not None and conn.sock is not None
         conn.sock.settimeout(SEND_TIMEOUT)
         self._conns.add(conn)
         self._selector.register(conn.sock, selectors.EVENT_READ, conn)
 
     def _read(self, conn: Conn) -> None:
+        assert conn.sock is not None  # a relayed rank's messages come another way
         try:
             data = conn.sock.recv(_RECV_CHUNK)
         except (BlockingIOError, InterruptedError, socket.timeout):
@@ -277,7 +285,7 @@ class Connections:
         """Refused for now: a keyed ``reject`` with ``retry`` (a rank dials again; anyone
         else learns nothing from it), then `_drop`. A plain close, not a reset, so a peer
         whose first write is still on its way is not made to fail it."""
-        if conn.tx_seq == 0:
+        if conn.tx_seq == 0 and conn.sock is not None:
             with contextlib.suppress(OSError):
                 conn.sock.send(self._busy, socket.MSG_DONTWAIT)
             conn.tx_seq = 1
@@ -298,6 +306,10 @@ class Connections:
         self._pending.remove(conn)
         if conn.rank is not None and self._rank_conn.get(conn.rank) is conn:
             del self._rank_conn[conn.rank]
+        if conn.sock is None:  # a relayed rank: its agent closes the rank's end
+            if conn.down is not None:
+                conn.down({"rank": conn.via_rank, "close": True})
+            return
         if self._selector is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(conn.sock)

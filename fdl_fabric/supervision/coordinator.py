@@ -39,10 +39,11 @@ from ..shutdown import shutdown_reason
 from .admission import BUSY_REASON, PRE_AUTH_FRAME
 from .cohort import CoordinatorSpec as CoordinatorSpec  # the launcher builds it
 from .cohort import DeadRanks, Reason, hello_refusal
-from .connections import Conn, Connections
+from .connections import Conn
 from .connections import CoordinatorError as CoordinatorError  # the launcher catches it here
 from .connections import bind_listener as bind_listener  # pre-flight's port check binds alike
 from .heartbeats import Heartbeats
+from .relayed import Relayed
 
 #: Sequence numbers around the expected one tried when a tag fails, to name replays.
 _DIAGNOSE_WINDOW = 16
@@ -63,13 +64,14 @@ def _tag_failure(salt: bytes, run_id: str, expected: int, tag: bytes, payload: b
     return "bad tag"
 
 
-class Coordinator(Connections):
+class Coordinator(Relayed):
     """The launcher's coordinator; see the module docstring and docs/protocol.md."""
 
     def __init__(self, spec: CoordinatorSpec, events: EventBus,
                  on_join: Optional[Callable[[int], None]] = None,
                  on_dead: Optional[Callable[[int, Reason], None]] = None,
-                 on_abort: Optional[Callable[[Event], None]] = None) -> None:
+                 on_abort: Optional[Callable[[Event], None]] = None,
+                 rank_hosts: Optional[Mapping[int, str]] = None) -> None:
         super().__init__(spec, events, encode_frame(
             spec.salt, spec.run_id, 0, {"type": "reject", "reason": BUSY_REASON, "retry": True}))
         self.on_join = on_join
@@ -91,6 +93,8 @@ class Coordinator(Connections):
         # I/O thread only.
         self._hosts: dict[int, str] = {}
         self._beats = Heartbeats()
+        #: Ranks through their agents (`relayed`): which host runs each.
+        self._relay_init(rank_hosts or {})
 
     # -- the supervisor's side ------------------------------------------------------------------
     @property
@@ -246,7 +250,9 @@ class Coordinator(Connections):
 
     # -- the tick (I/O thread) ------------------------------------------------------------------
     def _tick(self, now: float) -> None:
-        """Drain marked deaths, then staleness, then a wanted shutdown, then timeouts."""
+        """What the agents said for their ranks, marked deaths, then staleness, then a
+        wanted shutdown, then timeouts."""
+        self._take_relayed(now)
         with self._lock:
             reports, self._reports = self._reports, []
             formed = self._formed
@@ -320,6 +326,10 @@ class Coordinator(Connections):
     def _send(self, conn: Conn, message: Mapping[str, Any]) -> None:
         if conn.closed:
             return
+        if conn.sock is None:  # a relayed rank: its agent frames it, with its own sequence
+            if conn.down is not None:
+                conn.down({"rank": conn.via_rank, "msg": dict(message)})
+            return
         frame = encode_frame(self.spec.salt, self.spec.run_id, conn.tx_seq, dict(message))
         conn.tx_seq += 1
         try:
@@ -328,7 +338,15 @@ class Coordinator(Connections):
             self._lost(conn, f"send failed: {exc}")
 
     def _broadcast(self, message: Mapping[str, Any]) -> None:
+        """To every joined rank: a socket's each, and one frame per agent for the ranks
+        that speak through it (it frames the message for each of them)."""
+        told: set[str] = set()
         for conn in list(self._rank_conn.values()):
+            if conn.sock is None and conn.down is not None:
+                if conn.source not in told:
+                    told.add(conn.source)
+                    conn.down({"rank": None, "msg": dict(message)})
+                continue
             self._send(conn, message)
 
     def _lost(self, conn: Conn, detail: str) -> None:

@@ -213,6 +213,27 @@ def _setup_done(host: str, obj: dict[str, Any]) -> reports.Report:
     return reports.SetupDone(host, obj)
 
 
+def _cohort_up(host: str, obj: dict[str, Any]) -> reports.Report:
+    """COHORT_UP: a rank's verified message, or its closed connection (a bad body raises:
+    the session turns it into a protocol error)."""
+    rank, msg, closed = obj["rank"], obj.get("msg"), obj.get("closed")
+    if not isinstance(rank, int) or isinstance(rank, bool) or (msg is None) == (closed is None):
+        raise ValueError("cohort: a rank, and a msg or closed")
+    if msg is not None and not (isinstance(msg, dict) and isinstance(msg.get("type"), str)):
+        raise ValueError("cohort: msg is not a message")
+    return reports.CohortUp(host, rank, msg, None if closed is None else str(closed))
+
+
+def _beats(host: str, obj: dict[str, Any]) -> reports.Report:
+    """BEATS: {"ranks": {"<r>": [age, progress]}}."""
+    ranks: dict[int, tuple[float, int]] = {}
+    for key, (age, progress) in dict(obj["ranks"]).items():
+        if not isinstance(age, (int, float)) or not isinstance(progress, int):
+            raise ValueError("beats: [age, progress] per rank")
+        ranks[int(key)] = (float(age), int(progress))
+    return reports.Beats(host, ranks)
+
+
 #: The decoder of every JSON frame kind that becomes a report (OUTPUT is binary and
 #: HEARTBEAT carries nothing; `_Stdout.feed` handles both before this table).
 _DECODERS: dict[int, _Decoder] = {
@@ -232,7 +253,12 @@ _DECODERS: dict[int, _Decoder] = {
     wire.SYNC_NEED: _sync_need,
     wire.SYNCED: _synced,
     wire.SETUP_DONE: _setup_done,
+    wire.COHORT_UP: _cohort_up,
+    wire.BEATS: _beats,
 }
+
+#: Reports for the coordinator (`supervision.relayed`), not the supervisor's inbox.
+_FOR_COHORT = (reports.CohortUp, reports.Beats)
 
 
 class AgentSession:
@@ -258,6 +284,8 @@ class AgentSession:
         self.on_output = on_output
         self._heard = time.monotonic()
         self._in_sink = 0
+        #: Where this host's ranks' cohort frames go (the attempt's coordinator), if any.
+        self.cohort: Optional[Post] = None
 
     # -- liveness -------------------------------------------------------------------------
     @property
@@ -405,6 +433,11 @@ class AgentSession:
         if decode is None:
             return
         report = decode(self.host, obj)
+        if isinstance(report, _FOR_COHORT):
+            cohort = self.cohort
+            if cohort is not None:
+                cohort(report)
+            return
         if kind == wire.DONE:
             self.done = True
         elif kind == wire.HELLO:
