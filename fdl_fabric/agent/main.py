@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional
 from fdl_fabric.agent import (
     children,
     codeops,
+    cohortrelay,
     collectors,
     fleet,
     pids,
@@ -91,6 +92,8 @@ class Agent(HostLoop):
         self.code = codeops.CodeOps(self.send, self.queue, self.sel)
         #: The fleet pre-flight's listener and dials (`fleet`), before any rank starts.
         self.fleet = fleet.FleetCheck(self.send, self.sel)
+        #: The ranks' socket: they reach the coordinator through this agent (issue 35).
+        self.cohort = cohortrelay.CohortRelay(self.send, self.sel, self.ranks.running_pids)
         self.frame_handlers.update({
             wire.SPEC: _json(self._on_spec), wire.PROBE: _json(self._on_probe),
             wire.START: lambda body: self._spawn_all(), wire.SIGNAL: _json(self._on_signal),
@@ -102,7 +105,8 @@ class Agent(HostLoop):
             wire.RESUME: lambda body: self._suspend(False),
             wire.STACKS: _json(self._on_stacks), wire.SYNC: _json(self.code.on_sync),
             wire.SYNC_DATA: self._on_sync_data, wire.SYNC_MANIFEST: _json(self.code.on_manifest),
-            wire.SETUP: _json(self.code.on_setup), wire.LIST: _json(self._on_list)})
+            wire.SETUP: _json(self.code.on_setup), wire.LIST: _json(self._on_list),
+            wire.COHORT_DOWN: _json(self.cohort.on_down)})
         self.signal_handlers.update({
             signal.SIGCHLD: lambda signum: None,  # wakes the loop: the reap follows
             signal.SIGHUP: self._on_stop_signal, signal.SIGTERM: self._on_stop_signal,
@@ -133,6 +137,9 @@ class Agent(HostLoop):
     def done(self) -> bool:
         return self.finished
 
+    def closing(self) -> None:
+        self.cohort.close()  # whatever the way out (a crash too), the ranks' socket goes
+
     def crashed(self, trace: str) -> None:
         self._error("agent crashed: " + trace)
         self._leash_now()
@@ -155,7 +162,7 @@ class Agent(HostLoop):
         lease_end = self._lease_end()
         if lease_end is not None:
             due.append(lease_end)
-        due += self.ranks.deadlines()
+        due += self.ranks.deadlines() + self.cohort.deadlines()
         if self.record_written:
             due.append(self.last_touch + procs.RECORD_TOUCH)
         for more in (self.code.deadline(), self.fleet.deadline()):
@@ -174,6 +181,7 @@ class Agent(HostLoop):
         self._touch_record_if_due(now)
         self.code.on_time(now)
         self.fleet.expire(now)
+        self.cohort.on_time(now)
 
     def _end_lease_if_expired(self, now: float) -> None:
         """The launcher's silence outlived the lease: act as on EOF, since a stalled
@@ -372,7 +380,7 @@ class Agent(HostLoop):
             return
         self.watchdog = watchdog.start(str(spec["run_id"]), str(spec["host"]),
                                        float(spec["kill_grace"]), self.attempt)
-        base = ranks.base_env(spec)
+        base = ranks.base_env(spec, self.cohort.open(spec, self.attempt))
         argv = [str(a) for a in spec["argv"]]
         for entry in spec["ranks"]:
             if not self._spawn_one(spec, entry, base, argv):
@@ -553,6 +561,7 @@ class Agent(HostLoop):
         spec = self.spec
         assert spec is not None
         run_id, host = str(spec["run_id"]), str(spec["host"])
+        self.cohort.close()  # the ranks are gone: their socket goes before `done`
         left = self._run_processes()
         remaining: List[int] = []
         stopped = procs.describe(left)

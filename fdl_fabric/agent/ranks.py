@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from fdl_fabric.agent import children, lines, procs, wire
 from fdl_fabric.agent.hostloop import HostLoop, read_ready
-from fdl_fabric.rank import ENV_CLUSTER_JSON
+from fdl_fabric.rank import ENV_AGENT_SOCKET, ENV_CLUSTER_JSON
 
 #: Frames waiting for the launcher beyond this many bytes pause reading rank output.
 HIGH_WATER = 4 * 1024 * 1024
@@ -64,16 +64,19 @@ class Stream:
         default_factory=lambda: lines.LineSplitter(wire.MAX_LINE_PIECE))
 
 
-def base_env(spec: Dict[str, Any]) -> Dict[str, str]:
+def base_env(spec: Dict[str, Any], agent_socket: Optional[str] = None) -> Dict[str, str]:
     """Every rank's environment before its own entries: the spec's defaults first, then
     this host's own environment (less the agent's internals and srun's one-task view),
-    then the spec's."""
+    then the spec's, then the agent's socket when it has one (`cohortrelay`: a rank
+    without it dials the coordinator itself)."""
     base = {str(k): str(v) for k, v in (spec.get("defaults") or {}).items()}
     base.update({k: v for k, v in os.environ.items()
                  if not k.startswith(_INTERNAL_PREFIX) and k not in _STEP_TASK_VARS})
     base.update(spec["env"])
     if spec.get("envelope"):
         base[ENV_CLUSTER_JSON] = str(spec["envelope"])
+    if agent_socket:
+        base[ENV_AGENT_SOCKET] = agent_socket
     return base
 
 
