@@ -52,8 +52,9 @@ print(json.dumps({"stop": rank.should_stop(), "survivors": rank.survivors()}), f
 
 #: A scripted peer: ``steps`` of ["send", message, {"seq", "salt"}], ["recv"] (one frame,
 #: printed with the sequence it verified with) and ["dial", wait] (open another connection
-#: and keep it, or, with ``wait``, wait for its end); it ends by printing what closes its
-#: connection, or the error that stopped it.
+#: and keep it, or, with ``wait``, wait for its end), ["second", hello] (say it on a second
+#: connection, print what that one receives until its end); it ends by printing what
+#: closes its connection, or the error that stopped it.
 CLIENT = r"""
 import json, socket, sys
 import rank
@@ -80,6 +81,15 @@ try:
         elif step[0] == "recv":
             say({"seq": rx, "msg": rank.receive(s, buf, salt, run, rx)})
             rx += 1
+        elif step[0] == "second":  # a hello on a second connection, read to its end
+            other, got, more = dial(), [], bytearray()
+            other.sendall(rank.encode_frame(salt, run, 0, step[1]))
+            while True:
+                message = rank.receive(other, more, salt, run, len(got))
+                if message is None:
+                    break
+                got.append({"seq": len(got), "msg": message})
+            say({"second": got})
         elif step[0] == "dial":
             kept.append(dial())
             say({"dialed": "closed" if step[1] and kept[-1].recv(1) == b"" else "open"})
@@ -424,11 +434,30 @@ def test_exiting_and_ack_shutdown_go_up_and_a_close_from_the_coordinator_is_repo
     assert len(relay.cohort(type="exiting")) == 1  # said twice, forwarded once
 
 
+def test_a_second_hello_of_a_joined_rank_is_refused_without_cutting_its_first_connection(
+        relay: Relay) -> None:
+    client = relay.client([["send", hello(0)], ["recv"], ["second", hello(0)], ["recv"]], r=0)
+    relay.pump(lambda: bool(relay.cohort(type="hello")), "the first hello")
+    relay.relay.on_down({"rank": 0, "msg": welcome(0)})
+    relay.pump(lambda: len(relay.cohort(type="hello")) == 2, "the second hello goes up")
+    # The coordinator's answer to it: a reject, then a close of that connection.
+    refusal = {"type": "reject", "reason": "rank 0 already joined"}
+    relay.relay.on_down({"rank": 0, "msg": refusal})
+    relay.relay.on_down({"rank": 0, "close": True})
+    relay.pump(lambda: len(relay.said(client)) >= 2, "the second connection's end")
+    assert relay.said(client)[1] == {"second": [{"seq": 0, "msg": refusal}]}
+    relay.relay.on_down({"rank": None, "msg": {"type": "membership", "dead": [2]}})
+    relay.pump(lambda: len(relay.said(client)) >= 3, "the first connection still hears")
+    assert relay.said(client)[2] == {"seq": 1, "msg": {"type": "membership", "dead": [2]}}
+    assert not [b for b in relay.cohort() if "closed" in b]
+
+
 def test_a_coordinator_reject_is_delivered_then_the_connection_closes_unreported(
         relay: Relay) -> None:
     client = relay.client([["send", hello(0)]], r=0)
     relay.pump(lambda: bool(relay.cohort(type="hello")), "the hello")
     relay.relay.on_down({"rank": 0, "msg": {"type": "reject", "reason": "rank 0 already joined"}})
+    relay.relay.on_down({"rank": 0, "close": True})
     relay.pump(relay.ended(client), "the reject and the close")
     assert relay.said(client) == [
         {"seq": 0, "msg": {"type": "reject", "reason": "rank 0 already joined"}}, {"eof": True}]

@@ -133,6 +133,8 @@ class CohortRelay:
         self.next_beat: Optional[float] = None
         self.accept_at: Optional[float] = None
         self.hellos = 0
+        #: Per rank: rejects delivered whose ``close`` has not come yet (`on_down`).
+        self.refused: Dict[int, int] = {}
 
     # -- the socket -----------------------------------------------------------------------
     def open(self, spec: Dict[str, Any], attempt: int,
@@ -364,14 +366,23 @@ class CohortRelay:
         if "close" in body:
             if body["close"] is not True or rank is None or "msg" in body:
                 raise wire.ProtocolError(f"malformed cohort close: {body!r:.200}")
-            for conn in [c for c in self.conns.values() if c.rank == rank]:
-                self._close(conn, "closed by the coordinator")
+            self._close_rank(rank)
             return
         msg = body.get("msg")
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             raise wire.ProtocolError(f"cohort frame without a message: {body!r:.200}")
         for conn in self._addressees(rank, msg["type"]):
             self._deliver(conn, msg)
+
+    def _close_rank(self, rank: int) -> None:
+        """The coordinator closes rank ``rank``'s connection: after a reject, the refused
+        one, which closes once its reject is written (a second hello of a joined rank
+        must not cut the first connection); otherwise every one (a rank declared dead)."""
+        if self.refused.get(rank):
+            self.refused[rank] -= 1
+            return
+        for conn in [c for c in self.conns.values() if c.rank == rank]:
+            self._close(conn, "closed by the coordinator")
 
     def _addressees(self, rank: Optional[int], kind: str) -> List[_Conn]:
         if rank is not None and kind in ("welcome", "reject"):
@@ -394,6 +405,7 @@ class CohortRelay:
                 self.next_beat = time.monotonic() + HEARTBEAT_INTERVAL
         elif msg["type"] == "reject":
             conn.state, conn.deadline = ENDING, time.monotonic() + REJECT_GRACE
+            self.refused[conn.rank] = self.refused.get(conn.rank, 0) + 1
         self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
