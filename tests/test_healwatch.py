@@ -163,3 +163,17 @@ def test_what_the_watch_says_is_one_line_naming_the_host_and_the_attempt() -> No
     failed = render(event(Name.HOST_ANSWERED_AGAIN, host="node2", after=1, attempt=0, pids=[],
                           problem="disk\x1b[2Kfull\nfake"))
     assert "\n" not in failed and "\x1b" not in failed
+
+
+def test_a_host_whose_agent_never_started_is_not_dialled_again(
+        fresh: list[dict[str, Any]]) -> None:
+    """Its login shell stood in the way, say: nothing of the run can be there."""
+    log = EventLog()
+    (worker,) = parse_cluster("workers:\n  - host: node2\n    path: /srv\n    nproc: 1\n",
+                              local_hostname="controller").workers
+    transports = {"node2": Lost(worker)}
+    w = healwatch.HealWatch("r1", lambda: transports, lambda: 0, 5.0, EventBus(log),
+                            ran=lambda host: False)
+    w.emit(event(Name.HOST_LOST, host="node2", reason="the login shell consumed stdin"))
+    w.stop()
+    assert Dialled.dials == 0 and fresh == []

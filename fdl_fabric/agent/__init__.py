@@ -18,6 +18,8 @@ and that decides its rules:
   - `collectors`: the agent's stack requests;
   - `checks`: the fast pre-flight facts of this host;
   - `watchdog`: the process that stops the ranks if the agent itself is killed;
+  - `cohortrelay`: the ranks' Unix socket: the agent speaks to the coordinator for its
+    ranks, one stream and one folded heartbeat per host (issue 35);
   - `hostloop`: the one event loop (select, frames, leash, signals) of the agent and
     the relay;
   - `main`: the agent on that loop, tying the others together;

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import signal
+import stat
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -454,14 +455,21 @@ def prune_empty_run_folders(folder: Optional[str] = None, now: Optional[float] =
 def _empty_and_old(path: str, now: float) -> bool:
     """No file anywhere under ``path``, and nothing in it touched for `EMPTY_FOLDER_AGE`."""
     for root, _, files in os.walk(path):
-        if files:
-            return False
+        if any(not _is_socket(os.path.join(root, f)) for f in files):
+            return False  # a socket a killed agent left is no file of the run
         try:
             if now - os.lstat(root).st_mtime < EMPTY_FOLDER_AGE:
                 return False
         except OSError:
             return False
     return True
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _sweep_records(folder: Optional[str], report: Dict[str, Any]) -> List[Dict[str, Any]]:

@@ -45,9 +45,12 @@ class HealWatch:
     attempt's ranks then stopped) or until its agent's lease has ended them anyway."""
 
     def __init__(self, run_id: str, transports: Callable[[], Mapping[str, Transport]],
-                 attempt: Callable[[], int], bound: float, events: EventBus) -> None:
+                 attempt: Callable[[], int], bound: float, events: EventBus,
+                 ran: Callable[[str], bool] = lambda host: True) -> None:
         self.run_id = run_id
         self._transports = transports
+        #: Whether an agent ever ran on a host (one that never started left nothing).
+        self._ran = ran
         self._attempt = attempt
         #: Seconds after a loss past which the agent's own lease has stopped its ranks.
         self.bound = bound
@@ -66,7 +69,7 @@ class HealWatch:
         """Dial ``host`` again until it answers (once per loss; a watch under way goes on)."""
         transport = self._transports().get(host)
         again = transport.redial(DIAL_TIMEOUT) if transport is not None \
-            and transport.sweep_after_loss else None
+            and transport.sweep_after_loss and self._ran(host) else None
         if again is None:
             return
         with self._lock:

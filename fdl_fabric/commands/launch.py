@@ -192,7 +192,8 @@ class Launch:
         assert self.run_id is not None
         self.healwatch = HealWatch(self.run_id, lambda: self.hosts.transports,
                                    lambda: self.attempt_now,
-                                   r.lease + r.cluster.kill_grace + FORCE_MARGIN, self.events)
+                                   r.lease + r.cluster.kill_grace + FORCE_MARGIN, self.events,
+                                   ran=self.hosts.ran_an_agent)
         self.events.add(self.healwatch)
         selection = self._select(r, 0)
         if selection is None:

@@ -151,6 +151,12 @@ class Hosts:
                                      on_output=self.output)
         return self.sessions
 
+    def ran_an_agent(self, host: str) -> bool:
+        """An agent said HELLO on ``host`` in some attempt: something of the run may be
+        there (one whose login shell stood in the way left nothing to sweep)."""
+        session = self.sessions.get(host)
+        return host in self.greeted or (session is not None and session.greeted)
+
     def note_greeted(self) -> None:
         """The hosts whose agent started in this attempt: only they are swept."""
         self.greeted.update(h for h, s in self.sessions.items() if s.greeted)

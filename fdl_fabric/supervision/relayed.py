@@ -98,7 +98,10 @@ class Relayed(Connections):
             if message.get("rank") != rank:  # its agent bound the caller to ``rank``
                 self._speaks_for(host, -1)
                 return
-            conn = self._relayed[rank] = self._new_relayed(host, rank)
+            joined = self._relayed.get(rank)
+            conn = self._new_relayed(host, rank)
+            if joined is None or joined.closed or joined.rank is None:
+                self._relayed[rank] = conn  # else a second hello: refused, the first kept
         elif conn is None or conn.closed:
             return  # said after its connection closed: nothing to act on
         try:
