@@ -159,8 +159,11 @@ def test_a_flood_of_idle_connections_before_formation_does_not_stop_the_run(
     events = _events(logs)
     refused = _refused(events)
     formed = next(e["time"] for e in events if e["name"] == "cohort_formed")
-    # the flood was on, and the coordinator was refusing it, before the cohort formed
-    assert refused and refused[0]["time"] < formed, refused[:3]
+    ended = next(e["time"] for e in events if e["name"] == "verdict")
+    # The flood was on, and refused, while the run ran. The ranks join through their
+    # agents (issue 35), which no flood of the port reaches, so the cohort may well form
+    # before the first refusal is reported: the run is what must not notice it.
+    assert refused and refused[0]["time"] < ended and formed < ended, refused[:3]
     assert counts["connected"] > 1000, counts
     assert not [e for e in events if e["name"] == "rank_declared_dead"]
     print(f"\nflood before formation: {counts['connected']} connects, "
