@@ -24,6 +24,7 @@ if [ "$want_test" = 1 ]; then
   command -v git >/dev/null 2>&1 || missing+=(git)  # sync: work trees and code ids
   command -v ss >/dev/null 2>&1 || missing+=(iproute2)  # sync: bytes sent, per socket
   { command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ]; } || missing+=(nftables)  # the fleet lab
+  [ -x /usr/bin/python3 ] || missing+=(python3)  # another user's processes (not under /root)
   if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
       echo "bootstrap: installing ${missing[*]} (apt-get)"

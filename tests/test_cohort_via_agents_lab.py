@@ -147,3 +147,103 @@ def test_save_and_shutdown_reaches_every_survivor_through_its_agent(
         assert saved["reason"] == "shutdown", (r, saved)
     assert not re.search(r"rank [01345] of \S+ exited with signal", run.err), run.err
     wait_for(lambda: not processes_of_run(run.run_id), 15, "nothing of the run left")
+
+
+def test_through_a_gateway_tree_the_cohort_forms_and_a_death_is_tolerated(
+        sshd_lab, tmp_path: Path) -> None:
+    """``fanout: 2``, 5 hosts: three leaves start through the gateways' relays, and their
+    ranks' cohort frames travel inside the relays' streams like any other agent frame."""
+    lab = private_lab(sshd_lab, 5)
+    port = _port()
+    cluster = lab.write_cluster([lab.worker(h, nproc=1) for h in lab.hosts], kill_grace=1,
+                                fanout=2, controller={"host": "127.0.0.1", "port": port},
+                                elastic={"heartbeat_timeout": HEARTBEAT_TIMEOUT})
+    run = LiveLaunch(cluster, *_toy(tmp_path / "ck", steps=120))
+    try:
+        run.wait_line("cohort formed — 5 ranks", stderr=True)
+        assert _coordinator_peers(port) == []
+        os.kill(_pid_of(run, 4), signal.SIGKILL)  # a leaf's rank
+        code = run.finish(60)
+    finally:
+        run.kill()
+    assert code == 0, run.err
+    assert "rank 4 of lab5 exited with signal 9 — tolerating" in run.err, run.err
+    assert run.err_lines()[-1].startswith("cluster launcher: run completed DEGRADED"), run.err
+
+
+#: A rank whose library says another protocol than its agent's.
+OTHER_LIBRARY = """\
+import sys
+from fdl_fabric import rank
+rank.PROTOCOL = 99
+try:
+    rank.join(timeout=10)
+except RuntimeError as exc:
+    print(exc, file=sys.stderr, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_rank_library_of_another_version_is_refused_with_the_words_that_say_so(
+        sshd_lab, tmp_path: Path) -> None:
+    lab = private_lab(sshd_lab, 1)
+    prog = tmp_path / "other_library.py"
+    prog.write_text(OTHER_LIBRARY)
+    run = LiveLaunch(_cluster(lab, _port()), "--cmd", f"python3 {prog}")
+    try:
+        code = run.finish(60)
+    finally:
+        run.kill()
+    assert code == 1, run.err
+    assert "rank library protocol 99, agent speaks 1: the rank imported another fdl-fabric " \
+        "than the agent's (install the same version on every host)" in run.err, run.err
+
+
+#: Connects to a Unix socket; prints what happened: refused (and why), closed, or open.
+DIAL = """\
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+try:
+    s.connect(sys.argv[1])
+except OSError as exc:
+    print("refused", type(exc).__name__)
+    sys.exit(0)
+try:
+    print("closed" if s.recv(1) == b"" else "open")
+except socket.timeout:
+    print("open")
+"""
+
+
+def test_another_local_user_cannot_reach_an_agents_rank_socket_and_a_stranger_of_ours_is_shut_out(
+        sshd_lab, tmp_path: Path) -> None:
+    import pwd
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("useradd", "userdel",
+                                                              "setpriv")) \
+            or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.fail("this test needs root with useradd, userdel and setpriv (CI runs as root)")
+    lab = private_lab(sshd_lab, 1)
+    run = LiveLaunch(_cluster(lab, _port()), *_toy(tmp_path / "ck", steps=400))
+    name = f"fdlsock{os.getpid() % 100000}"
+    subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+                    "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True)
+    try:
+        run.wait_line("cohort formed — 2 ranks", stderr=True)
+        path = psutil.Process(_pid_of(run, 1)).environ()["FLODL_INTERNAL_AGENT_SOCKET"]
+        user = pwd.getpwnam(name)
+        other = subprocess.run(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
+                                "--clear-groups", "--", "/usr/bin/python3", "-I", "-S", "-c", DIAL,
+                                path], capture_output=True, text=True, timeout=30)
+        assert other.stdout.strip() == "refused PermissionError", other
+        ours = subprocess.run([sys.executable, "-I", "-S", "-c", DIAL, path],
+                              capture_output=True, text=True, timeout=30)
+        assert ours.stdout.strip() == "closed", "a process of ours that is no rank: shut out"
+        assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+    finally:
+        subprocess.run(["userdel", name], check=False, capture_output=True)
+        run.kill()
