@@ -34,7 +34,6 @@ __all__ = [
     "NOFILE_BASE",
     "NOFILE_PENDING_MIN",
     "NOFILE_PER_HOST",
-    "NOFILE_PER_RANK",
     "NOFILE_PER_RELAY",
     "NUMBER_MAX_CHARS",
     "PATH_MAX_BYTES",
@@ -164,11 +163,8 @@ NOFILE_PER_HOST = 6
 #: Per gateway: its relay session's pipe.
 NOFILE_PER_RELAY = 2
 
-#: Per rank of the world: its connection in the coordinator.
-NOFILE_PER_RANK = 1
-
-#: Connections the coordinator may hold before their hello: twice the world size, and at
-#: least this many (its own floor for pending connections).
+#: Connections the coordinator's port may hold before their hello (`admission.PENDING_MAX`):
+#: ranks reach it through their agents' sessions, so nothing here grows with the world.
 NOFILE_PENDING_MIN = 256
 
 #: Forwarded connections one tunnel carries at once: this many per rank of its host (a rank

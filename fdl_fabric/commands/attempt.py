@@ -46,6 +46,7 @@ def coordinator_spec(plan: LaunchPlan, scale: float) -> CoordinatorSpec:
         formation_timeout=cluster.elastic.formation_timeout * scale,
         heartbeat_timeout=cluster.elastic.heartbeat_timeout * scale,
         hello_timeout=10.0 * scale,
+        direct_ranks=0,  # every rank speaks through its agent (docs/protocol.md)
     )
 
 

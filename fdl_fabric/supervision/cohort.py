@@ -34,6 +34,10 @@ class CoordinatorSpec:
     heartbeat_timeout: float = 30.0
     #: A connection that has not sent a valid hello by then is dropped (spec: 10 s, scaled).
     hello_timeout: float = 10.0
+    #: Ranks expected on the TCP port (None: the whole world, as for ranks started by
+    #: hand); a launch's ranks speak through their agents (0), so the port's bound for
+    #: connections before their hello does not grow with the world.
+    direct_ranks: Optional[int] = None
 
     def __post_init__(self) -> None:
         """Invariants, not input checks: the cluster file and the flags validated every

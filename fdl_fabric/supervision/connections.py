@@ -110,7 +110,9 @@ class Connections:
         self._refusals = Refusals(events)
         # Connections waiting for their hello (I/O thread only).
         self._pending: PendingPeers[Conn] = PendingPeers(
-            PENDING_PER_SOURCE, max(PENDING_MAX, 2 * spec.world_size), HELLO_PROMPT,
+            PENDING_PER_SOURCE,
+            max(PENDING_MAX, 2 * (spec.world_size if spec.direct_ranks is None
+                                  else spec.direct_ranks)), HELLO_PROMPT,
             spec.hello_timeout)
         #: The one frame every turned-away connection gets (sequence 0, so it is the same).
         self._busy = busy

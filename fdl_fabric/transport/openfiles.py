@@ -1,8 +1,10 @@
 """The open files a launch needs, checked against RLIMIT_NOFILE before anything starts.
 
-A launch holds a connection per directly reached host, a pipe per relay, a connection per
-rank to the coordinator (and those not yet greeted), and each tunnel up to its bound
-(`forward_bound`; `fdl_fabric.transport.tunnel` says why a tunnel is bounded).
+A launch holds a connection per directly reached host, a pipe per relay, the connections
+the coordinator's port may hold before their hello, and each tunnel up to its bound
+(`forward_bound`; `fdl_fabric.transport.tunnel` says why a tunnel is bounded). Nothing per
+rank: ranks reach the coordinator through their host's agent, on its session (issue 35),
+so the count is per host.
 `check_open_files` compares the soft limit with `open_files_needed`: one too low is raised
 up to the hard limit, and a hard limit too low is refused with exit 2, in one line that
 says what to run. `free_files` is what a tunnel asks before it opens one more socket.
@@ -43,18 +45,16 @@ def forward_bound(worker: WorkerSpec) -> int:
 def open_files_needed(cluster: ClusterSpec, tree: Tree) -> int:
     """Open files a launch of ``cluster`` may hold at once: the fixed part, each directly
     connected host's connection (a gateway's leaves need none here, its relay a pipe),
-    each rank's connection to the coordinator and the connections the coordinator may
-    hold before their hello, and each tunnel at its bound. ``tree``: the cluster's
+    the connections the coordinator's port may hold before their hello (no rank's: ranks
+    speak through their agents), and each tunnel at its bound. ``tree``: the cluster's
     gateway tree (`transport.tree_of`)."""
     workers = cluster.workers
-    ranks = sum(ranks_on(w) for w in workers)
     tunnels = sum(limits.TUNNEL_FDS_FIXED + limits.TUNNEL_FDS_PER_CONNECTION * forward_bound(w)
                   for w in workers if w.tunnel)
     leaves = sum(len(g.leaves) for g in tree.gateways)
     return (limits.NOFILE_BASE + limits.NOFILE_PER_HOST * (len(workers) - leaves)
             + limits.NOFILE_PER_RELAY * len(tree.gateways)
-            + limits.NOFILE_PER_RANK * ranks + max(limits.NOFILE_PENDING_MIN, 2 * ranks)
-            + tunnels)
+            + limits.NOFILE_PENDING_MIN + tunnels)
 
 
 def check_open_files(cluster: ClusterSpec, events: EventBus, tree: Tree) -> None:
