@@ -224,7 +224,7 @@ def test_another_local_user_cannot_reach_an_agents_rank_socket_and_a_stranger_of
     import sys
 
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("useradd", "userdel",
-                                                              "setpriv")) \
+                                                              "setpriv", "nsenter")) \
             or not os.access("/usr/bin/python3", os.X_OK):
         pytest.fail("this test needs root with useradd, userdel and setpriv (CI runs as root)")
     lab = private_lab(sshd_lab, 1)
@@ -234,16 +234,22 @@ def test_another_local_user_cannot_reach_an_agents_rank_socket_and_a_stranger_of
                     "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True)
     try:
         run.wait_line("cohort formed — 2 ranks", stderr=True)
-        path = psutil.Process(_pid_of(run, 1)).environ()["FLODL_INTERNAL_AGENT_SOCKET"]
+        rank = psutil.Process(_pid_of(run, 1))
+        path = rank.environ()["FLODL_INTERNAL_AGENT_SOCKET"]
+        # The lab host's registry is private to its mount namespace: dial from inside it.
+        inside = ["nsenter", f"--target={rank.pid}", "--mount", "--"]
         user = pwd.getpwnam(name)
-        other = subprocess.run(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
+        other = subprocess.run([*inside, "setpriv", f"--reuid={user.pw_uid}",
+                                f"--regid={user.pw_gid}",
                                 "--clear-groups", "--", "/usr/bin/python3", "-I", "-S", "-c", DIAL,
                                 path], capture_output=True, text=True, timeout=30)
         assert other.stdout.strip() == "refused PermissionError", other
-        ours = subprocess.run([sys.executable, "-I", "-S", "-c", DIAL, path],
+        ours = subprocess.run([*inside, sys.executable, "-I", "-S", "-c", DIAL, path],
                               capture_output=True, text=True, timeout=30)
         assert ours.stdout.strip() == "closed", "a process of ours that is no rank: shut out"
-        assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+        mode = subprocess.run([*inside, "stat", "-c", "%a", os.path.dirname(path)],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+        assert mode == "700", mode
     finally:
         subprocess.run(["userdel", name], check=False, capture_output=True)
         run.kill()

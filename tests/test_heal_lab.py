@@ -45,8 +45,10 @@ def starts(d: Path, rank: int) -> list[dict[str, Any]]:
     return sorted(found, key=lambda s: s["time"])
 
 
-def one_try(lab: NetnsLab, spawned: list[Any], tmp_path: Path, i: int) -> float:
-    """One partition and its heal; seconds from the heal to the old rank's end."""
+def one_try(lab: NetnsLab, spawned: list[Any], tmp_path: Path, i: int) -> tuple[float, bool]:
+    """One partition and its heal: seconds from the heal to the old rank's end, and whether
+    the launcher's fresh dial stopped it (the old connection's FIN, retransmitted on TCP's
+    backoff, may now and then get there first)."""
     near, far = lab.hosts
     opts = [*lab.ssh_options(), "ServerAliveInterval=1", "ServerAliveCountMax=2"]
     cluster = lab.write_cluster(
@@ -82,10 +84,11 @@ def one_try(lab: NetnsLab, spawned: list[Any], tmp_path: Path, i: int) -> float:
         took = gone - healed
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-        assert f"host '{far.name}' reached again" in err, err
-        assert f"stopped what attempt 0 still ran there (pids [{old['pid']}" in err, err
         wait_for(lambda: not processes_of_run(old["run"]), 15, "nothing of the run left")
-        return took
+        watched = f"host '{far.name}' reached again" in err
+        if watched:
+            assert f"stopped what attempt 0 still ran there (pids [{old['pid']}" in err, err
+        return took, watched
     finally:
         if healed is None:
             with contextlib.suppress(Exception):
@@ -99,7 +102,11 @@ def one_try(lab: NetnsLab, spawned: list[Any], tmp_path: Path, i: int) -> float:
 def test_a_cut_off_attempts_ranks_end_within_a_second_and_the_grace_of_the_heal(
         netns_lab, spawned, tmp_path: Path) -> None:
     lab: NetnsLab = netns_lab(n_hosts=2, private_registry=True, client_alive_interval=0)
-    took = [one_try(lab, spawned, tmp_path, i) for i in range(TRIES)]
+    tries = [one_try(lab, spawned, tmp_path, i) for i in range(TRIES)]
+    took = [t for t, _ in tries]
+    watched = sum(1 for _, w in tries if w)
     print(f"\nheal to the cut-off rank's end, {TRIES} tries: "
-          + ", ".join(f"{t:.2f}s" for t in took) + f" (bound {HEAL_BOUND:g}s, lease {LEASE:g}s)")
+          + ", ".join(f"{t:.2f}s" for t in took) + f" (bound {HEAL_BOUND:g}s, lease {LEASE:g}s); "
+          f"stopped by the launcher's fresh dial in {watched}")
     assert max(took) <= HEAL_BOUND, took
+    assert watched, "the fresh dial is what bounds it by the heal: seen at least once"

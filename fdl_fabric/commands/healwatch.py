@@ -29,8 +29,9 @@ from ..events import Event, EventBus, Name
 from ..transport import Transport
 from .cleanup import sweep_request, sweep_with_agents
 
-#: Seconds one dial of a lost host may wait for its connection: a SYN into a partition
+#: Seconds one dial of a lost host may wait for its TCP connection: a SYN into a partition
 #: is never answered, so the next dial, after the link is back, must not wait behind it.
+#: (Its SSH handshake and login, once connected, get the host's own connect timeout.)
 DIAL_TIMEOUT = 1.0
 #: Seconds between the starts of two dials (a refused connect returns at once).
 RETRY = 0.5

@@ -200,8 +200,8 @@ def _connection_kwargs(settings: SshSettings, config: Optional[Config],
                        gateway: Any) -> dict[str, Any]:
     """The keyword arguments of the Connection: only what the settings set."""
     connect_kwargs: dict[str, Any] = {
-        "banner_timeout": settings.connect_timeout or None,
-        "auth_timeout": settings.connect_timeout or None,
+        "banner_timeout": settings.handshake_timeout or settings.connect_timeout or None,
+        "auth_timeout": settings.handshake_timeout or settings.connect_timeout or None,
         "transport_factory": _transport_factory,
     }
     if settings.identity_files:
@@ -384,9 +384,11 @@ class SshTransport(Transport):
     def redial(self, timeout: float) -> Optional[SshTransport]:
         if self.settings is None:  # ``fab -H``'s connection: not ours to dial again
             return None
-        again = SshTransport(self.worker, dataclasses.replace(self._settings,
-                                                               connect_timeout=timeout),
-                             config=self.config, purpose="cleanup")
+        settings = self._settings
+        again = SshTransport(self.worker, dataclasses.replace(
+            settings, connect_timeout=timeout,
+            handshake_timeout=settings.handshake_timeout or settings.connect_timeout),
+            config=self.config, purpose="cleanup")
         again.origin = self.origin
         return again
 

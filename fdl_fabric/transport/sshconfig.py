@@ -92,6 +92,10 @@ class SshSettings:
     #: the worker gives, alias included), its ``%h``/``%p`` expanded; only ever set when
     #: the operator allowed that file to run commands, or it is their own.
     proxy_command: Optional[str] = None
+    #: Seconds for the SSH handshake and login once connected (None: ``connect_timeout``):
+    #: a host dialled again after a partition waits little for its SYN, as long as ever
+    #: for its banner and login on a loaded machine (`SshTransport.redial`).
+    handshake_timeout: Optional[float] = None
 
     @property
     def alive_timeout(self) -> float:
