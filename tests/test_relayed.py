@@ -19,6 +19,7 @@ import pytest
 from fdl_fabric import reports
 from fdl_fabric.events import EventBus, EventLog, Name, event
 from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec
+from fdl_fabric.testing.launches import wait_for as waiting
 
 SALT = bytes(range(16))
 RUN = "20261205-100000-abcd1234"
@@ -53,14 +54,9 @@ class Downlinks:
             return [b["rank"] for b in self.sent[host] if b.get("close")]
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("timed out")
+def until(predicate: Callable[[], Any]) -> Any:
+    """What the coordinator's I/O thread does at its next turn, waited for (bounded)."""
+    return waiting(predicate, 5.0, "the coordinator's I/O thread to act")
 
 
 @pytest.fixture
@@ -85,7 +81,7 @@ def hello(host: str, rank: int) -> reports.CohortUp:
 def join_all(coord: Coordinator) -> None:
     for rank, host in HOSTS.items():
         coord.relayed(hello(host, rank))
-    wait_for(lambda: coord.cohort_formed)
+    until(lambda: coord.cohort_formed)
 
 
 def test_ranks_that_speak_through_their_agents_form_the_cohort_and_are_welcomed(
@@ -95,7 +91,7 @@ def test_ranks_that_speak_through_their_agents_form_the_cohort_and_are_welcomed(
     assert coord.joined == {0, 1, 2, 3}
     welcome = down.messages("node1", 2)[0]
     assert welcome["type"] == "welcome" and welcome["rank"] == 2 and welcome["world_size"] == 4
-    wait_for(lambda: any(m["type"] == "formed" for m in down.messages("node0", 0)))
+    until(lambda: any(m["type"] == "formed" for m in down.messages("node0", 0)))
     assert [e.data["peer"] for e in log.named(Name.RANK_JOINED) if e.rank == 0] == \
         ["node0 (through its agent)"]
 
@@ -109,7 +105,7 @@ def test_a_host_speaking_for_a_rank_it_does_not_run_changes_nothing(
     time.sleep(0.3)
     assert coord.joined == set() and coord.exited == set()
     assert down.sent["node1"] == [] and down.sent["node0"] == []
-    assert wait_for(lambda: log.named(Name.PEER_DROPPED) or log.named(Name.PEERS_REFUSED))
+    assert until(lambda: log.named(Name.PEER_DROPPED) or log.named(Name.PEERS_REFUSED))
 
 
 def test_a_hello_for_another_rank_than_its_agent_bound_is_refused(
@@ -147,7 +143,7 @@ def test_progress_in_folded_beats_is_the_runs_progress(
     join_all(coord)
     assert coord.last_progress == 0.0
     coord.relayed(reports.Beats("node1", {3: (0.0, 7)}))
-    wait_for(lambda: coord.last_progress > 0.0)
+    until(lambda: coord.last_progress > 0.0)
 
 
 def test_a_clean_exit_said_through_the_agent_is_never_a_death(
@@ -156,8 +152,8 @@ def test_a_clean_exit_said_through_the_agent_is_never_a_death(
     join_all(coord)
     coord.relayed(reports.CohortUp("node1", 3, {"type": "exiting"}))
     coord.relayed(reports.CohortUp("node1", 3, closed="connection closed"))
-    wait_for(lambda: 3 in coord.exited)
-    wait_for(lambda: log.named(Name.RANK_DISCONNECTED))
+    until(lambda: 3 in coord.exited)
+    until(lambda: log.named(Name.RANK_DISCONNECTED))
     assert not log.named(Name.RANK_CONNECTION_LOST)
 
 
@@ -166,7 +162,7 @@ def test_a_rank_whose_connection_to_its_agent_closes_is_reported_lost(
     coord, down, log = cohort
     join_all(coord)
     coord.relayed(reports.CohortUp("node0", 1, closed="connection reset"))
-    lost = wait_for(lambda: log.named(Name.RANK_CONNECTION_LOST))
+    lost = until(lambda: log.named(Name.RANK_CONNECTION_LOST))
     assert lost[0].rank == 1 and lost[0].data["detail"] == "connection reset"
     assert 1 not in down.closes("node0"), "closed from below: nothing to tell its agent"
 
@@ -177,6 +173,6 @@ def test_save_and_shutdown_reaches_every_relayed_rank(
     join_all(coord)
     coord.broadcast_shutdown(event(Name.MAX_FAILURE_REACHED, dead=1, world_size=4, limit=1))
     for host in ("node0", "node1"):
-        wait_for(lambda h=host: [m["type"] for m in down.broadcasts(h)].count("shutdown") == 1)
+        until(lambda h=host: [m["type"] for m in down.broadcasts(h)].count("shutdown") == 1)
     assert [m["type"] for m in down.broadcasts("node0")] == ["formed", "shutdown"], \
         "one frame per host for all its ranks, not one per rank"
