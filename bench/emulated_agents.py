@@ -64,6 +64,12 @@ class SynRank:
         self.config: Any = None
         self.deadline = 0.0
         self.join_t0: Optional[float] = None
+        #: Through its agent: its hello went up and its connection to the agent is open.
+        self.relayed = False
+        self.joined_at = 0.0
+        #: Rejects the coordinator sent whose ``close`` has not come yet.
+        self.refused = 0
+        self.acked = False
         #: What the loop calls when its socket is ready (set by the emulator).
         self.ready: Optional[Callable[[int, int], None]] = None
 
@@ -89,6 +95,8 @@ class Leaf:
         self.last_sent = 0.0
         self.suspended = False
         self.hello_sent = False
+        #: Its `wire.BEATS` timer runs (some rank of it is joined through it).
+        self.beating = False
         #: The address this leaf's ranks dial from (a host of its own, on loopback).
         self.source: Optional[str] = None
 
@@ -98,6 +106,8 @@ class EmulatedAgents:
 
     args: Any
     batch: Any
+    #: Answers to PROBE, gathered once per kind of request.
+    _facts_cache: Dict[str, Any]
 
     def _agent_hello(self, leaf: Leaf) -> None:
         uname = os.uname()
@@ -142,6 +152,20 @@ class EmulatedAgents:
         self.send(leaf, wire.STACKS_REPORT, {"id": req.get("id"), "run": req.get("run"),
                                              "ranks": {}, "error": "emulated leaf"})
 
+
+    def _on_probe(self, leaf: Leaf, request: Dict[str, Any]) -> None:
+        """FACTS: no GPU, and the versions the ranks' interpreter sees when asked (a
+        launch of a Python command asks; `fdl_fabric.agent.versions`, gathered once per
+        kind of request: every emulated leaf is this machine)."""
+        facts: Dict[str, Any] = {"gpus": None, "gpu_error": "emulated leaf"}
+        if isinstance(request.get("versions"), dict):
+            from fdl_fabric.agent import versions
+
+            key = "versions " + json.dumps(request["versions"], sort_keys=True)
+            if key not in self._facts_cache:
+                self._facts_cache[key] = versions.gather(request["versions"])
+            facts["versions"] = self._facts_cache[key]
+        self.send(leaf, wire.FACTS, facts)
 
     def _on_spec(self, leaf: Leaf, spec: Dict[str, Any]) -> None:
         if leaf.spec is not None:
@@ -199,7 +223,7 @@ class EmulatedAgents:
             self.send(leaf, wire.SPAWNED, {"rank": r.rank, "pid": r.pid})
             self.send(leaf, 0, raw=wire.output(r.rank, wire.STDOUT,
                                                f"up {r.rank}\n".encode(), False))
-            if self.args.join:
+            if self.args.join != "none":
                 self._start_join(r)
             self.at(now + self.args.work, functools.partial(self._rank_exit, r, 0, None))
 
@@ -229,6 +253,7 @@ class EmulatedAgents:
         """KILL: the leaf's ssh is SIGKILLed; its agent stops its ranks unheard."""
         for r in leaf.ranks.values():
             r.running = False
+            r.relayed = r.joined = False
             self._close_rank(r)
         leaf.status = -int(signal.SIGKILL)
         self.batch.hurry()
@@ -249,6 +274,7 @@ class EmulatedAgents:
         if not r.running:
             return
         r.running = False
+        self._relay_exit(r, code)
         if code == 0 and r.joined and r.sock is not None:
             self._rank_send(r, {"type": "exiting"})  # rank.py's atexit hook
         self._close_rank(r)

@@ -1,8 +1,17 @@
-"""The synthetic ranks of `emulated_relay`: each joins the launcher's coordinator for real
-(a TCP connection from its leaf's own loopback address, ``hello`` with `fdl_fabric.rank`'s
-frames, ``welcome``, a heartbeat every `rank.HEARTBEAT_INTERVAL`, ``exiting``), with
-rank.py's pauses between dials. A mixin of the emulator's `RelayLoop`, on its selector
-and timers; standard library and fdl_fabric's standalone modules only (``python3 -I -S``).
+"""The synthetic ranks of `emulated_relay`. By default (``--join agent``) each joins
+through its emulated agent, as a rank started by a real agent does (issue 35,
+docs/protocol.md "Which path a rank takes"): its hello goes up as a `wire.COHORT_UP`
+frame on its leaf's stream with the fields the real relay forwards (type, rank, host,
+pid, lib), the launcher's `wire.COHORT_DOWN` welcome comes back (the join time is from
+the hello sent to the welcome read), broadcasts are answered as
+`fdl_fabric.agent.cohortrelay` answers them (``ack_shutdown`` up), and one `wire.BEATS`
+a leaf per `rank.HEARTBEAT_INTERVAL` carries every joined rank's ``[age, progress]``.
+With ``--join tcp`` each joins the launcher's coordinator directly (the path of a rank
+started by hand): a TCP connection from its leaf's own loopback address, ``hello``
+with `fdl_fabric.rank`'s frames, ``welcome``, a heartbeat every
+`rank.HEARTBEAT_INTERVAL`, ``exiting``, with rank.py's pauses between dials. A mixin of
+the emulator's `RelayLoop`, on its selector and timers; standard library and
+fdl_fabric's standalone modules only (``python3 -I -S``).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from fdl_fabric import rank as rk
 from fdl_fabric.agent import wire
 
 SynRank = Any  # emulated_relay.SynRank (a synthetic rank's state), kept untyped here
+Leaf = Any  # emulated_agents.Leaf
 
 
 class SyntheticRanks:
@@ -30,6 +40,9 @@ class SyntheticRanks:
 
     sel: Any
     args: Any
+    stats: Dict[str, Any]
+    #: Synthetic ranks welcomed so far (the benchmark waits for all of them).
+    joined: int
 
     def _start_join(self, r: SynRank) -> None:
         try:
@@ -41,7 +54,119 @@ class SyntheticRanks:
             return
         r.join_t0 = time.monotonic()
         r.deadline = r.join_t0 + 30.0 * r.config.scale  # rank.join's default
-        self._dial(r)
+        if self.args.join == "tcp":
+            self._dial(r)
+            return
+        self._relay_hello(r)
+        self.at(r.deadline, lambda: self._relay_overdue(r))
+
+    # -- through the emulated agent (the default; a real launch's path) ----------------------
+    def _relay_hello(self, r: SynRank) -> None:
+        """The rank's hello, verified by its agent, goes up as the real relay sends it."""
+        if not r.running or r.joined:
+            return
+        me = r.config.membership
+        r.relayed, r.join_t0 = True, time.monotonic()
+        self.stats["dials"] += 1
+        self.stats["last_hello"] = max(self.stats["last_hello"] or 0.0, time.time())
+        self.send(r.leaf, wire.COHORT_UP, {"rank": r.rank, "msg": {
+            "type": "hello", "rank": me.rank, "host": me.host, "pid": r.pid,
+            "lib": rk.PROTOCOL}})
+
+    def _relay_overdue(self, r: SynRank) -> None:
+        if r.running and not r.joined:
+            self.send(r.leaf, 0, raw=wire.output(
+                r.rank, wire.STDERR, b"cluster rank: could not join the coordinator\n", False))
+            self.stats["failed"] += 1
+            self._rank_exit(r, 1, None)
+
+    def _on_cohort_down(self, leaf: Leaf, body: bytes) -> None:
+        """A `wire.COHORT_DOWN` frame, as `cohortrelay.CohortRelay.on_down` takes it."""
+        obj = wire.parse_json(body)
+        rank = obj.get("rank")
+        if rank is not None and (type(rank) is not int or rank not in leaf.ranks):
+            raise wire.ProtocolError(f"cohort frame for rank {rank!r}, not a rank of this host")
+        if "close" in obj:
+            if obj["close"] is not True or rank is None or "msg" in obj:
+                raise wire.ProtocolError(f"malformed cohort close: {obj!r:.200}")
+            r = leaf.ranks[rank]
+            if r.refused:  # the close that follows a reject
+                r.refused -= 1
+            elif r.relayed:
+                r.relayed = r.joined = False
+                self.send(leaf, wire.COHORT_UP, {"rank": r.rank,
+                                                 "closed": "closed by the coordinator"})
+            return
+        msg = obj.get("msg")
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            raise wire.ProtocolError(f"cohort frame without a message: {obj!r:.200}")
+        kind = msg["type"]
+        if rank is None:
+            if kind == "formed" and self.stats["formed_at"] is None:
+                self.stats["formed_at"] = time.time()
+            if kind == "shutdown":
+                for r in leaf.ranks.values():
+                    self._relay_ack(r)
+            return
+        r = leaf.ranks[rank]
+        if not r.relayed or not r.running:
+            return
+        if kind == "welcome" and not r.joined:
+            r.joined, r.joined_at = True, time.monotonic()
+            self.stats["welcome_bytes"] += len(body)
+            self.stats["join_s"].append(round(r.joined_at - (r.join_t0 or r.joined_at), 4))
+            self.joined += 1
+            if not leaf.beating:
+                leaf.beating = True
+                self.at(r.joined_at + rk.HEARTBEAT_INTERVAL, lambda: self._leaf_beats(leaf))
+        elif kind == "reject" and not r.joined:
+            r.refused += 1
+            r.relayed = False
+            if msg.get("retry") is True:
+                self.stats["retry_rejects"] += 1
+                delay = min(rk.CONNECT_RETRY, rk.RETRY_FIRST * 2 ** min(r.attempt, 16)) * \
+                    random.uniform(0.5, 1.0)
+                r.attempt += 1
+                self.at(time.monotonic() + delay, lambda: self._relay_hello(r))
+            else:
+                self.send(leaf, 0, raw=wire.output(
+                    r.rank, wire.STDERR, f"cluster rank: the coordinator rejected rank "
+                    f"{r.rank}: {msg.get('reason')}\n".encode(), False))
+                self.stats["failed"] += 1
+                self._rank_exit(r, 1, None)
+        elif kind == "shutdown":
+            self._relay_ack(r)
+
+    def _relay_ack(self, r: SynRank) -> None:
+        if r.joined and r.running and not r.acked:
+            r.acked = True
+            self.send(r.leaf, wire.COHORT_UP, {"rank": r.rank, "msg": {"type": "ack_shutdown"}})
+
+    def _leaf_beats(self, leaf: Leaf) -> None:
+        """One `wire.BEATS` for the leaf: each joined rank's seconds since its last
+        heartbeat (one a second from its welcome on) and its progress (0)."""
+        now = time.monotonic()
+        joined = [r for r in leaf.ranks.values() if r.joined and r.running]
+        if not joined or leaf.status is not None:
+            leaf.beating = False
+            return
+        self.send(leaf, wire.BEATS, {"ranks": {
+            str(r.rank): [round((now - r.joined_at) % rk.HEARTBEAT_INTERVAL, 3), 0]
+            for r in joined}})
+        self.at(now + rk.HEARTBEAT_INTERVAL, lambda: self._leaf_beats(leaf))
+
+    def _relay_exit(self, r: SynRank, code: Any) -> None:
+        """The rank ends: ``exiting`` (rank.py's atexit hook) when it ends well, then its
+        connection to the agent closes."""
+        if not r.relayed:
+            return
+        if code == 0 and r.joined:
+            self.send(r.leaf, wire.COHORT_UP, {"rank": r.rank, "msg": {"type": "exiting"}})
+        self.send(r.leaf, wire.COHORT_UP, {"rank": r.rank,
+                                           "closed": "the rank closed its connection"})
+        r.relayed = r.joined = False
+
+    # -- straight to the coordinator (``--join tcp``) ----------------------------------------
 
     def _dial(self, r: SynRank) -> None:
         if not r.running:
@@ -163,6 +288,7 @@ class SyntheticRanks:
         if not r.joined:
             if kind == "welcome":
                 r.joined = True
+                self.joined += 1
                 if r.join_t0 is not None:
                     self.stats["join_s"].append(round(time.monotonic() - r.join_t0, 4))
                 self.at(time.monotonic() + rk.HEARTBEAT_INTERVAL, lambda: self._beat(r))

@@ -20,13 +20,16 @@ nothing else for a second), the lease, SUSPEND/RESUME, STACKS, LIST, SWEEP, and 
 its stdin (the leash); after its last rank VERIFIED and DONE, then its "ssh" ends
 (CLOSED, status 0).
 
-Each synthetic rank (no process) writes ``up <RANK>`` (one OUTPUT frame), then, unless
-``--no-join``, joins the launcher's coordinator for real: a TCP connection, ``hello`` with
-the frames of `fdl_fabric.rank` (its config read by `rank._read_config` from the
-environment the spec gives the rank, as the agent would build it), ``welcome``, then a
-``heartbeat`` every `rank.HEARTBEAT_INTERVAL`; a ``retry`` reject or a refused connect is
-dialled again with rank.py's pauses. Its "work" ends after ``--work`` seconds (exit 0,
-after ``exiting``), or when it is stopped.
+Each synthetic rank (no process) writes ``up <RANK>`` (one OUTPUT frame), then joins
+the launcher's coordinator (its config read by `rank._read_config` from the environment
+the spec gives the rank, as the agent would build it). With ``--join agent`` (the
+default, as a real launch does since issue 35) through its emulated agent: its hello up
+as a COHORT_UP frame, the welcome down as COHORT_DOWN, one BEATS frame a leaf a second
+(`emulated_ranks`). With ``--join tcp``, directly: a TCP connection, ``hello`` with the
+frames of `fdl_fabric.rank`, ``welcome``, then a ``heartbeat`` every
+`rank.HEARTBEAT_INTERVAL`; a ``retry`` reject or a refused connect is dialled again with
+rank.py's pauses. ``--join none``: no join. Its "work" ends after ``--work`` seconds
+(exit 0, after ``exiting``), or when it is stopped.
 
 Single-threaded, on the real relay's loop (`fdl_fabric.agent.relayloop.RelayLoop`, itself
 on the agent's `hostloop`): one selector over stdin, stdout, every rank's socket and a
@@ -63,6 +66,9 @@ from emulated_agents import (  # noqa: E402
 )
 from emulated_ranks import SyntheticRanks  # noqa: E402
 
+#: Seconds between two notes of the joined count (``--stats``).
+JOINED_NOTE = 0.5
+
 
 class Emulator(EmulatedAgents, SyntheticRanks, RelayLoop):
     """The emulated relay: the real relay's loop, with emulated leaves."""
@@ -78,12 +84,18 @@ class Emulator(EmulatedAgents, SyntheticRanks, RelayLoop):
         self._seq = 0
         self._pids = FAKE_PID_BASE + (os.getpid() % 1000) * 1000
         self._checks_cache: Dict[str, Dict[str, str]] = {}
+        self._facts_cache: Dict[str, Any] = {}
         self.give_up_at: Optional[float] = None
         self.blob: Optional[bytes] = None
         #: For the benchmark (``--stats``): each rank's join time (first dial to welcome),
         #: dials, ``retry`` rejects, welcome bytes, ranks that gave up.
+        #: ``last_hello`` and ``formed_at``: wall-clock times of the last hello sent and
+        #: of the first ``formed`` broadcast read (the formation time, in emulatorlib).
         self.stats: Dict[str, Any] = {"join_s": [], "dials": 0, "retry_rejects": 0,
-                                      "welcome_bytes": 0, "failed": 0, "lost_before_welcome": 0}
+                                      "welcome_bytes": 0, "failed": 0, "lost_before_welcome": 0,
+                                      "last_hello": None, "formed_at": None}
+        self.joined = 0
+        self._joined_told = -1
         self.whole({mux.BLOB: self._on_blob, mux.OPEN: self._on_open})
         self.per_leaf({mux.DATA: self._to_leaf, mux.PAYLOAD: self._on_payload,
                        mux.EOF: lambda leaf, rest: self._leaf_eof(leaf),
@@ -91,8 +103,7 @@ class Emulator(EmulatedAgents, SyntheticRanks, RelayLoop):
         #: What an emulated leaf agent does with each frame from the launcher.
         self.agent_handlers: Dict[int, Callable[[Leaf, bytes], None]] = {
             wire.SPEC: lambda leaf, body: self._on_spec(leaf, wire.parse_json(body)),
-            wire.PROBE: lambda leaf, body: self.send(
-                leaf, wire.FACTS, {"gpus": None, "gpu_error": "emulated leaf"}),
+            wire.PROBE: lambda leaf, body: self._on_probe(leaf, wire.parse_json(body)),
             wire.START: lambda leaf, body: self._spawn_all(leaf),
             wire.SIGNAL: self._on_agent_signal, wire.STOP: self._on_agent_stop,
             wire.KILL: self._on_agent_kill, wire.SWEEP: self._on_agent_sweep,
@@ -101,6 +112,7 @@ class Emulator(EmulatedAgents, SyntheticRanks, RelayLoop):
             wire.RESUME: lambda leaf, body: setattr(leaf, "suspended", False),
             wire.STACKS: self._on_agent_stacks,
             wire.LIST: lambda leaf, body: self.send(leaf, wire.RUNS, {"runs": [], "errors": []}),
+            wire.COHORT_DOWN: self._on_cohort_down,
         }
 
     # -- timers ----------------------------------------------------------------------------
@@ -129,6 +141,18 @@ class Emulator(EmulatedAgents, SyntheticRanks, RelayLoop):
     def hello(self) -> None:
         super().hello()
         self.at(time.monotonic() + LEASE_CHECK, self._check_leases)
+        if self.args.stats:
+            self.at(time.monotonic() + JOINED_NOTE, self._note_joined)
+
+    def _note_joined(self) -> None:
+        """``PREFIX-<pid>.joined``: how many synthetic ranks are welcomed, for the
+        benchmark to wait on (the launcher holds no socket per rank to count)."""
+        if self.joined != self._joined_told:
+            self._joined_told = self.joined
+            with contextlib.suppress(OSError), \
+                    open(f"{self.args.stats}-{os.getpid()}.joined", "w") as f:
+                f.write(str(self.joined))
+        self.at(time.monotonic() + JOINED_NOTE, self._note_joined)
 
     def prepare(self) -> None:
         self.want_output()
@@ -235,8 +259,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="length of the agent payload the launcher writes first")
     ap.add_argument("--work", type=float, default=40.0,
                     help="seconds each synthetic rank runs before it exits 0 (40)")
-    ap.add_argument("--no-join", dest="join", action="store_false",
-                    help="synthetic ranks do not join the coordinator")
+    ap.add_argument("--join", choices=("agent", "tcp", "none"), default="agent",
+                    help="how synthetic ranks join the coordinator: through their emulated "
+                    "agent (agent, the default: a real launch's path), over TCP directly "
+                    "(tcp), or not at all (none)")
     ap.add_argument("--stats", metavar="PREFIX",
                     help="write the join figures to PREFIX-<pid>.json at exit")
     args = ap.parse_args(argv)

@@ -22,26 +22,39 @@ What is emulated: the relay. The launcher runs under a small wrapper (this scrip
 leaf's agent and ranks in one process: agent handshake, HELLO, PREFLIGHT (with a real
 dial of the coordinator), SWEPT, SPAWNED, each rank's ``up`` line, heartbeats on pings,
 exits on stop/kill/EOF or when the synthetic work ends, VERIFIED, DONE, CLOSED; batched
-by the real relay's `Batcher`. In mode ``join`` each synthetic rank also joins the
-launcher's coordinator for real (TCP from a loopback address of its leaf's own,
-`fdl_fabric.rank` frames, a heartbeat a second); in mode ``no-join`` it does not, which
-isolates the transport's cost. The gateways' real ranks run ``sh -c 'echo up $RANK;
-exec sleep W'`` and do not join, so the cohort never forms (no staleness checks).
+by the real relay's `Batcher`. In mode ``join`` (the default) each synthetic rank joins
+the launcher's coordinator through its emulated agent, as a real launch does since issue
+35: its hello up as a COHORT_UP frame on its leaf's stream (type, rank, host, pid, lib),
+the coordinator's welcome down as COHORT_DOWN, broadcasts answered as the real agent
+answers them, one BEATS frame a leaf a second with every joined rank's [age, progress];
+and the gateways' real ranks run a real ``rank.join()`` through their real agents, so
+the cohort forms (its formation is timed, and the coordinator's liveness rules run over
+the folded beats). In mode ``join-tcp`` each synthetic rank joins over TCP directly (the
+path of a rank started by hand; a loopback address of its leaf's own, `fdl_fabric.rank`
+frames, a heartbeat a second), the issue-23 measurement; in mode ``no-join`` it does not
+join, which isolates the transport's cost. In those two modes the gateways' real ranks
+run ``sh -c 'echo up $RANK; exec sleep W'`` and do not join, so the cohort never forms.
 
 Measured on the launcher process (``/proc/<pid>``, all threads; ``wait4`` at its exit):
 CPU seconds from its start to the last ``up`` line read (**CPU to all running**), time
-to all running; in mode ``join`` also time and CPU to every synthetic rank joined (the
-launcher holding that many more sockets); thread count (the most seen, sampled every
-0.1 s); CPU % of one core over ``--window`` s starting ``--settle`` s after all running
-(and all joined): **idle**; peak RSS (VmHWM); total CPU at its exit (after every rank
+to all running; in the join modes also time and CPU to every synthetic rank joined (the
+relays' notes in mode ``join``, the launcher's sockets in ``join-tcp``); thread count
+(the most seen, sampled every 0.1 s); CPU % of one core over ``--window`` s starting
+``--settle`` s after all running (and all joined): **idle**; its open files then
+(``/proc/<pid>/fd``); in mode ``join`` the **formation** time (the last hello of any
+rank, synthetic or real, to the first ``formed`` broadcast an emulated agent reads;
+wall clock, one machine); peak RSS (VmHWM); total CPU at its exit (after every rank
 ended by itself and the verdict), its exit status and verdict. Beside it, for context:
 the emulated relays' and the gateways' agents' CPU, and the synthetic ranks' join times
-(first dial to ``welcome``) against `rank.join`'s 30 s default deadline.
+(hello sent, or first dial in ``join-tcp``, to ``welcome``) against `rank.join`'s 30 s
+default deadline.
 Targets (issue 23): <= 3 s of controller CPU, <= 100 threads, idle <= 2 % of a core.
 
-The launcher asks for about 25,000 open files at 1,024 x 8 and refuses to start below
-that hard limit; where the limit cannot be raised (a container), its check is made to
-warn instead (``--lenient-nofile``, said in the output).
+The launcher counts its open files per host since issue 35 (about 600 at 1,024 x 8,
+`fdl_fabric.transport.open_files_needed`): the output says what it asks for against this
+machine's hard limit, and the launcher's own check runs unchanged (no wrapper; the old
+``--lenient-nofile`` is gone). Mode ``join-tcp`` may need more than that count (a file
+per rank's connection), which the launcher no longer provisions for.
 
 Every process started here runs in a process group of its own and only those groups are
 signalled; the lab and the temporary folder are removed on exit, Ctrl-C or SIGTERM.
@@ -61,17 +74,14 @@ from emulatorlib import Sample, measure
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RELAY_SCRIPT = os.path.join(HERE, "emulated_relay.py")
-MODES = ("join", "no-join")
+MODES = ("join", "join-tcp", "no-join")
 
 
 # -- the launcher, with the relay's command swapped ---------------------------------------------
 def as_launcher(argv: list[str]) -> int:
-    """``--as-launcher [--lenient-nofile] RELAY_ARGS -- <invoke args>``: run ``inv`` in
-    this process with ``bundle.remote_command("relay")`` replaced by the emulated relay's
-    command (with RELAY_ARGS, one shell-quoted string). Nothing else of the launcher is
-    touched, except with ``--lenient-nofile`` (only when this machine's hard
-    RLIMIT_NOFILE is below what the launcher asks for and cannot be raised): its
-    open-file check then warns instead of refusing to start."""
+    """``--as-launcher RELAY_ARGS -- <invoke args>``: run ``inv`` in this process with
+    ``bundle.remote_command("relay")`` replaced by the emulated relay's command (with
+    RELAY_ARGS, one shell-quoted string). Nothing else of the launcher is touched."""
     # bench/ (this script's folder) off the path: its profile.py shadows the stdlib's.
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
     sys.path.insert(0, ROOT)
@@ -90,21 +100,6 @@ def as_launcher(argv: list[str]) -> int:
         return relay_cmd if mode == "relay" else real(mode)
 
     bundle.remote_command = remote_command  # type: ignore[assignment]
-    if "--lenient-nofile" in mine:
-        from fdl_fabric.commands import launch
-        from fdl_fabric.errors import FdlError
-
-        strict = launch.check_open_files
-
-        def check_open_files(cluster: Any, events: Any) -> None:
-            try:
-                strict(cluster, events)
-            except FdlError as exc:
-                if "RLIMIT_NOFILE" not in str(exc):
-                    raise
-                sys.stderr.write(f"emulator: {exc} -- going on regardless (--lenient-nofile)\n")
-
-        launch.check_open_files = check_open_files  # type: ignore[assignment]
     from invoke.main import program
 
     sys.argv = ["inv", *inv_args]  # the launch reads ``-- prog args`` from sys.argv
@@ -152,8 +147,12 @@ def report(samples: list[Sample], args: argparse.Namespace, out: TextIO) -> None
         def med(attr: str, good: list[Sample] = good) -> Optional[float]:
             return benchlib.med(getattr(s, attr) for s in good)
 
-        label = ("synthetic ranks join the coordinator" if mode == "join"
-                 else "synthetic ranks do not join the coordinator (the transport alone)")
+        label = {"join": "synthetic ranks join the coordinator through their emulated "
+                         "agent (COHORT_UP/COHORT_DOWN/BEATS), the gateways' real ranks "
+                         "through their real agent",
+                 "join-tcp": "synthetic ranks join the coordinator over TCP directly",
+                 "no-join": "synthetic ranks do not join the coordinator (the transport "
+                            "alone)"}[mode]
         out.write(f"\nmode {mode}: {label}; medians of {len(good)} run(s)\n\n")
         rows = [["the launcher process", *[f"run {s.rep + 1}" for s in got], "median",
                  "target", "met"]]
@@ -170,7 +169,7 @@ def report(samples: list[Sample], args: argparse.Namespace, out: TextIO) -> None
 
         row("time to all running, s", "up_s", 2)
         row("CPU to all running, s", "cpu_up", 2, 3.0, " s")
-        if mode == "join":
+        if mode != "no-join":
             row("time to every rank joined, s", "joined_s", 2)
             row("CPU to every rank joined, s", "cpu_joined", 2)
         row("CPU in all (to its exit), s", "cpu_total", 2)
@@ -180,9 +179,12 @@ def report(samples: list[Sample], args: argparse.Namespace, out: TextIO) -> None
         row("largest 1 s slice of the window, %", "max_slice", 1)
         row("peak RSS, MB", "rss_mb", 0)
         row("sockets held in the window", "sockets", 0)
+        row("open files in the window", "fds", 0, float(args.nofile_hard or 0) or None)
         row("emulated relays' CPU, s (sum)", "relays_cpu", 2)
         row("gateways' real agents' CPU, s (sum)", "agents_cpu", 2)
         if mode == "join":
+            row("formation (last hello -> formed), s", "formation_s", 3, 1.0, " s")
+        if mode != "no-join":
             row("join time per rank, p50 s", "join_p50", 3)
             row("join time per rank, max s", "join_max", 2)
             row("joins over rank.join's 30 s", "join_late", 0)
@@ -239,31 +241,32 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
 
 
 def _raise_nofile(args: argparse.Namespace, out: TextIO, cluster: Path) -> None:
-    """The launcher checks its open-file limit against what the run needs
-    (`fdl_fabric.transport.open_files_needed`: about 25,000 for 1,024 x 8, mostly
-    the coordinator's 8,192 ranks and its bound on pending connections) and refuses to
-    start when the hard limit is lower. Raise it for the launcher we start (it inherits
-    ours) when allowed; else `--lenient-nofile`."""
+    """What the launcher asks for (`fdl_fabric.transport.open_files_needed`, per host
+    since issue 35) against this machine's hard RLIMIT_NOFILE, said in the output; the
+    hard limit is raised for the launcher we start (it inherits ours) only where it is
+    too low and that is allowed. The launcher's own check is never bypassed."""
     import resource
 
     from fdl_fabric.clusterfile import load_cluster
     from fdl_fabric.transport import open_files_needed
 
-    args.lenient_nofile = False
-    args.nofile_note = ""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = open_files_needed(load_cluster(str(cluster)))
-    if hard != resource.RLIM_INFINITY and hard < want:
+    hosts = args.gateways * (1 + args.leaves_per_gateway)
+    args.nofile_hard = None if hard == resource.RLIM_INFINITY else hard
+    args.nofile_note = (f"the launcher asks for {want} open files (open_files_needed, "
+                        f"{want / hosts:.2f} a host for {hosts} hosts); hard limit here "
+                        f"{'unlimited' if args.nofile_hard is None else hard}, soft {soft}")
+    if args.nofile_hard is not None and hard < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, want))
-            args.nofile_note = f"open-file hard limit raised from {hard} to {want}"
+            args.nofile_note += f": hard limit raised to {want} for the launcher"
+            args.nofile_hard = want
         except (ValueError, OSError) as exc:
-            args.lenient_nofile = True
-            args.nofile_note = (
-                f"the launcher asks for {want} open files (open_files_needed); this "
-                f"machine's hard limit is {hard} and cannot be raised ({exc}): its "
-                "open-file check warns instead of refusing (--lenient-nofile)")
-        out.write(args.nofile_note + "\n")
+            args.nofile_note += f": above it, and it cannot be raised ({exc})"
+    else:
+        args.nofile_note += ": within it, no wrapper (the launcher's own check runs)"
+    out.write(args.nofile_note + "\n")
 
 
 _LAB: Any = None
@@ -289,8 +292,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                     help="a small shape for quick checks: 8 gateways x 8 leaves x 8 ranks "
                     "(72 hosts, 576 ranks), --work 30, --window 5")
     ap.add_argument("--modes", default="join,no-join",
-                    help="comma-separated: join (synthetic ranks join the coordinator), "
-                    "no-join (they do not); run round-robin (default both)")
+                    help="comma-separated: join (synthetic ranks join the coordinator "
+                    "through their emulated agent, as a launch does), join-tcp (over TCP "
+                    "directly, the issue-23 path), no-join (they do not); run "
+                    "round-robin (default join,no-join)")
     ap.add_argument("--work", type=float, default=None,
                     help="seconds every rank runs (sleeps) before exiting 0 (120: every "
                     "synthetic rank must have joined and the window ended before)")

@@ -55,6 +55,8 @@ class Sample:
     dials: int = 0
     retry_rejects: int = 0
     welcome_mb: Optional[float] = None
+    fds: Optional[int] = None  # the launcher's open files in the window (/proc/<pid>/fd)
+    formation_s: Optional[float] = None  # last hello (any rank) -> first ``formed`` read
     exit_code: Optional[int] = None
     verdict: str = ""
     lines: int = 0
@@ -179,8 +181,40 @@ def _thread_names(pid: int) -> list[str]:
         f"{n} x {k}" for k, n in sorted(names.items(), key=lambda kv: -kv[1]))]
 
 
+def _fds(pid: int) -> Optional[int]:
+    with contextlib.suppress(OSError):
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    return None
+
+
+def _fd_kinds(pid: int) -> str:
+    """The launcher's open files by kind (socket, pipe, anon_inode, or a file's path
+    with every number as N: ``.../attempt_N/rN/stdout.log``), most first: what the
+    open-file count is made of."""
+    kinds: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                kind = target.split(":")[0] if ":[" in target or target.startswith(
+                    "anon_inode:") else re.sub(r"\d+", "N", target)
+                kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:8])
+
+
+def _joined(prefix: Path) -> int:
+    """Synthetic ranks welcomed so far, by the relays' ``.joined`` notes."""
+    total = 0
+    for path in prefix.parent.glob(prefix.name + "-*.joined"):
+        with contextlib.suppress(OSError, ValueError):
+            total += int(path.read_text() or 0)
+    return total
+
+
 def _read_stats(prefix: Path, s: Sample) -> None:
     joins: list[float] = []
+    hellos: list[float] = []
+    formed: list[float] = []
     for path in prefix.parent.glob(prefix.name + "-*.json"):
         with contextlib.suppress(OSError, ValueError):
             data = json.loads(path.read_text())
@@ -188,6 +222,15 @@ def _read_stats(prefix: Path, s: Sample) -> None:
             s.dials += int(data["dials"])
             s.retry_rejects += int(data["retry_rejects"])
             s.welcome_mb = (s.welcome_mb or 0.0) + data["welcome_bytes"] / 1e6
+            if data.get("last_hello"):
+                hellos.append(float(data["last_hello"]))
+            if data.get("formed_at"):
+                formed.append(float(data["formed_at"]))
+    for path in prefix.parent.glob(prefix.name + "-hello-*"):  # the gateways' real ranks
+        with contextlib.suppress(OSError, ValueError):
+            hellos.append(float(path.read_text()))
+    if hellos and formed:
+        s.formation_s = min(formed) - max(hellos)
     s.joins = len(joins)
     if joins:
         s.join_p50 = statistics.median(joins)
@@ -265,6 +308,18 @@ class _Launch:
             self.note_threads()
             time.sleep(0.2)
 
+    def wait_joined(self, stats: Path, want: int) -> None:
+        """Until the relays say ``want`` synthetic ranks are welcomed."""
+        from benchlib import BenchError
+
+        deadline = self.t0 + self.args.timeout
+        while _joined(stats) < want:
+            if self.reap(0) or time.monotonic() > deadline:
+                raise BenchError(f"only {_joined(stats)} of {want} synthetic ranks joined "
+                                 "in time")
+            self.note_threads()
+            time.sleep(0.2)
+
     def window(self, s: Sample) -> None:
         """The launcher's CPU over ``--window`` s (and its largest 1 s slice) into ``s``."""
         import benchlib
@@ -308,17 +363,20 @@ def _stop_spy(spy: Any) -> None:
 
 
 def _after_up(run: _Launch, s: Sample, lab: Any, spy_file: Optional[Path],
-              out: TextIO) -> None:
+              stats: Path, out: TextIO) -> None:
     """From all running to the launcher's exit: all joined (mode join), the idle window,
     the launcher's and the hosts' figures."""
     import benchlib
 
     args, pid = run.args, run.pid
-    if s.mode == "join":
+    synthetic = args.gateways * args.leaves_per_gateway * args.ranks
+    if s.mode == "join-tcp":
         # Every synthetic rank joined: the launcher holds a socket for each (and one
         # per gateway, and its listener).
-        run.wait_sockets(args.gateways * args.leaves_per_gateway * args.ranks
-                         + args.gateways + 1)
+        run.wait_sockets(synthetic + args.gateways + 1)
+    elif s.mode == "join":
+        run.wait_joined(stats, synthetic)  # through their agents: no socket to count
+    if s.mode != "no-join":
         s.cpu_joined = benchlib.cpu_seconds(pid)
         s.joined_s = time.monotonic() - run.t0
     if run.spy is not None:
@@ -331,6 +389,8 @@ def _after_up(run: _Launch, s: Sample, lab: Any, spy_file: Optional[Path],
     s.threads_max = run.most
     s.rss_mb = _vm(pid, "VmHWM")
     s.sockets = _sockets(pid)
+    s.fds = _fds(pid)
+    s.profile.append(f"the launcher's open files in the window, by kind: {_fd_kinds(pid)}")
     relays, agents = _lab_processes(lab)
     s.relays_cpu, s.agents_cpu = benchlib.cpu_sum(relays), benchlib.cpu_sum(agents)
     assert run.lines.done_at is not None
@@ -352,12 +412,11 @@ def measure(args: argparse.Namespace, lab: Any, cluster: Path, tmp: Path, mode: 
     s = Sample(mode, rep)
     world = args.gateways * (1 + args.leaves_per_gateway) * args.ranks
     stats = tmp / f"stats-{mode}-{rep}"
-    relay_args = f"--work {args.work:g} --stats {shlex.quote(str(stats))}" + (
-        " --no-join" if mode == "no-join" else "")
-    cmd = f"sh -c {shlex.quote(f'echo up $RANK; exec sleep {args.work:g}')}"
-    argv = [sys.executable, EMULATOR, "--as-launcher",
-            *(["--lenient-nofile"] if args.lenient_nofile else []), relay_args, "--",
-            "--search-root", ROOT, "launch", "--cluster", str(cluster), "--cmd", cmd]
+    join = {"join": "agent", "join-tcp": "tcp", "no-join": "none"}[mode]
+    relay_args = f"--work {args.work:g} --stats {shlex.quote(str(stats))} --join {join}"
+    argv = [sys.executable, EMULATOR, "--as-launcher", relay_args, "--",
+            "--search-root", ROOT, "launch", "--cluster", str(cluster),
+            "--cmd", _gateway_cmd(args, mode, stats)]
     err_path = tmp / f"launcher-{mode}-{rep}.err"
     run = _Launch(args, argv, err_path, world)
     spy_file = tmp / f"py-spy-{mode}-{rep}.raw" if args.py_spy else None
@@ -371,7 +430,7 @@ def measure(args: argparse.Namespace, lab: Any, cluster: Path, tmp: Path, mode: 
         s.threads_up = benchlib.threads(run.pid)
         if args.py_spy:
             s.profile += _thread_names(run.pid)
-        _after_up(run, s, lab, spy_file, out)
+        _after_up(run, s, lab, spy_file, stats, out)
     except benchlib.BenchError as exc:
         s.error = str(exc)
     finally:
@@ -388,6 +447,22 @@ def measure(args: argparse.Namespace, lab: Any, cluster: Path, tmp: Path, mode: 
         _wait_quiet(lab)
         _read_stats(stats, s)
     return s
+
+
+def _gateway_cmd(args: argparse.Namespace, mode: str, stats: Path) -> str:
+    """What the gateways' real ranks run. In mode ``join`` a real `rank.join()` through
+    their real agent (the cohort forms, so its formation is measured), after noting the
+    time of their hello; else ``echo up; sleep`` (no rank of theirs joins: the cohort
+    never forms)."""
+    if mode != "join":
+        return f"sh -c {shlex.quote(f'echo up $RANK; exec sleep {args.work:g}')}"
+    code = (f"import os, sys, time; sys.path.insert(0, {ROOT!r}); "
+            "print('up', os.environ['RANK'], flush=True); "
+            "from fdl_fabric import rank; "
+            f"open({str(stats) + '-hello-'!r} + os.environ['RANK'], 'w')"
+            ".write(repr(time.time())); "
+            f"rank.join(); time.sleep({args.work:g})")
+    return f"{shlex.quote(sys.executable)} -I -S -c {shlex.quote(code)}"
 
 
 def _last_line(path: Path) -> str:
