@@ -89,53 +89,62 @@ class SyntheticRanks:
         if "close" in obj:
             if obj["close"] is not True or rank is None or "msg" in obj:
                 raise wire.ProtocolError(f"malformed cohort close: {obj!r:.200}")
-            r = leaf.ranks[rank]
-            if r.refused:  # the close that follows a reject
-                r.refused -= 1
-            elif r.relayed:
-                r.relayed = r.joined = False
-                self.send(leaf, wire.COHORT_UP, {"rank": r.rank,
-                                                 "closed": "closed by the coordinator"})
+            self._cohort_close(leaf, leaf.ranks[rank])
             return
         msg = obj.get("msg")
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             raise wire.ProtocolError(f"cohort frame without a message: {obj!r:.200}")
-        kind = msg["type"]
         if rank is None:
-            if kind == "formed" and self.stats["formed_at"] is None:
-                self.stats["formed_at"] = time.time()
-            if kind == "shutdown":
-                for r in leaf.ranks.values():
-                    self._relay_ack(r)
+            self._cohort_broadcast(leaf, msg["type"])
             return
         r = leaf.ranks[rank]
         if not r.relayed or not r.running:
             return
-        if kind == "welcome" and not r.joined:
-            r.joined, r.joined_at = True, time.monotonic()
-            self.stats["welcome_bytes"] += len(body)
-            self.stats["join_s"].append(round(r.joined_at - (r.join_t0 or r.joined_at), 4))
-            self.joined += 1
-            if not leaf.beating:
-                leaf.beating = True
-                self.at(r.joined_at + rk.HEARTBEAT_INTERVAL, lambda: self._leaf_beats(leaf))
-        elif kind == "reject" and not r.joined:
-            r.refused += 1
-            r.relayed = False
-            if msg.get("retry") is True:
-                self.stats["retry_rejects"] += 1
-                delay = min(rk.CONNECT_RETRY, rk.RETRY_FIRST * 2 ** min(r.attempt, 16)) * \
-                    random.uniform(0.5, 1.0)
-                r.attempt += 1
-                self.at(time.monotonic() + delay, lambda: self._relay_hello(r))
-            else:
-                self.send(leaf, 0, raw=wire.output(
-                    r.rank, wire.STDERR, f"cluster rank: the coordinator rejected rank "
-                    f"{r.rank}: {msg.get('reason')}\n".encode(), False))
-                self.stats["failed"] += 1
-                self._rank_exit(r, 1, None)
-        elif kind == "shutdown":
+        if msg["type"] == "welcome" and not r.joined:
+            self._cohort_welcome(leaf, r, len(body))
+        elif msg["type"] == "reject" and not r.joined:
+            self._cohort_reject(leaf, r, msg)
+        elif msg["type"] == "shutdown":
             self._relay_ack(r)
+
+    def _cohort_close(self, leaf: Leaf, r: SynRank) -> None:
+        if r.refused:  # the close that follows a reject
+            r.refused -= 1
+        elif r.relayed:
+            r.relayed = r.joined = False
+            self.send(leaf, wire.COHORT_UP, {"rank": r.rank, "closed": "closed by the coordinator"})
+
+    def _cohort_broadcast(self, leaf: Leaf, kind: str) -> None:
+        if kind == "formed" and self.stats["formed_at"] is None:
+            self.stats["formed_at"] = time.time()
+        if kind == "shutdown":
+            for r in leaf.ranks.values():
+                self._relay_ack(r)
+
+    def _cohort_welcome(self, leaf: Leaf, r: SynRank, size: int) -> None:
+        r.joined, r.joined_at = True, time.monotonic()
+        self.stats["welcome_bytes"] += size
+        self.stats["join_s"].append(round(r.joined_at - (r.join_t0 or r.joined_at), 4))
+        self.joined += 1
+        if not leaf.beating:
+            leaf.beating = True
+            self.at(r.joined_at + rk.HEARTBEAT_INTERVAL, lambda: self._leaf_beats(leaf))
+
+    def _cohort_reject(self, leaf: Leaf, r: SynRank, msg: Dict[str, Any]) -> None:
+        r.refused += 1
+        r.relayed = False
+        if msg.get("retry") is True:
+            self.stats["retry_rejects"] += 1
+            delay = min(rk.CONNECT_RETRY, rk.RETRY_FIRST * 2 ** min(r.attempt, 16)) * \
+                random.uniform(0.5, 1.0)
+            r.attempt += 1
+            self.at(time.monotonic() + delay, lambda: self._relay_hello(r))
+            return
+        self.send(leaf, 0, raw=wire.output(
+            r.rank, wire.STDERR, f"cluster rank: the coordinator rejected rank "
+            f"{r.rank}: {msg.get('reason')}\n".encode(), False))
+        self.stats["failed"] += 1
+        self._rank_exit(r, 1, None)
 
     def _relay_ack(self, r: SynRank) -> None:
         if r.joined and r.running and not r.acked:
