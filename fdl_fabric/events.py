@@ -73,7 +73,6 @@ class Name(str, Enum):
     #: The launcher raised its soft RLIMIT_NOFILE to what the run needs.
     OPEN_FILES_RAISED = ("open_files_raised", Kind.INFO)
     PLAN_LOOPBACK_MASTER = ("plan_loopback_master", Kind.WARNING)
-    PLAN_LOOPBACK_CONTROLLER = ("plan_loopback_controller", Kind.WARNING)
     OMP_DEFAULTED = ("omp_defaulted", Kind.INFO)
     BATCHMODE_OFF = ("batchmode_off", Kind.WARNING)
     KEEPALIVE_LOST = ("keepalive_lost", Kind.WARNING)

@@ -31,6 +31,7 @@ __all__ = [
     "HOST_LABEL_MAX",
     "HOST_NAME_MAX",
     "MERGED_ENTRIES_MAX",
+    "LOG_FILES_OPEN",
     "NOFILE_BASE",
     "NOFILE_PENDING_MIN",
     "NOFILE_PER_HOST",
@@ -45,12 +46,11 @@ __all__ = [
     "SECONDS_MAX",
     "SSH_OPTIONS_MAX",
     "SSH_OPTION_MAX_BYTES",
-    "TUNNEL_EXTRA",
+    "TUNNEL_CONNECTIONS",
     "TUNNEL_FDS_FIXED",
     "TUNNEL_FDS_PER_CONNECTION",
     "TUNNEL_FD_RESERVE",
     "TUNNEL_FIRST_FRAME_MAX",
-    "TUNNEL_PER_RANK",
     "TUNNEL_WAITING_MAX",
     "TUNNEL_WAITING_SECONDS",
     "USER_NAME_MAX",
@@ -150,9 +150,14 @@ PROBLEMS_MAX = 100
 # sessions need. With paramiko an SSH connection is one socket; a session read by the
 # launcher's channel reader is a pipe besides (its ``fileno()``), forwarded channels none.
 
-#: Open files a launch needs whatever the cluster: the standard streams, the run log's files,
-#: the screen writer, selectors and wake-up pairs, imports, DNS, a reconnect or two in flight.
-NOFILE_BASE = 64
+#: Rank log files (stdout.log, stderr.log) one run log holds open at once; the others are
+#: opened again by their next write (`presentation.rotating.FilePool`).
+LOG_FILES_OPEN = 16
+
+#: Open files a launch needs whatever the cluster: the standard streams, the screen writer,
+#: selectors and wake-up pairs, imports, DNS, a reconnect or two in flight, and the rank
+#: logs of the run's record and of ``--log-dir`` (`LOG_FILES_OPEN` each).
+NOFILE_BASE = 64 + 2 * LOG_FILES_OPEN
 
 #: Per host connected directly: its SSH connection (one socket) and its agent session's
 #: pipe (two), or a local or Slurm agent's three pipes, and room for a reconnect's socket
@@ -167,13 +172,10 @@ NOFILE_PER_RELAY = 2
 #: ranks reach it through their agents' sessions, so nothing here grows with the world.
 NOFILE_PENDING_MIN = 256
 
-#: Forwarded connections one tunnel carries at once: this many per rank of its host (a rank
-#: holds one; the rest leave room for redials after a reset, an exiting rank's last words and
-#: the agent's pre-flight dial) ...
-TUNNEL_PER_RANK = 4
-
-#: ... plus this many, so a host of one rank is not held to four.
-TUNNEL_EXTRA = 8
+#: Forwarded connections one tunnel carries at once, whatever the ranks of its host: the
+#: launcher's ranks reach the coordinator through their agent's session (issue 35), so a
+#: tunnel carries only ranks run by hand on that host and the agent's pre-flight dial.
+TUNNEL_CONNECTIONS = 16
 
 #: Open files one forwarded connection costs the launcher: its socket to the coordinator and
 #: the coordinator's end of it (the channel itself costs none).

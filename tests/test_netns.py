@@ -166,15 +166,16 @@ def test_a_partitioned_host_is_detected_within_the_keepalive_time_and_leaves_no_
             os.kill(proc.pid, signal.SIGKILL)
 
 
-def test_a_tunneled_host_joins_the_cohort_through_its_ssh_connection(
+def test_a_host_that_cannot_reach_the_coordinators_port_joins_through_its_agent(
         netns_lab, tmp_path: Path) -> None:
-    """The namespace host cannot reach the controller's loopback except through the
-    remote forward on its Connection: its ranks dial 127.0.0.1:<port> on their side."""
+    """The namespace host cannot reach the controller's loopback, where the coordinator
+    listens, and has no tunnel: its ranks join through their agent, on its SSH session."""
     lab: NetnsLab = netns_lab(n_hosts=1)
     (host,) = lab.hosts
     cluster = lab.write_cluster(
         [{"host": "localhost", "nproc": 1, "path": str(ROOT)},
-         lab.worker(host, nproc=2, tunnel=True)], kill_grace=KILL_GRACE)
+         lab.worker(host, nproc=2)], kill_grace=KILL_GRACE)
+    assert "host: 127.0.0.1" in cluster.read_text(), "the coordinator on loopback"
     toy = ROOT / "examples" / "toy_train.py"
     out = subprocess.run(
         launch_argv(cluster, "--cmd", f"python3 {toy} --steps 3 --step-time 0.05 "

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import stat
 from pathlib import Path
 
 import pytest
 
+from fdl_fabric import limits
 from fdl_fabric.events import Event, Name, event
 from fdl_fabric.presentation.output import Console, RunLog, redact_env, use_color
 from fdl_fabric.presentation.words import render
@@ -58,6 +60,21 @@ def test_rank_output_is_kept_byte_for_byte_in_a_private_log_file(tmp_path: Path)
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
     for path in (rank / "stdout.log", folder / "events.jsonl"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_log_of_many_ranks_holds_a_few_files_open_and_loses_no_byte(tmp_path: Path) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    log = RunLog(str(tmp_path), "run1", max_bytes=64)
+    for turn in range(3):  # every rank writes in turn, so each file is opened again
+        for rank in range(200):
+            log.emit(output("h", rank, f"t{turn}", raw=f"{turn}:{rank}\n".encode()))
+    held = len(os.listdir("/proc/self/fd")) - before
+    assert held <= limits.LOG_FILES_OPEN + 1, "the pool's files and events.jsonl, not 200"
+    log.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    for rank in (0, 77, 199):
+        text = (tmp_path / "run1" / "attempt_0" / f"r{rank}" / "stdout.log").read_text()
+        assert text == "".join(f"{turn}:{rank}\n" for turn in range(3))
 
 
 def test_events_are_written_as_timestamped_json_lines_with_their_data_and_words(

@@ -301,15 +301,16 @@ def test_tunnels_reach_the_controller_and_loopback_dials_do_not(sshd_lab, tmp_pa
         row = _check(report, "far", "port")
         assert row.status is Status.OK and "through the SSH tunnel" in row.reason, \
             report.to_json()
-        # 2. Without a tunnel, controller.host 127.0.0.1 is the worker's own loopback:
-        # prebuild-check fails; before a launch it only warns (a plain script never dials).
+        # 2. Without a tunnel, controller.host 127.0.0.1 is the worker's own loopback: a
+        # warning, in prebuild-check too (only a rank run by hand dials the port).
         cluster = lab.write_cluster([worker("far")])
         report = _run(cluster, argv=["true"])
         row = _check(report, "far", "port")
-        assert row.status is Status.FAIL and "Connection refused" in row.reason
+        assert row.status is Status.WARN and "Connection refused" in row.reason
         assert "controller.host is a loopback address" in row.reason
+        assert "only a rank run by hand" in row.reason
         row = _check(_run(cluster, argv=["true"], fast=True), "far", "port")
-        assert row.status is Status.WARN and "only ranks that join the cohort" in row.reason
+        assert row.status is Status.WARN and "only a rank run by hand" in row.reason
         # 3. With the controller's real address, the direct dial works.
         cluster = lab.write_cluster([worker("far")])
         cluster.write_text(cluster.read_text().replace("host: 127.0.0.1", f"host: {ctl_ip}"))
@@ -321,7 +322,7 @@ def test_tunnels_reach_the_controller_and_loopback_dials_do_not(sshd_lab, tmp_pa
         cluster.write_text(cluster.read_text().replace("host: 127.0.0.1", f"host: {ctl_ip}"))
         report = _run(cluster, argv=["true"])
         row = _check(report, "tun", "port")
-        assert row.status is Status.FAIL and "tunnel every remote worker, or none" in row.reason
+        assert row.status is Status.WARN and "tunnel every remote worker, or none" in row.reason
         # 5. The controller's port busy here: the tunnel still listens on the configured
         # port on its side and delivers to the stand-in, so the route is still tested.
         cluster = lab.write_cluster([worker("far", tunnel=True)])

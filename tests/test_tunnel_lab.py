@@ -227,7 +227,7 @@ def test_a_flood_of_the_tunnel_port_by_another_user_is_bounded_and_the_run_compl
     assert parts.get("that sent", 0) > 100, counted
     # The ranks' own connections plus the tunnel's bound, each two descriptors (the
     # forwarder's socket and the coordinator's end), and a little for what comes and goes.
-    bound = limits.TUNNEL_PER_RANK * 2 + limits.TUNNEL_EXTRA
+    bound = limits.TUNNEL_CONNECTIONS
     assert most <= baseline + limits.TUNNEL_FDS_PER_CONNECTION * bound + 24, \
         (baseline, most, bound)
     assert "not only on loopback" not in err
@@ -249,7 +249,7 @@ def test_the_forward_opens_at_most_its_bound_and_waiting_connections_cost_no_soc
                                                              tunnel=True)])))
     worker = cluster.workers[0]
     bound = forward_bound(worker)
-    assert bound == limits.TUNNEL_PER_RANK + limits.TUNNEL_EXTRA
+    assert bound == limits.TUNNEL_CONNECTIONS, "one bound a host, not one a rank"
     log = EventLog()
     bus = EventBus(log)
     transport = for_cluster(cluster, resolve_all_settings(cluster, bus))[worker.host]

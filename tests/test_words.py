@@ -242,9 +242,9 @@ def test_a_check_report_is_one_greppable_line_per_check_and_a_verdict() -> None:
 
 def test_a_loopback_warning_names_eight_hosts_and_counts_the_rest() -> None:
     remote = {f"leaf{i:04d}": f"192.0.2.{i % 250}" for i in range(1, 993)}
-    text = render(event(Name.PLAN_LOOPBACK_CONTROLLER, address="127.0.0.1", remote=remote))
-    assert "leaf0008 (192.0.2.8) and 984 more hosts dial the coordinator" in text
+    text = render(event(Name.PLAN_LOOPBACK_MASTER, address="127.0.0.1", remote=remote))
+    assert "leaf0008 (192.0.2.8) and 984 more hosts dial it" in text
     assert "leaf0009" not in text and len(text) < 400
-    one = render(event(Name.PLAN_LOOPBACK_CONTROLLER, address="127.0.0.1",
+    one = render(event(Name.PLAN_LOOPBACK_MASTER, address="127.0.0.1",
                        remote={"gpu1": "192.0.2.1"}))
-    assert "gpu1 (192.0.2.1) dial the coordinator" in one
+    assert "gpu1 (192.0.2.1) dial it" in one

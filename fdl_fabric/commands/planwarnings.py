@@ -1,18 +1,20 @@
-"""Warnings about a plan's addresses: loopback where a host on another machine must dial.
+"""A warning about a plan's MASTER_ADDR: loopback where a host on another machine must dial.
 
-A coordinator bound to 127.0.0.1, or a ``MASTER_ADDR`` of 127.0.0.1, works only for ranks
-on this machine. A worker is on this machine when the cluster says so (``localhost``,
-this host's name, a tunnel that forwards to it), or when its address or its ssh
-destination (the ``HostName`` of an ssh_config alias, as `sshconfig` resolved it) is a
-loopback address or one of this machine's own interface addresses, given as such or
-by a name that resolves only to them. So ``--hosts 127.0.0.2,127.0.0.3`` or aliases of
-this machine warn nothing; a host elsewhere, or a name that does not resolve, is
-warned about. Names are looked up only when a warning is possible (a loopback master
-or controller), each once.
+A ``MASTER_ADDR`` of 127.0.0.1 works only for ranks on this machine: torch's rendezvous
+and collectives dial it from every rank. (The coordinator's address needs no such
+warning: ranks reach it through their host's agent, on its session; docs/protocol.md.)
+A worker is on this machine when the cluster says so (``localhost``, this host's name,
+a tunnel that forwards to it), or when its address or its ssh destination (the
+``HostName`` of an ssh_config alias, as `sshconfig` resolved it) is a loopback address or
+one of this machine's own interface addresses, given as such or by a name that resolves
+only to them. So ``--hosts 127.0.0.2,127.0.0.3`` or aliases of this machine warn
+nothing; a host elsewhere, or a name that does not resolve, is warned about. Names are
+looked up only when a warning is possible (a loopback master), each once, many at a
+time (1,024 names one after another took 15 s).
 
 The advice is in the words of how the cluster was given: keys of the cluster file, or
-flags (``--controller-addr ADDR``, ``--master-addr ADDR``) for ``--hosts`` and
-``--hostfile``, whose cluster has no file to edit.
+the ``--master-addr ADDR`` flag for ``--hosts`` and ``--hostfile``, whose cluster has no
+file to edit.
 """
 
 from __future__ import annotations
@@ -20,14 +22,21 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import psutil
 
 from ..events import Name
 from ..planning.plan import LaunchPlan
 
+if TYPE_CHECKING:
+    from ..clusterfile import WorkerSpec
+
 Resolve = Callable[[str], list[str]]
+
+#: Names looked up at once (each lookup mostly waits on the resolver).
+LOOKUPS_AT_ONCE = 32
 
 
 def is_loopback(address: str) -> bool:
@@ -91,23 +100,22 @@ class ThisMachine:
 def plan_warnings(plan: LaunchPlan, *, targets: Optional[Mapping[str, str]] = None,
                   from_flags: bool = False, lookup: Resolve = resolve
                   ) -> list[tuple[Name, dict[str, Any]]]:
-    """Addresses that cannot work: loopback where a worker on another machine must dial
-    in. ``targets``: each SSH host's destination (its ssh_config ``HostName``);
+    """A MASTER_ADDR that cannot work: loopback where a worker on another machine must
+    dial it. ``targets``: each SSH host's destination (its ssh_config ``HostName``);
     ``from_flags``: the cluster came from ``--hosts``/``--hostfile`` (advice in flags)."""
     master = plan.ranks[0].env.get("MASTER_ADDR", "")
-    host = plan.cluster.controller.host
-    if not (is_loopback(master) or is_loopback(host)):
+    if not is_loopback(master):
         return []
     here = ThisMachine(lookup)
-    remote = {w.host: w.addr for w in plan.cluster.workers
-              if not w.is_local and not w.tunnel and not here(w.addr)
-              and not here((targets or {}).get(w.host, ""))}
+    dialed = [w for w in plan.cluster.workers if not w.is_local and not w.tunnel]
+
+    def elsewhere(worker: WorkerSpec) -> bool:
+        return not here(worker.addr) and not here((targets or {}).get(worker.host, ""))
+
+    with ThreadPoolExecutor(max_workers=LOOKUPS_AT_ONCE) as pool:
+        verdicts = list(pool.map(elsewhere, dialed))
+    remote = {w.host: w.addr for w, away in zip(dialed, verdicts) if away}
     if not remote:
         return []
-    said = {"remote": remote, "flags": from_flags, "file": plan.cluster.file}
-    warnings: list[tuple[Name, dict[str, Any]]] = []
-    if is_loopback(master):
-        warnings.append((Name.PLAN_LOOPBACK_MASTER, {"address": master, **said}))
-    if is_loopback(host):
-        warnings.append((Name.PLAN_LOOPBACK_CONTROLLER, {"address": host, **said}))
-    return warnings
+    return [(Name.PLAN_LOOPBACK_MASTER, {"address": master, "remote": remote,
+                                         "flags": from_flags, "file": plan.cluster.file})]

@@ -39,7 +39,7 @@ from .probe import (
     settings_of,
 )
 from .report import CONTROLLER, Check, Report, Status
-from .verdicts import evaluate
+from .verdicts import ONLY_BY_HAND, evaluate
 
 #: Seconds the whole host script may take (nvidia-smi can hang on a broken driver).
 PROBE_TIMEOUT = 60.0
@@ -282,13 +282,11 @@ def _tunnel_mismatch(plan: HostPlan, transport: Transport, ctl: ControllerFacts,
     rows = _check_host(dataclasses.replace(plan, dial=None), transport, ctl, salt, keep)
     if any(r.name == transport.kind and r.status is Status.FAIL for r in rows):
         return rows
-    status, only_join = (Status.WARN, " (only ranks that join the cohort dial it)") \
-        if plan.fast else (Status.FAIL, "")
-    rows.append(Check(plan.host, "port", status,
+    rows.append(Check(plan.host, "port", Status.WARN,
                       f"tunnel: true, but the coordinator binds {ctl.bind_host}:{ctl.port} "
                       "(other workers dial it directly) while the tunnel delivers to "
                       f"127.0.0.1:{ctl.port} there: tunnel every remote worker, or "
-                      f"none{only_join}"))
+                      f"none{ONLY_BY_HAND}"))
     return rows
 
 

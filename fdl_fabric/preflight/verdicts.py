@@ -332,14 +332,19 @@ def _port_row(plan: HostPlan, facts: HostFacts, ctl: ControllerFacts) -> Optiona
     return _dial_row(plan, facts.values.get("dial", ""))
 
 
-def _unreachable(plan: HostPlan) -> tuple[Status, str]:
-    """The status of an unreachable coordinator, and the words that explain a WARN.
+#: Why an unreachable coordinator port only warns (docs/protocol.md, "Which path a rank takes").
+ONLY_BY_HAND = (" (only a rank run by hand on this host dials it: the launcher's ranks reach "
+                "the coordinator through their agent)")
 
-    Only ranks that join the cohort (fdl_fabric.rank.join()) dial the coordinator; a plain
-    script never does. So before a launch, where blocking would stop runs that work, an
-    unreachable coordinator warns; prebuild-check, which is asked to be strict, fails."""
-    return (Status.WARN, " (only ranks that join the cohort dial it)") if plan.fast \
-        else (Status.FAIL, "")
+
+def _unreachable(plan: HostPlan) -> tuple[Status, str]:
+    """The status of an unreachable coordinator, and the words that explain it.
+
+    The ranks the launcher starts reach the coordinator through their host's agent, on
+    its session (issue 35); only a rank run by hand with the rank environment dials the
+    port. So an unreachable port warns, in prebuild-check too: failing would stop runs
+    that work."""
+    return Status.WARN, ONLY_BY_HAND
 
 
 def _dial_row(plan: HostPlan, got: str) -> Check:

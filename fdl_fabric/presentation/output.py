@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Callable, Optional, Protocol, TextIO
 
+from .. import limits
 from ..events import Event, Kind, Name
 from ..inert import json_inert, neutralize, shown_lines
 from ..masking import mask_data, mask_env
@@ -33,7 +34,7 @@ from .interrupted import Interrupted
 from .layout import fit
 from .ranklines import cut_to_width, rank_block
 from .records import Attempts, record
-from .rotating import RotatingFile
+from .rotating import FilePool, RotatingFile
 from .screen import ERR, OUT, Screen
 from .stacks import dump_text
 from .words import render
@@ -433,7 +434,8 @@ class RunLog:
         Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one is kept
         _private_dir(self.folder)
         self._events = _private_file(self.folder / "events.jsonl")
-        self._ranks: dict[tuple[int, int, bool], RotatingFile] = {}
+        #: Rank logs by (attempt, rank, stderr); a few hold a descriptor at a time.
+        self._ranks = FilePool(limits.LOG_FILES_OPEN)
         self._lock = threading.Lock()
         #: The attempt whose rank output is being written (``--max-restarts``).
         self.attempt = 0
@@ -447,15 +449,13 @@ class RunLog:
         return self.folder / f"attempt_{self.attempt}" / f"r{rank}"
 
     def _rank_file(self, rank: int, stderr: bool) -> RotatingFile:
-        fh = self._ranks.get((self.attempt, rank, stderr))
-        if fh is None:
+        def make() -> RotatingFile:
             folder = self.rank_folder(rank)
             _private_dir(folder.parent)
             _private_dir(folder)
-            fh = RotatingFile(folder / ("stderr.log" if stderr else "stdout.log"),
-                              self.max_bytes)
-            self._ranks[(self.attempt, rank, stderr)] = fh
-        return fh
+            return RotatingFile(folder / ("stderr.log" if stderr else "stdout.log"),
+                                self.max_bytes)
+        return self._ranks.get((self.attempt, rank, stderr), make)
 
     def emit(self, event: Event) -> None:
         failure = None
@@ -516,9 +516,7 @@ class RunLog:
         with self._lock:
             with contextlib.suppress(OSError):
                 self._events.close()
-            for fh in self._ranks.values():
-                with contextlib.suppress(OSError):
-                    fh.close()
+            self._ranks.close()
 
 
 def _private_dir(path: Path) -> None:

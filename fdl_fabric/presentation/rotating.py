@@ -9,9 +9,11 @@ tokens).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections import OrderedDict
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Dict, Hashable, Optional
 
 
 def open_private(path: Path, *, truncate: bool = False) -> int:
@@ -26,38 +28,88 @@ def open_private(path: Path, *, truncate: bool = False) -> int:
 
 class RotatingFile:
     """An append-only binary file of at most ``max_bytes`` (None: no bound), rotated to
-    ``<name>.1``. Not thread-safe: its owner holds the lock."""
+    ``<name>.1``. Not thread-safe: its owner holds the lock.
+
+    Its descriptor can be released and is opened again by the next write, so a log of
+    thousands of ranks holds only the few files being written (`FilePool`)."""
 
     def __init__(self, path: Path, max_bytes: Optional[int] = None) -> None:
         self.path = path
         self.max_bytes = max_bytes
-        self._fd = open_private(path)
+        self._fd: Optional[int] = open_private(path)
         self._size = os.fstat(self._fd).st_size
         self.closed = False
 
+    @property
+    def holds_fd(self) -> bool:
+        return self._fd is not None
+
+    def _descriptor(self) -> int:
+        if self._fd is None:
+            self._fd = open_private(self.path)
+            self._size = os.fstat(self._fd).st_size
+        return self._fd
+
     def write(self, data: bytes) -> None:
+        fd = self._descriptor()
         if self.max_bytes is not None and self._size and \
                 self._size + len(data) > self.max_bytes:
-            self._rotate()
+            fd = self._rotate(fd)
         view = memoryview(data)
         while view:
-            written = os.write(self._fd, view)
+            written = os.write(fd, view)
             view = view[written:]
         self._size += len(data)
 
-    def _rotate(self) -> None:
-        os.close(self._fd)
+    def _rotate(self, fd: int) -> int:
+        os.close(fd)
         os.replace(self.path, self.path.with_name(self.path.name + ".1"))
         self._fd = open_private(self.path, truncate=True)
         self._size = 0
+        return self._fd
 
     def flush(self) -> None:
         """Every write goes straight to the file (one ``write(2)``): nothing to flush."""
 
+    def release(self) -> None:
+        """Close the descriptor; the file stays writable (reopened on the next write)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            os.close(self._fd)
+            self.release()
+
+
+class FilePool:
+    """Rotating files by key, at most ``open_max`` of them holding a descriptor: the
+    least recently written is released first. Why: a run log of 8,192 ranks would
+    otherwise hold 16,384 files open in the launcher, past a default RLIMIT_NOFILE."""
+
+    def __init__(self, open_max: int) -> None:
+        self.open_max = open_max
+        self.files: Dict[Hashable, RotatingFile] = {}
+        self._open: OrderedDict[Hashable, RotatingFile] = OrderedDict()
+
+    def get(self, key: Hashable, make: Callable[[], RotatingFile]) -> RotatingFile:
+        """The file of ``key`` (made by ``make`` the first time), counted as open."""
+        file = self.files.get(key)
+        if file is None:
+            file = self.files[key] = make()
+        self._open[key] = file
+        self._open.move_to_end(key)
+        while len(self._open) > self.open_max:
+            _, oldest = self._open.popitem(last=False)
+            oldest.release()
+        return file
+
+    def close(self) -> None:
+        for file in self.files.values():
+            with contextlib.suppress(OSError):
+                file.close()
+        self._open.clear()
 
 
 class TextLog:
@@ -81,4 +133,4 @@ class TextLog:
         raise OSError("a log file, not a terminal")
 
 
-__all__ = ["RotatingFile", "TextLog", "open_private"]
+__all__ = ["FilePool", "RotatingFile", "TextLog", "open_private"]

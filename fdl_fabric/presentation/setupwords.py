@@ -66,17 +66,6 @@ def _loopback_master(e: Event, d: Mapping[str, Any]) -> str:
             f"from another machine: {fix}")
 
 
-def _loopback_controller(e: Event, d: Mapping[str, Any]) -> str:
-    """For a cluster file, its keys; for ``--hosts``/``--hostfile`` (no file), the flag."""
-    if d.get("flags"):
-        return (f"{L}the coordinator listens on {d['address']}, a loopback address, but "
-                f"{_remote(d)} dial it from another machine: pass --controller-addr ADDR, an "
-                "address of this machine that they reach")
-    return (f"{L}controller.host is {d['address']}, a loopback address, but {_remote(d)} dial "
-            "the coordinator from another machine: set controller.host to an address they "
-            "reach, or tunnel: true")
-
-
 #: Hosts a warning names one by one; beyond, it says how many more (1,024 hosts would
 #: make one warning of 30 KB).
 HOSTS_NAMED = 8
@@ -100,5 +89,4 @@ SETUP_WORDS: dict[Name, Words] = {
     Name.TUNNEL_EXPOSED: _tunnel_exposed,
     Name.OPEN_FILES_RAISED: _open_files_raised,
     Name.PLAN_LOOPBACK_MASTER: _loopback_master,
-    Name.PLAN_LOOPBACK_CONTROLLER: _loopback_controller,
 }

@@ -38,8 +38,9 @@ def ranks_on(worker: WorkerSpec) -> int:
 
 
 def forward_bound(worker: WorkerSpec) -> int:
-    """Forwarded connections one worker's tunnel carries at once."""
-    return limits.TUNNEL_PER_RANK * ranks_on(worker) + limits.TUNNEL_EXTRA
+    """Forwarded connections one worker's tunnel carries at once: not one per rank, as the
+    launcher's ranks speak through their agent (`limits.TUNNEL_CONNECTIONS`)."""
+    return limits.TUNNEL_CONNECTIONS
 
 
 def open_files_needed(cluster: ClusterSpec, tree: Tree) -> int:

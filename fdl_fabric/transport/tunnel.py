@@ -20,12 +20,13 @@ sessions dropped and the run was lost.
   a round trip; an idle flood's never is), and so is one that waited
   ``TUNNEL_WAITING_SECONDS``. A first length no hello has is turned away at once.
 * A connection whose first frame is in gets its socket to the coordinator when fewer than
-  the tunnel's bound (`forward_bound`: ``TUNNEL_PER_RANK`` per rank of the host plus
-  ``TUNNEL_EXTRA``) are open and the open files left under the soft limit stay above
-  ``TUNNEL_FD_RESERVE``; otherwise it waits for room, oldest first, still without a socket
-  (at most ``TUNNEL_WAITING_MAX`` such, for at most ``TUNNEL_WAITING_SECONDS``: sshd hands
-  connections over in bursts), and beyond that it is refused: its channel closed, no
-  socket, no thread. An open connection is never closed to make room.
+  the tunnel's bound (`forward_bound`: ``TUNNEL_CONNECTIONS``, whatever the host's
+  ranks, which speak through their agent) are open and the open files left under the
+  soft limit stay above ``TUNNEL_FD_RESERVE``; otherwise it waits for room, oldest
+  first, still without a socket (at most ``TUNNEL_WAITING_MAX`` such, for at most
+  ``TUNNEL_WAITING_SECONDS``: sshd hands connections over in bursts), and beyond that
+  it is refused: its channel closed, no socket, no thread. An open connection is never
+  closed to make room.
 * Every connection turned away is counted: one warning at the first, and the count when the
   tunnel closes (`Name.TUNNEL_TURNING_AWAY`, `Name.TUNNEL_TURNED_AWAY`), never a line each.
 * Once the forward listens, it asks the host which addresses listen on the port (the
