@@ -82,18 +82,11 @@ class SyntheticRanks:
 
     def _on_cohort_down(self, leaf: Leaf, body: bytes) -> None:
         """A `wire.COHORT_DOWN` frame, as `cohortrelay.CohortRelay.on_down` takes it."""
-        obj = wire.parse_json(body)
-        rank = obj.get("rank")
-        if rank is not None and (type(rank) is not int or rank not in leaf.ranks):
-            raise wire.ProtocolError(f"cohort frame for rank {rank!r}, not a rank of this host")
-        if "close" in obj:
-            if obj["close"] is not True or rank is None or "msg" in obj:
-                raise wire.ProtocolError(f"malformed cohort close: {obj!r:.200}")
+        rank, msg = wire.parse_cohort_down(wire.parse_json(body), leaf.ranks)
+        if msg is None:
+            assert rank is not None
             self._cohort_close(leaf, leaf.ranks[rank])
             return
-        msg = obj.get("msg")
-        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-            raise wire.ProtocolError(f"cohort frame without a message: {obj!r:.200}")
         if rank is None:
             self._cohort_broadcast(leaf, msg["type"])
             return

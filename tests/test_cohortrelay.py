@@ -27,7 +27,7 @@ import pytest
 from test_agent import AgentPipe, spec
 
 from fdl_fabric import rank
-from fdl_fabric.agent import cohortrelay, wire
+from fdl_fabric.agent import cohortrelay, registry, wire
 
 HOST = "h1"
 WORLD = 3
@@ -577,5 +577,31 @@ def test_an_agent_started_rank_joins_and_beats_through_its_agent_and_the_socket_
         assert all(e["code"] == 0 for e in agent.exits(rest).values())
         assert not socket_path.exists()
         assert agent.wait() == 0
+    finally:
+        agent.stop()
+
+
+def test_a_sigkilled_agents_socket_and_its_temp_folder_are_removed_by_its_watchdog(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A registry whose path is too long for a socket: the agent binds in an fdlr- folder.
+    long = tmp_path / ("r" * 110)
+    long.mkdir(mode=0o700)
+    monkeypatch.setenv(registry.ENV_STATE_DIR, str(long))
+    s = spec(["bash", "-c", f'echo "${rank.ENV_AGENT_SOCKET}"; exec sleep 300'], 1,
+             grace=1.0)
+    s["envelope"] = json.dumps({
+        "controller": {"host": "127.0.0.1", "port": 9}, "run_id": s["run_id"],
+        "salt": secrets.token_hex(16), "world_size": 1,
+        "worker": {"host": "localhost", "ranks": [0]}}).encode().hex()
+    agent = AgentPipe()
+    try:
+        agent.send(wire.SPEC, s)
+        socket_path = Path(agent.output(agent.until(wire.OUTPUT), 0).decode().strip())
+        assert socket_path.parent.name.startswith("fdlr-") and socket_path.exists()
+        os.kill(agent.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 1.0 + 5.0  # the kill grace, and room
+        while socket_path.parent.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not socket_path.exists() and not socket_path.parent.exists()
     finally:
         agent.stop()

@@ -115,6 +115,8 @@ def test_a_hello_for_another_rank_than_its_agent_bound_is_refused(
                                                 "pid": 1, "lib": 1}))
     time.sleep(0.3)
     assert coord.joined == set() and down.messages("node0") == []
+    dropped = until(lambda: log.named(Name.PEER_DROPPED))
+    assert "a hello naming rank 0 relayed as rank 1" in str(dropped[0].data), dropped
 
 
 def test_folded_beats_keep_ranks_alive_and_a_silent_rank_is_declared_dead_from_its_own_age(

@@ -360,17 +360,11 @@ class CohortRelay:
         """A `wire.COHORT_DOWN` frame: a message for one rank (``welcome`` and ``reject``
         answer its oldest hello awaiting one; others go to its joined connection), for
         every joined rank (``rank`` null), or ``close`` of a rank's connections."""
-        rank = body.get("rank")
-        if rank is not None and (type(rank) is not int or rank not in self.ranks):
-            raise wire.ProtocolError(f"cohort frame for rank {rank!r}, not a rank of this host")
-        if "close" in body:
-            if body["close"] is not True or rank is None or "msg" in body:
-                raise wire.ProtocolError(f"malformed cohort close: {body!r:.200}")
+        rank, msg = wire.parse_cohort_down(body, self.ranks)
+        if msg is None:
+            assert rank is not None
             self._close_rank(rank)
             return
-        msg = body.get("msg")
-        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-            raise wire.ProtocolError(f"cohort frame without a message: {body!r:.200}")
         for conn in self._addressees(rank, msg["type"]):
             self._deliver(conn, msg)
 

@@ -380,7 +380,10 @@ class Agent(HostLoop):
             return
         self.watchdog = watchdog.start(str(spec["run_id"]), str(spec["host"]),
                                        float(spec["kill_grace"]), self.attempt)
-        base = ranks.base_env(spec, self.cohort.open(spec, self.attempt))
+        socket_path = self.cohort.open(spec, self.attempt)
+        if self.watchdog is not None and socket_path is not None:
+            self.watchdog.remove_at_end(socket_path)
+        base = ranks.base_env(spec, socket_path)
         argv = [str(a) for a in spec["argv"]]
         for entry in spec["ranks"]:
             if not self._spawn_one(spec, entry, base, argv):

@@ -7,7 +7,8 @@ reach it), holding the read end of a pipe from the agent. The agent writes each
 rank's process group (pid and start time) to the pipe as it starts it, and ``done``
 when it exits normally. If the pipe reaches EOF without ``done``, the agent died:
 the watchdog sends TERM to every process of the run on this host, KILL after the
-kill grace, removes the run's record and exits.
+kill grace, removes the run's record and the ranks' socket (and its own temp folder, an
+``fdlr-`` one, when the registry's path was too long for a socket) and exits.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 from typing import List, Optional, Set, Tuple
 
 from fdl_fabric.agent import procs
@@ -31,6 +33,12 @@ class Watchdog:
     def watch(self, pgid: int, start: int) -> None:
         """Tell the watchdog about a rank's process group."""
         self._write(f"{pgid} {start}\n")
+
+    def remove_at_end(self, socket_path: str) -> None:
+        """The ranks' socket (`cohortrelay`): removed if the agent dies, with its folder
+        when that is a temp folder of its own (``fdlr-``)."""
+        if "\n" not in socket_path:
+            self._write(f"rm {socket_path}\n")
 
     def done(self) -> None:
         """The agent is exiting normally: nothing is left for the watchdog to do."""
@@ -93,6 +101,7 @@ def _detach(keep: int) -> None:  # pragma: no cover - runs in the watchdog
 def _run(fd: int, run_id: str, host: str, kill_grace: float,
          whose: Tuple[int, int]) -> None:  # pragma: no cover
     groups: List[Tuple[int, int]] = []
+    sockets: List[str] = []
     buf = b""
     while True:
         try:
@@ -107,6 +116,9 @@ def _run(fd: int, run_id: str, host: str, kill_grace: float,
         for line in lines:
             if line == b"done":
                 return
+            if line.startswith(b"rm "):
+                sockets.append(os.fsdecode(line[3:]))
+                continue
             parts = line.split()
             if len(parts) == 2:
                 groups.append((int(parts[0]), int(parts[1])))
@@ -120,3 +132,17 @@ def _run(fd: int, run_id: str, host: str, kill_grace: float,
     attempt, agent = whose
     procs.stop(current, kill_grace)
     procs.remove_record(run_id, host, agent=agent)
+    for path in sockets:
+        _remove_socket(path)
+
+
+def _remove_socket(path: str) -> None:  # pragma: no cover - runs in the watchdog
+    """A dead agent's socket, and its folder when that is an ``fdlr-`` temp folder (only
+    ever emptied by this: `os.rmdir`)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    folder = os.path.dirname(path)
+    if os.path.basename(folder).startswith("fdlr-"):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Type
+from typing import Any, Container, Dict, FrozenSet, List, Optional, Tuple, Type
 
 #: Protocol version; the handshake carries it and the spec repeats it. 2: agent
 #: heartbeats, targeted and INT-first stops, suspend/resume, stacks, run listing.
@@ -187,6 +187,24 @@ def parse_json(body: bytes) -> Dict[str, Any]:
     if not isinstance(obj, dict):
         raise ProtocolError("frame body is not a JSON object")
     return obj
+
+
+def parse_cohort_down(body: Dict[str, Any], ranks: Container[int]
+                      ) -> Tuple[Optional[int], Optional[Dict[str, Any]]]:
+    """A `COHORT_DOWN` body checked: ``(rank, msg)`` for a message to rank ``rank`` (None:
+    every joined rank of the host), ``(rank, None)`` to close that rank's connections.
+    ``ranks``: the ranks this host runs; any other is a protocol error."""
+    rank = body.get("rank")
+    if rank is not None and (type(rank) is not int or rank not in ranks):
+        raise ProtocolError(f"cohort frame for rank {rank!r}, not a rank of this host")
+    if "close" in body:
+        if body["close"] is not True or rank is None or "msg" in body:
+            raise ProtocolError(f"malformed cohort close: {body!r:.200}")
+        return rank, None
+    msg = body.get("msg")
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ProtocolError(f"cohort frame without a message: {body!r:.200}")
+    return rank, msg
 
 
 class Reader:

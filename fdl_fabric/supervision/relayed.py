@@ -96,7 +96,9 @@ class Relayed(Connections):
         conn = self._relayed.get(rank)
         if message.get("type") == "hello":
             if message.get("rank") != rank:  # its agent bound the caller to ``rank``
-                self._speaks_for(host, -1)
+                self._refusals.report(Name.PEER_DROPPED, f"{host} (its agent)",
+                                      f"a hello naming rank {str(message.get('rank'))[:20]} "
+                                      f"relayed as rank {rank}")
                 return
             joined = self._relayed.get(rank)
             conn = self._new_relayed(host, rank)
