@@ -17,6 +17,8 @@ and how much a tunnel may carry.
 from __future__ import annotations
 
 __all__ = [
+    "BEATS_EVERY_MAX",
+    "BEATS_PER_TIMEOUT",
     "ARG_STRLEN_MAX",
     "ON_EXIT_SECONDS",
     "RECORD_LOG_BYTES",
@@ -149,6 +151,13 @@ PROBLEMS_MAX = 100
 # (`fdl_fabric.transport.openfiles.check_open_files`) and so a tunnel never takes what the agents'
 # sessions need. With paramiko an SSH connection is one socket; a session read by the
 # launcher's channel reader is a pipe besides (its ``fileno()``), forwarded channels none.
+
+#: An agent folds its ranks' heartbeats into one BEATS frame this often: a tenth of
+#: ``heartbeat_timeout``, between a rank's own beat (1 s) and `BEATS_EVERY_MAX`. Each
+#: rank's age in the frame is exact, so a frozen rank is found within the timeout however
+#: seldom the frames go; a live one looks at most this much older than it is.
+BEATS_PER_TIMEOUT = 10
+BEATS_EVERY_MAX = 3.0
 
 #: Rank log files (stdout.log, stderr.log) one run log holds open at once; the others are
 #: opened again by their next write (`presentation.rotating.FilePool`).

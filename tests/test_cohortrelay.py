@@ -605,3 +605,13 @@ def test_a_sigkilled_agents_socket_and_its_temp_folder_are_removed_by_its_watchd
         assert not socket_path.exists() and not socket_path.parent.exists()
     finally:
         agent.stop()
+
+
+def test_the_folded_beats_go_as_often_as_the_spec_says_within_bounds(tmp_path: Path) -> None:
+    for asked, used in ((3.0, 3.0), (0.01, 1.0), (None, 1.0), (True, 1.0), (99, 10.0)):
+        relay = cohortrelay.CohortRelay(lambda kind, body: None, selectors.DefaultSelector(),
+                                        dict)
+        relay.open({"run_id": "r", "host": "h", "ranks": [{"rank": 0}], "beats_every": asked},
+                   0, str(tmp_path / "reg"))
+        assert relay.beat_every == used, asked
+        relay.close()

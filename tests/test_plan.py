@@ -9,7 +9,7 @@ import pytest
 from fdl_fabric.agent import wire
 from fdl_fabric.clusterfile import parse_cluster
 from fdl_fabric.planning.envelope import PrebuiltBinary, SlimEnvelope
-from fdl_fabric.planning.plan import build_plan
+from fdl_fabric.planning.plan import beats_every, build_plan
 
 SALT = bytes(range(16))
 
@@ -141,3 +141,10 @@ def test_an_agent_spec_holds_the_hosts_shared_env_once_and_each_ranks_own() -> N
     assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in spec["ranks"]] == ["3", "1"]
     assert spec["envelope"] == plan.envelope_hex("gpu-a")
     assert spec["argv"] == list(plan.ranks[2].argv) and spec["cwd"] == plan.ranks[2].cwd
+
+
+def test_agents_fold_heartbeats_a_tenth_of_the_timeout_apart_between_1_and_3_s() -> None:
+    # At 1,024 hosts a BEATS frame a host a second was most of the launcher's idle CPU;
+    # each rank's age in it is exact, so a frozen rank is still found within the timeout.
+    assert _plan().agent_spec("gpu-a")["beats_every"] == 3.0  # heartbeat_timeout 30 s
+    assert beats_every(20.0) == 2.0 and beats_every(4.0) == 1.0 and beats_every(600) == 3.0

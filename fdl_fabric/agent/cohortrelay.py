@@ -5,7 +5,7 @@ launcher an eighth of a core and more open files than a default box allows. So a
 started by an agent dials its agent instead (`rank.ENV_AGENT_SOCKET`), and the agent
 speaks for all of them on the session it already has: their hellos, exits and shutdown
 acks go up as `wire.COHORT_UP`, their heartbeats are folded into one `wire.BEATS` frame
-per `rank.HEARTBEAT_INTERVAL`, and what the coordinator says comes down as
+per ``beats_every`` (the spec's: a tenth of ``heartbeat_timeout``, 1 to 3 s), and what the coordinator says comes down as
 `wire.COHORT_DOWN`, which this module frames for the rank. docs/protocol.md ("Which
 path a rank takes") is the contract; to the rank, the agent *is* the coordinator: the
 frames on the socket are the coordinator's own (`rank.encode_frame`, with each
@@ -131,6 +131,8 @@ class CohortRelay:
         self.last_frame: Dict[int, float] = {}
         self.progress: Dict[int, int] = {}
         self.next_beat: Optional[float] = None
+        #: Seconds between two `wire.BEATS` (the spec's ``beats_every``).
+        self.beat_every = HEARTBEAT_INTERVAL
         self.accept_at: Optional[float] = None
         self.hellos = 0
         #: Per rank: rejects delivered whose ``close`` has not come yet (`on_down`).
@@ -144,6 +146,7 @@ class CohortRelay:
         then the ranks dial the coordinator's TCP port, as a rank started by hand does
         (said once, as an `wire.ERROR` the agent survives)."""
         self.ranks = frozenset(int(e["rank"]) for e in spec["ranks"])
+        self.beat_every = _beats_every(spec.get("beats_every"))
         envelope = wire.decode_envelope(str(spec.get("envelope") or ""))
         if not envelope or not hasattr(socket, "SO_PEERCRED"):
             return None
@@ -396,7 +399,7 @@ class CohortRelay:
         if msg["type"] == "welcome":
             conn.state = JOINED
             if self.next_beat is None:
-                self.next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+                self.next_beat = time.monotonic() + self.beat_every
         elif msg["type"] == "reject":
             conn.state, conn.deadline = ENDING, time.monotonic() + REJECT_GRACE
             self.refused[conn.rank] = self.refused.get(conn.rank, 0) + 1
@@ -456,9 +459,17 @@ class CohortRelay:
             str(r): [round(max(0.0, now - self.last_frame.get(r, now)), 3),
                      self.progress.get(r, 0)] for r in joined}})
         assert self.next_beat is not None
-        self.next_beat += HEARTBEAT_INTERVAL
+        self.next_beat += self.beat_every
         if self.next_beat <= now:  # the loop was late: no burst to catch up
-            self.next_beat = now + HEARTBEAT_INTERVAL
+            self.next_beat = now + self.beat_every
+
+
+def _beats_every(value: Any) -> float:
+    """The spec's ``beats_every`` (the launcher derives it from ``heartbeat_timeout``),
+    within [a rank's own beat, 10 s]; a rank's beat when absent."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return min(10.0, max(HEARTBEAT_INTERVAL, float(value)))
+    return HEARTBEAT_INTERVAL
 
 
 def _shown(value: Any) -> str:

@@ -18,9 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import masking
+from .. import limits, masking
 from ..agent.wire import VERSION as AGENT_PROTOCOL
 from ..clusterfile import ClusterSpec, WorkerSpec, is_reserved_env_key
+from ..rank import HEARTBEAT_INTERVAL as RANK_HEARTBEAT_INTERVAL
 from .envelope import (
     ENV_CLUSTER_JSON,
     ENV_CLUSTER_KEY,
@@ -165,7 +166,15 @@ class LaunchPlan:
             "start_now": start_now,
             "lease": lease,
             "launcher": launcher,
+            "beats_every": beats_every(self.cluster.elastic.heartbeat_timeout),
         }
+
+
+def beats_every(heartbeat_timeout: float) -> float:
+    """How often an agent sends its ranks' folded heartbeats (`limits.BEATS_PER_TIMEOUT`):
+    at 1,024 hosts a frame a host a second was most of the launcher's idle CPU."""
+    return min(limits.BEATS_EVERY_MAX,
+               max(RANK_HEARTBEAT_INTERVAL, heartbeat_timeout / limits.BEATS_PER_TIMEOUT))
 
 
 def worker_devices(

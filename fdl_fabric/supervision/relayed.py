@@ -47,6 +47,9 @@ class Relayed(Connections):
         #: Reports from the sessions' reading threads, taken by the I/O thread (a deque's
         #: append and popleft are atomic).
         self._inbound: collections.deque[reports.Report] = collections.deque()
+        #: A wake for `_inbound` is on its way: a burst of reports (a relay's read holds
+        #: dozens of hosts' frames) wakes the I/O thread once, not once each.
+        self._inbound_woken = False
         self._downlinks: dict[str, Downlink] = {}
         #: Each relayed rank's current connection, by rank (I/O thread only).
         self._relayed: dict[int, Conn] = {}
@@ -58,7 +61,9 @@ class Relayed(Connections):
     def relayed(self, report: reports.Report) -> None:
         """A ``cohort`` or ``beats`` report from an agent's session (any thread)."""
         self._inbound.append(report)
-        self._wake()
+        if not self._inbound_woken:
+            self._inbound_woken = True
+            self._wake()
 
     # -- the coordinator's hooks ----------------------------------------------------------------
     def _handle(self, conn: Conn, message: dict[str, Any]) -> None:
@@ -66,7 +71,9 @@ class Relayed(Connections):
 
     # -- I/O thread -----------------------------------------------------------------------------
     def _take_relayed(self, now: float) -> None:
-        """Everything the agents said since the last turn, in order."""
+        """Everything the agents said since the last turn, in order. The flag is cleared
+        before the queue is read, so a report appended after that read wakes again."""
+        self._inbound_woken = False
         while self._inbound:
             report = self._inbound.popleft()
             if isinstance(report, reports.Beats):
