@@ -60,10 +60,9 @@ PROTOCOL = 1
 
 #: Seconds between heartbeats. Not scaled: the coordinator's timeout is what scales.
 HEARTBEAT_INTERVAL = 1.0
-#: Pauses between dials (not up yet, or a flood) start at this (with jitter: 50-100 %)...
-RETRY_FIRST = 0.05
-#: ...and double up to this.
-CONNECT_RETRY = 0.5
+#: Pauses between dials (not up yet, or a flood) start at the first (with jitter:
+#: 50-100 %) and double up to the second.
+RETRY_FIRST, CONNECT_RETRY = 0.05, 0.5
 #: Socket timeout after the handshake: bounds a stalled write, paces the reader loop.
 SOCKET_TIMEOUT = 5.0
 #: The `on_shutdown` reason when the connection to the coordinator is gone.
@@ -255,8 +254,7 @@ class _Client:
         self.config = config
         self.membership = config.membership
         self.members = members
-        self.tx_seq = 1  # the hello was 0
-        self.rx_seq = 1  # the welcome was 0
+        self.tx_seq = self.rx_seq = 1  # the hello and the welcome were 0
         self.send_lock = threading.Lock()
         self.state_lock = threading.Lock()
         self.closed = threading.Event()
@@ -272,8 +270,9 @@ class _Client:
                              (self._heartbeat_loop, "fdl-rank-heartbeat")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
-    def send(self, message: Dict[str, Any]) -> bool:
-        """Send one frame; a failure wakes the reader, which reports the loss."""
+    def send(self, message: Dict[str, Any], *, last: bool = False) -> bool:
+        """Send one frame; a failure wakes the reader, which reports the loss. ``last``:
+        then close, without reporting a loss (a clean exit)."""
         with self.send_lock:
             if self.closed.is_set():
                 return False
@@ -281,23 +280,18 @@ class _Client:
             self.tx_seq += 1
             try:
                 self.sock.sendall(frame)
-                return True
+                sent = True
             except OSError:
+                sent = False
+            if last:
+                self.closed.set()
+            if last or not sent:
                 self._wake_reader()
-                return False
+            return sent
 
     def exiting(self) -> None:
         """Announce a clean exit, then close without reporting a loss."""
-        with self.send_lock:
-            if self.closed.is_set():
-                return
-            frame = encode_frame(self.config.salt, self.config.run_id, self.tx_seq,
-                                 {"type": "exiting"})
-            self.tx_seq += 1
-            with contextlib.suppress(OSError):
-                self.sock.sendall(frame)
-            self.closed.set()
-            self._wake_reader()
+        self.send({"type": "exiting"}, last=True)
 
     def on_shutdown(self, callback: Callable[[str], None]) -> None:
         with self.state_lock:
@@ -407,8 +401,7 @@ def _connect(config: _Config, deadline: float, budget: float) -> socket.socket:
 
 
 def _dial_agent(path: str, timeout: float) -> socket.socket:
-    """The agent's Unix socket (its folder is this user's alone; the agent checks that the
-    caller is one of its ranks)."""
+    """The agent's Unix socket (in a folder of this user's; the agent checks the caller)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -420,8 +413,7 @@ def _dial_agent(path: str, timeout: float) -> socket.socket:
 
 
 class _TurnedAway(Exception):
-    """The coordinator refused this connection for now (a reset, or a ``reject`` with
-    ``retry`` under a flood of connections): dial again."""
+    """Refused for now (a reset, or a ``reject`` with ``retry`` under a flood): dial again."""
 
 
 #: What a connection turned away before its hello meets (a reset, or a close that crossed
@@ -468,25 +460,33 @@ def _greet(sock: socket.socket, config: _Config, deadline: float, budget: float)
         sock.close()
         raise RuntimeError(f"cluster rank: rank {me.rank}: handshake with the coordinator "
                            f"failed: {exc}") from None
-    if reply is not None and reply["type"] == "reject" and reply.get("retry") is True:
-        raise _TurnedAway(str(reply.get("reason", "busy")))
-    if reply is None or reply["type"] != "welcome":
+    try:
+        welcome = _welcome(reply, me)
+    except RuntimeError:
         sock.close()
-        if reply is None:
-            raise RuntimeError(f"cluster rank: rank {me.rank}: the coordinator closed the "
-                               "connection during the handshake (salt or run id mismatch?)")
-        if reply["type"] == "reject":
-            raise RuntimeError(f"cluster rank: the coordinator rejected rank {me.rank}: "
-                               f"{reply.get('reason', 'no reason given')}")
+        raise
+    members = _members(me.world_size, welcome)
+    return _Client(sock, buf, config, list(range(me.world_size)) if members is None else members)
+
+
+def _welcome(reply: Optional[Dict[str, Any]], me: Membership) -> Dict[str, Any]:
+    """``reply`` if it welcomes this rank; `_TurnedAway` for a retry, else RuntimeError."""
+    if reply is None:
+        raise RuntimeError(f"cluster rank: rank {me.rank}: the coordinator closed the "
+                           "connection during the handshake (salt or run id mismatch?)")
+    if reply["type"] == "reject" and reply.get("retry") is True:
+        raise _TurnedAway(str(reply.get("reason", "busy")))
+    if reply["type"] == "reject":
+        raise RuntimeError(f"cluster rank: the coordinator rejected rank {me.rank}: "
+                           f"{reply.get('reason', 'no reason given')}")
+    if reply["type"] != "welcome":
         raise RuntimeError(f"cluster rank: rank {me.rank}: expected welcome, got "
                            f"{reply['type']!r}")
     if reply.get("rank") != me.rank or reply.get("world_size") != me.world_size:
-        sock.close()
         raise RuntimeError(f"cluster rank: the coordinator welcomed rank {reply.get('rank')} of "
                            f"{reply.get('world_size')}, expected rank {me.rank} of "
                            f"{me.world_size}")
-    members = _members(me.world_size, reply)
-    return _Client(sock, buf, config, list(range(me.world_size)) if members is None else members)
+    return reply
 
 
 def _members(world_size: int, message: Dict[str, Any]) -> Optional[List[int]]:

@@ -149,6 +149,9 @@ def link_sessions(coordinator: Relayed, sessions: Mapping[str, Any]) -> None:
 
 
 def _sender(session: Any) -> Downlink:
+    """Lazy writes: through a gateway, the welcomes of a burst of hellos (and a broadcast
+    to every host) wait up to `gateway.LAZY_WRITE_DELAY` and cross as one SSH packet per
+    relay, not one per rank."""
     def send(body: dict[str, Any]) -> None:
-        session.send(wire.COHORT_DOWN, body)
+        session.write(wire.message(wire.COHORT_DOWN, body), lazy=True)
     return send
