@@ -5,7 +5,7 @@ frame on its leaf's stream with the fields the real relay forwards (type, rank, 
 pid, lib), the launcher's `wire.COHORT_DOWN` welcome comes back (the join time is from
 the hello sent to the welcome read), broadcasts are answered as
 `fdl_fabric.agent.cohortrelay` answers them (``ack_shutdown`` up), and one `wire.BEATS`
-a leaf per `rank.HEARTBEAT_INTERVAL` carries every joined rank's ``[age, progress]``.
+a leaf per its spec's ``beats_every`` carries every joined rank's ``[age, progress]``.
 With ``--join tcp`` each joins the launcher's coordinator directly (the path of a rank
 started by hand): a TCP connection from its leaf's own loopback address, ``hello``
 with `fdl_fabric.rank`'s frames, ``welcome``, a heartbeat every
@@ -29,7 +29,7 @@ import time
 from typing import Any, Dict
 
 from fdl_fabric import rank as rk
-from fdl_fabric.agent import wire
+from fdl_fabric.agent import cohortrelay, wire
 
 SynRank = Any  # emulated_relay.SynRank (a synthetic rank's state), kept untyped here
 Leaf = Any  # emulated_agents.Leaf
@@ -121,7 +121,7 @@ class SyntheticRanks:
         self.joined += 1
         if not leaf.beating:
             leaf.beating = True
-            self.at(r.joined_at + rk.HEARTBEAT_INTERVAL, lambda: self._leaf_beats(leaf))
+            self.at(r.joined_at + _beat_every(leaf), lambda: self._leaf_beats(leaf))
 
     def _cohort_reject(self, leaf: Leaf, r: SynRank, msg: Dict[str, Any]) -> None:
         r.refused += 1
@@ -145,8 +145,9 @@ class SyntheticRanks:
             self.send(r.leaf, wire.COHORT_UP, {"rank": r.rank, "msg": {"type": "ack_shutdown"}})
 
     def _leaf_beats(self, leaf: Leaf) -> None:
-        """One `wire.BEATS` for the leaf: each joined rank's seconds since its last
-        heartbeat (one a second from its welcome on) and its progress (0)."""
+        """One `wire.BEATS` for the leaf every spec's ``beats_every``, as the real agent
+        sends it: each joined rank's seconds since its last heartbeat (one a second from
+        its welcome on) and its progress (0)."""
         now = time.monotonic()
         joined = [r for r in leaf.ranks.values() if r.joined and r.running]
         if not joined or leaf.status is not None:
@@ -155,7 +156,7 @@ class SyntheticRanks:
         self.send(leaf, wire.BEATS, {"ranks": {
             str(r.rank): [round((now - r.joined_at) % rk.HEARTBEAT_INTERVAL, 3), 0]
             for r in joined}})
-        self.at(now + rk.HEARTBEAT_INTERVAL, lambda: self._leaf_beats(leaf))
+        self.at(now + _beat_every(leaf), lambda: self._leaf_beats(leaf))
 
     def _relay_exit(self, r: SynRank, code: Any) -> None:
         """The rank ends: ``exiting`` (rank.py's atexit hook) when it ends well, then its
@@ -352,3 +353,8 @@ def _rank_config(env: Dict[str, str]) -> Any:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _beat_every(leaf: Leaf) -> float:
+    """The seconds between a leaf's BEATS: its spec's, as `cohortrelay` reads it."""
+    return cohortrelay.beats_every_of((leaf.spec or {}).get("beats_every"))

@@ -5,11 +5,11 @@ launcher an eighth of a core and more open files than a default box allows. So a
 started by an agent dials its agent instead (`rank.ENV_AGENT_SOCKET`), and the agent
 speaks for all of them on the session it already has: their hellos, exits and shutdown
 acks go up as `wire.COHORT_UP`, their heartbeats are folded into one `wire.BEATS` frame
-per ``beats_every`` (the spec's: a tenth of ``heartbeat_timeout``, 1 to 3 s), and what the coordinator says comes down as
-`wire.COHORT_DOWN`, which this module frames for the rank. docs/protocol.md ("Which
-path a rank takes") is the contract; to the rank, the agent *is* the coordinator: the
-frames on the socket are the coordinator's own (`rank.encode_frame`, with each
-connection's own sequence numbers in each direction).
+per ``beats_every`` (the spec's: a tenth of ``heartbeat_timeout``, 1 to 3 s), and what
+the coordinator says comes down as `wire.COHORT_DOWN`, which this module frames for the
+rank. docs/protocol.md ("Which path a rank takes") is the contract; to the rank, the
+agent *is* the coordinator: the frames on the socket are the coordinator's own
+(`rank.encode_frame`, with each connection's own sequence numbers in each direction).
 
 Why a Unix socket in the agent's private run folder: the folder's 0700 keeps every
 other local user from connecting at all, and ``SO_PEERCRED`` names the peer's pid, so a
@@ -146,7 +146,7 @@ class CohortRelay:
         then the ranks dial the coordinator's TCP port, as a rank started by hand does
         (said once, as an `wire.ERROR` the agent survives)."""
         self.ranks = frozenset(int(e["rank"]) for e in spec["ranks"])
-        self.beat_every = _beats_every(spec.get("beats_every"))
+        self.beat_every = beats_every_of(spec.get("beats_every"))
         envelope = wire.decode_envelope(str(spec.get("envelope") or ""))
         if not envelope or not hasattr(socket, "SO_PEERCRED"):
             return None
@@ -464,7 +464,7 @@ class CohortRelay:
             self.next_beat = now + self.beat_every
 
 
-def _beats_every(value: Any) -> float:
+def beats_every_of(value: Any) -> float:
     """The spec's ``beats_every`` (the launcher derives it from ``heartbeat_timeout``),
     within [a rank's own beat, 10 s]; a rank's beat when absent."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
