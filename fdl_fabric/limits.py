@@ -153,9 +153,10 @@ PROBLEMS_MAX = 100
 # launcher's channel reader is a pipe besides (its ``fileno()``), forwarded channels none.
 
 #: An agent folds its ranks' heartbeats into one BEATS frame this often: a tenth of
-#: ``heartbeat_timeout``, between a rank's own beat (1 s) and `BEATS_EVERY_MAX`. Each
-#: rank's age in the frame is exact, so a frozen rank is found within the timeout however
-#: seldom the frames go; a live one looks at most this much older than it is.
+#: ``heartbeat_timeout`` (or ``hang_timeout``, when shorter), between a rank's own beat
+#: (1 s) and `BEATS_EVERY_MAX`. Each rank's age in the frame is exact, so a frozen rank is
+#: found within the timeout however seldom the frames go; a live one looks at most this
+#: much older than it is.
 BEATS_PER_TIMEOUT = 10
 BEATS_EVERY_MAX = 3.0
 

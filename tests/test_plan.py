@@ -148,3 +148,6 @@ def test_agents_fold_heartbeats_a_tenth_of_the_timeout_apart_between_1_and_3_s()
     # each rank's age in it is exact, so a frozen rank is still found within the timeout.
     assert _plan().agent_spec("gpu-a")["beats_every"] == 3.0  # heartbeat_timeout 30 s
     assert beats_every(20.0) == 2.0 and beats_every(4.0) == 1.0 and beats_every(600) == 3.0
+    # Progress rides in them too: a short hang_timeout makes them go more often.
+    assert beats_every(30.0, 15.0) == 1.5 and beats_every(30.0, 3.0) == 1.0
+    assert beats_every(30.0, None) == 3.0

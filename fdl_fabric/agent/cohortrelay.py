@@ -5,7 +5,7 @@ launcher an eighth of a core and more open files than a default box allows. So a
 started by an agent dials its agent instead (`rank.ENV_AGENT_SOCKET`), and the agent
 speaks for all of them on the session it already has: their hellos, exits and shutdown
 acks go up as `wire.COHORT_UP`, their heartbeats are folded into one `wire.BEATS` frame
-per ``beats_every`` (the spec's: a tenth of ``heartbeat_timeout``, 1 to 3 s), and what
+per ``beats_every`` (the spec's: a tenth of the timeouts, 1 to 3 s), and what
 the coordinator says comes down as `wire.COHORT_DOWN`, which this module frames for the
 rank. docs/protocol.md ("Which path a rank takes") is the contract; to the rank, the
 agent *is* the coordinator: the frames on the socket are the coordinator's own

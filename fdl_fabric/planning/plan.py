@@ -166,15 +166,19 @@ class LaunchPlan:
             "start_now": start_now,
             "lease": lease,
             "launcher": launcher,
-            "beats_every": beats_every(self.cluster.elastic.heartbeat_timeout),
+            "beats_every": beats_every(self.cluster.elastic.heartbeat_timeout,
+                                       self.cluster.hang_timeout),
         }
 
 
-def beats_every(heartbeat_timeout: float) -> float:
-    """How often an agent sends its ranks' folded heartbeats (`limits.BEATS_PER_TIMEOUT`):
-    at 1,024 hosts a frame a host a second was most of the launcher's idle CPU."""
+def beats_every(heartbeat_timeout: float, hang_timeout: Optional[float] = None) -> float:
+    """How often an agent sends its ranks' folded heartbeats, which carry their progress
+    too (`limits.BEATS_PER_TIMEOUT`): at 1,024 hosts a frame a host a second was most of
+    the launcher's idle CPU. The shorter timeout sets it: a quiet rank that reports
+    progress must not look hung between two frames."""
+    shortest = min(heartbeat_timeout, hang_timeout or heartbeat_timeout)
     return min(limits.BEATS_EVERY_MAX,
-               max(RANK_HEARTBEAT_INTERVAL, heartbeat_timeout / limits.BEATS_PER_TIMEOUT))
+               max(RANK_HEARTBEAT_INTERVAL, shortest / limits.BEATS_PER_TIMEOUT))
 
 
 def worker_devices(
