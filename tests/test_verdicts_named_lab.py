@@ -2,7 +2,7 @@
 
 Real OpenSSH sshd hosts (the lab), a real ``inv launch``, real signals:
 
-* the launcher SIGSTOPped for 45 s with a 10 s lease: every agent stops its ranks on its
+* the launcher SIGSTOPped for 25 s with a 10 s lease: every agent stops its ranks on its
   own; after SIGCONT the verdict names the suspension, and no rank is blamed;
 * a rank that SIGKILLs its own agent: the verdict names the agent's death by signal 9
   (sender unknown), and not the innocent rank beside it.
@@ -24,7 +24,7 @@ from labutil import PROBE, wait_for
 pytestmark = pytest.mark.lab
 
 LEASE = 10.0
-STOPPED_FOR = 45.0
+STOPPED_FOR = 25.0
 
 
 @pytest.mark.timeout(150)
