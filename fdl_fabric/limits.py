@@ -162,7 +162,7 @@ BEATS_EVERY_MAX = 3.0
 
 #: Rank log files (stdout.log, stderr.log) one run log holds open at once; the others are
 #: opened again by their next write (`presentation.rotating.FilePool`).
-LOG_FILES_OPEN = 16
+LOG_FILES_OPEN = 128
 
 #: Open files a launch needs whatever the cluster: the standard streams, the screen writer,
 #: selectors and wake-up pairs, imports, DNS, a reconnect or two in flight, and the rank

@@ -53,6 +53,7 @@ Vocabulary layer: the standard library only.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 import threading
@@ -131,9 +132,21 @@ def declare(names: Iterable[str] = (), values: Iterable[str] = ()) -> None:
 def secret_name(name: str) -> bool:
     """Whether the variable ``name`` holds a secret by its name: `SECRET_NAME_RE`, or
     named by a ``secret_env`` (`declare`)."""
+    return _secret_name(name, _DECLARED.names)
+
+
+#: Strings whose verdict is remembered (`_secret_name`, `_masked`): a launch of 8,192
+#: ranks masks the same few hundred names and values tens of thousands of times.
+MASK_CACHE = 4096
+#: Longer texts are masked afresh each time (rank output is seldom repeated).
+MASK_CACHE_TEXT_MAX = 256
+
+
+@functools.lru_cache(maxsize=MASK_CACHE)
+def _secret_name(name: str, patterns: frozenset[str]) -> bool:
     if SECRET_NAME_RE.search(name) and not name.startswith(_OWN_PREFIX):
         return True
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in _DECLARED.names)
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -149,7 +162,18 @@ def mask_text(text: str) -> str:
     values."""
     if not text:
         return text
-    text = _without_declared(text, _DECLARED.values)
+    if len(text) <= MASK_CACHE_TEXT_MAX:
+        return _masked(text, _DECLARED.values)
+    return _mask(text, _DECLARED.values)
+
+
+@functools.lru_cache(maxsize=MASK_CACHE)
+def _masked(text: str, values: tuple[str, ...]) -> str:
+    return _mask(text, values)
+
+
+def _mask(text: str, values: tuple[str, ...]) -> str:
+    text = _without_declared(text, values)
     text = _JWT_RE.sub(MASK, text)
     text = _PREFIXED_RE.sub(_prefixed, text)
     text = _AWS_ID_RE.sub(MASK, text)

@@ -8,9 +8,11 @@ import textwrap
 import threading
 
 import psutil
+import pytest
 
 from fdl_fabric.clusterfile import parse_cluster
 from fdl_fabric.clusterfile.model import ClusterSpec
+from fdl_fabric.commands import planwarnings
 from fdl_fabric.commands.planwarnings import ThisMachine, is_loopback, plan_warnings
 from fdl_fabric.events import event
 from fdl_fabric.planning.plan import LaunchPlan, build_plan
@@ -131,3 +133,24 @@ def test_each_name_is_looked_up_once_and_only_when_a_warning_is_possible() -> No
     asked.clear()
     cluster = hosts("a.example.invalid", "b.example.invalid", controller="192.0.2.1")
     assert words(cluster, lookup=lookup) == [] and asked == []
+
+
+def test_a_resolver_that_never_answers_holds_the_launch_no_longer_than_the_lookup_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+
+    def lookup(name: str) -> list[str]:
+        if name.startswith("stuck"):
+            release.wait(60)  # a resolver dropping the query; never answered in the test
+            return ["127.0.0.1"]
+        return []
+
+    monkeypatch.setattr(planwarnings, "LOOKUP_BUDGET", 0.3)
+    try:
+        (said,) = words(hosts("127.0.0.2", "stuck.example.invalid", "gone.example.invalid"),
+                        lookup=lookup)
+    finally:
+        release.set()
+    # Not resolved in time is taken as not resolving: warned about, as the other one.
+    assert "stuck.example.invalid (stuck.example.invalid)" in said
+    assert "gone.example.invalid (gone.example.invalid)" in said

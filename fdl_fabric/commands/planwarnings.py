@@ -10,7 +10,7 @@ one of this machine's own interface addresses, given as such or by a name that r
 only to them. So ``--hosts 127.0.0.2,127.0.0.3`` or aliases of this machine warn
 nothing; a host elsewhere, or a name that does not resolve, is warned about. Names are
 looked up only when a warning is possible (a loopback master), each once, many at a
-time (1,024 names one after another took 15 s).
+time and for at most `LOOKUP_BUDGET` seconds in all.
 
 The advice is in the words of how the cluster was given: keys of the cluster file, or
 the ``--master-addr ADDR`` flag for ``--hosts`` and ``--hostfile``, whose cluster has no
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Optional
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import psutil
 
@@ -37,6 +38,41 @@ Resolve = Callable[[str], list[str]]
 
 #: Names looked up at once (each lookup mostly waits on the resolver).
 LOOKUPS_AT_ONCE = 32
+
+#: Seconds all the lookups may take: a name not resolved by then is taken as one that
+#: does not resolve (a resolver that dropped queries made 1,024 names take 145 s, each
+#: waiting out its 5 s timeout twice). This is a warning, never a refusal.
+LOOKUP_BUDGET = 2.0
+
+T = TypeVar("T")
+
+
+def judge_all(items: Sequence[T], judge: Callable[[T], bool], at_once: int,
+              budget: float) -> list[Optional[bool]]:
+    """``judge(item)`` for every item, ``at_once`` at a time, for at most ``budget``
+    seconds in all: None for an item not judged by then. The threads are daemons, as a
+    lookup cannot be cancelled: one still waiting on the resolver never holds up the
+    launch, nor its exit."""
+    results: list[Optional[bool]] = [None] * len(items)
+    todo = iter(range(len(items)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                index = next(todo, None)
+            if index is None:
+                return
+            results[index] = judge(items[index])
+
+    threads = [threading.Thread(target=work, name="fdl-lookup", daemon=True)
+               for _ in range(min(at_once, len(items)))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + budget
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return results
 
 
 def is_loopback(address: str) -> bool:
@@ -112,9 +148,10 @@ def plan_warnings(plan: LaunchPlan, *, targets: Optional[Mapping[str, str]] = No
     def elsewhere(worker: WorkerSpec) -> bool:
         return not here(worker.addr) and not here((targets or {}).get(worker.host, ""))
 
-    with ThreadPoolExecutor(max_workers=LOOKUPS_AT_ONCE) as pool:
-        verdicts = list(pool.map(elsewhere, dialed))
-    remote = {w.host: w.addr for w, away in zip(dialed, verdicts) if away}
+    verdicts = judge_all(dialed, elsewhere, LOOKUPS_AT_ONCE, LOOKUP_BUDGET)
+    # Not judged within the budget: its name did not resolve in time, so it is warned
+    # about as a name that does not resolve is.
+    remote = {w.host: w.addr for w, away in zip(dialed, verdicts) if away is not False}
     if not remote:
         return []
     return [(Name.PLAN_LOOPBACK_MASTER, {"address": master, "remote": remote,
