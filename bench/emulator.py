@@ -215,7 +215,10 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     workers = [lab.worker(h, nproc=args.ranks) for h in lab.hosts]
     for i in range(args.gateways * args.leaves_per_gateway):
         name = f"leaf{i + 1:04d}"
-        workers.append({"host": name, "path": str(leaf_path), "nproc": args.ranks,
+        # A literal addr: nothing looks a leaf's name up (this machine's network is
+        # loopback only: no query may reach its resolver).
+        workers.append({"host": name, "addr": "127.0.0.1", "path": str(leaf_path),
+                        "nproc": args.ranks,
                         "ssh": {"target": f"{name}.invalid", "user": lab.user,
                                 "identity_file": lab.identity_file,
                                 "options": lab.ssh_options()}})

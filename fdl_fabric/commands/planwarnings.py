@@ -56,9 +56,10 @@ def judge_all(items: Sequence[T], judge: Callable[[T], bool], at_once: int,
     results: list[Optional[bool]] = [None] * len(items)
     todo = iter(range(len(items)))
     lock = threading.Lock()
+    deadline = time.monotonic() + budget
 
     def work() -> None:
-        while True:
+        while time.monotonic() < deadline:  # past it, nobody waits for more answers
             with lock:
                 index = next(todo, None)
             if index is None:
@@ -69,7 +70,6 @@ def judge_all(items: Sequence[T], judge: Callable[[T], bool], at_once: int,
                for _ in range(min(at_once, len(items)))]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + budget
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     return results

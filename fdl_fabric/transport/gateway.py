@@ -40,6 +40,9 @@ from .runners import RUN_OPTIONS
 from .ssh import RawRemote, RemoteAgentProcess, SshTransport
 from .sshconfig import SshSettings
 
+#: Seconds the lazy-write thread waits for bytes before it looks whether its relay ended.
+LAZY_IDLE_CHECK = 5.0
+
 #: Seconds a lease renewal to a leaf may wait for the others' (`Relay.send_lazy`).
 LAZY_WRITE_DELAY = 0.02
 #: Seconds a relay may take to start (its session, python3, the bundle) and say hello.
@@ -81,7 +84,10 @@ class Relay:
         self._reader = mux.Reader(mux.UP_TYPES, handshake=True)
         self._write_lock = threading.Lock()
         self._lazy = bytearray()
-        self._lazy_timer: Optional[threading.Timer] = None
+        #: Set while `_lazy` holds bytes; one thread flushes them (a Timer a burst was a
+        #: thread started every 20 ms per relay while 8,192 ranks joined).
+        self._lazy_wanted = threading.Event()
+        self._flusher: Optional[threading.Thread] = None
         self._leaves_lock = threading.Lock()
         self._leaves: dict[int, RelayedAgent] = {}
         self._next_id = 1
@@ -181,19 +187,24 @@ class Relay:
         so a leaf's bytes keep their order."""
         with self._write_lock:
             self._lazy += b"".join(mux.data_frames(lid, data))
-            if self._lazy_timer is None:
-                timer = threading.Timer(LAZY_WRITE_DELAY, self._lazy_due)
-                timer.daemon = True
-                self._lazy_timer = timer
-                timer.start()
+            self._lazy_wanted.set()
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
+                                                 name=f"fdl-relay-{self.gateway}")
+                self._flusher.start()
 
-    def _lazy_due(self) -> None:
-        with self._write_lock, contextlib.suppress(Exception):
-            self._flush_lazy()
+    def _flush_loop(self) -> None:
+        """`LAZY_WRITE_DELAY` after lazy bytes came, write them; until the relay ends."""
+        while not self._ended.is_set():
+            if not self._lazy_wanted.wait(LAZY_IDLE_CHECK):
+                continue
+            time.sleep(LAZY_WRITE_DELAY)
+            with self._write_lock, contextlib.suppress(Exception):
+                self._flush_lazy()
 
     def _flush_lazy(self) -> None:
         """Under the write lock: what `send_lazy` holds, now."""
-        self._lazy_timer = None
+        self._lazy_wanted.clear()
         if self._lazy:
             data, self._lazy = bytes(self._lazy), bytearray()
             self.runner._write_proc_stdin(data)
