@@ -82,7 +82,8 @@ def _watch(read_fd: int, write_fd: int, run_id: str, host: str, kill_grace: floa
 
 
 def _detach(keep: int) -> None:  # pragma: no cover - runs in the watchdog
-    """Own session, no terminal signals, no inherited fds (sshd must not wait for us)."""
+    """Own session, no terminal signals, no inherited fds (sshd must not wait for us):
+    `forked.fork_with_pipe` closed all but the pipe; the standard streams go here."""
     os.setsid()
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE):
@@ -91,11 +92,8 @@ def _detach(keep: int) -> None:  # pragma: no cover - runs in the watchdog
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2 and fd != keep:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    if null > 2 and null != keep:
+        os.close(null)
 
 
 def _run(fd: int, run_id: str, host: str, kill_grace: float,

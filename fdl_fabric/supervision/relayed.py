@@ -76,10 +76,9 @@ class Relayed(Connections):
         self._inbound_woken = False
         while self._inbound:
             report = self._inbound.popleft()
-            if isinstance(report, reports.Beats):
-                self._relayed_beats(report, now)
-            elif isinstance(report, reports.CohortUp):
-                self._relayed_message(report)
+            take = _TAKE.get(type(report))
+            if take is not None:
+                take(self, report, now)
 
     def _speaks_for(self, host: str, rank: int) -> bool:
         """A host speaks for the ranks it runs in this attempt, and no other."""
@@ -134,6 +133,13 @@ class Relayed(Connections):
             if heard > self._beats.last_frame.get(rank, 0.0):
                 self._beats.last_frame[rank] = heard
             self._beats.beat(rank, {"progress": progress}, now)
+
+
+#: What the I/O thread does with each kind of relayed report.
+_TAKE: dict[type, Callable[[Relayed, Any, float], None]] = {
+    reports.Beats: lambda c, r, now: c._relayed_beats(r, now),
+    reports.CohortUp: lambda c, r, now: c._relayed_message(r),
+}
 
 
 def _nowhere(body: dict[str, Any]) -> None:
