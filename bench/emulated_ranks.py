@@ -121,7 +121,8 @@ class SyntheticRanks:
         self.joined += 1
         if not leaf.beating:
             leaf.beating = True
-            self.at(r.joined_at + _beat_every(leaf), lambda: self._leaf_beats(leaf))
+            self.at(cohortrelay.next_beat_at(r.joined_at, _beat_every(leaf)),
+                    lambda: self._leaf_beats(leaf))
 
     def _cohort_reject(self, leaf: Leaf, r: SynRank, msg: Dict[str, Any]) -> None:
         r.refused += 1
@@ -156,7 +157,7 @@ class SyntheticRanks:
         self.send(leaf, wire.BEATS, {"ranks": {
             str(r.rank): [round((now - r.joined_at) % rk.HEARTBEAT_INTERVAL, 3), 0]
             for r in joined}})
-        self.at(now + _beat_every(leaf), lambda: self._leaf_beats(leaf))
+        self.at(cohortrelay.next_beat_at(now, _beat_every(leaf)), lambda: self._leaf_beats(leaf))
 
     def _relay_exit(self, r: SynRank, code: Any) -> None:
         """The rank ends: ``exiting`` (rank.py's atexit hook) when it ends well, then its

@@ -168,6 +168,13 @@ def clean(value: T, *, lines: bool = False) -> T:
 
 
 def _clean(value: Any, inert: Callable[[str], str]) -> Any:
+    kind = type(value)  # the common types first, by identity: every record walks here
+    if kind is str:
+        return inert(value)
+    if kind is dict:
+        return {_clean(k, inert): _clean(v, inert) for k, v in value.items()}
+    if kind in _ATOMS:
+        return value
     if isinstance(value, str):
         return inert(value)
     if isinstance(value, dict):
@@ -179,6 +186,10 @@ def _clean(value: Any, inert: Callable[[str], str]) -> Any:
                    for f in dataclasses.fields(value) if f.init}
         return dataclasses.replace(value, **changes)
     return value
+
+
+#: Values with no string inside: left as they are.
+_ATOMS = frozenset({int, float, bool, type(None)})
 
 
 #: DEL, C1 controls and the Unicode line separators: JSON allows them raw inside strings,

@@ -199,6 +199,13 @@ def mask_data(data: Any) -> Any:
     """A copy of JSON-like ``data`` as it may be shown or kept: every mapping under a key
     ``env`` (or ending in ``_env``) through `mask_env`, every other string through
     `mask_text`. Keys are kept as they are: they are the data's own names."""
+    kind = type(data)  # the common types first, by identity: every record walks here
+    if kind in _ATOMS:
+        return data
+    if kind is dict:
+        return {k: mask_env(v) if _is_env_key(k) and isinstance(v, Mapping)
+                and all(isinstance(x, str) for x in v.values()) else mask_data(v)
+                for k, v in data.items()}
     if isinstance(data, str):
         shown = mask_text(data)
         return data if shown == data else shown  # the same object (an enum's) when clean
@@ -211,6 +218,10 @@ def mask_data(data: Any) -> Any:
     if isinstance(data, list):
         return [mask_data(item) for item in data]
     return data
+
+
+#: Values with no string inside: kept as they are.
+_ATOMS = frozenset({int, float, bool, type(None)})
 
 
 def _is_env_key(key: Any) -> bool:

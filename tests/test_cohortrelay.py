@@ -615,3 +615,16 @@ def test_the_folded_beats_go_as_often_as_the_spec_says_within_bounds(tmp_path: P
                    0, str(tmp_path / "reg"))
         assert relay.beat_every == used, asked
         relay.close()
+
+
+@pytest.mark.parametrize("every", [1.0, 3.0, 2.5])
+def test_agents_beat_on_the_wall_clocks_grid_so_a_gateway_batches_its_hosts_beats(
+        every: float) -> None:
+    for _ in range(50):
+        mono, wall = time.monotonic(), time.time()
+        due = cohortrelay.next_beat_at(mono, every)
+        ahead = due - mono
+        assert every / 10 <= ahead <= every * 1.1 + 1e-6
+        on_grid = (wall + ahead) % every
+        assert min(on_grid, every - on_grid) < 0.01, (wall, ahead)
+        time.sleep(0.003)

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import psutil
 import pytest
 from test_reliability import cluster_file, kill_run, wait_run_gone
 
@@ -181,7 +182,18 @@ def _tmux(*args: str) -> str:
                           check=True).stdout
 
 
-@pytest.mark.timeout(120)
+def _job_states(session: str) -> str:
+    """The pane's processes with their state and process group: which one did not stop."""
+    pane = int(_tmux("display-message", "-p", "-t", session, "#{pane_pid}").strip())
+    lines = []
+    for proc in [psutil.Process(pane), *psutil.Process(pane).children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            lines.append(f"{proc.pid} pgid={os.getpgid(proc.pid)} {proc.status()} "
+                         f"{' '.join(proc.cmdline())[:100]}")
+    return "\n".join(lines)
+
+
+@pytest.mark.timeout(150)
 def test_ctrl_z_then_fg_after_longer_than_the_lease_leaves_the_run_running(
         sshd_lab, tmp_path: Path) -> None:
     if not shutil.which("tmux"):
@@ -205,12 +217,12 @@ def test_ctrl_z_then_fg_after_longer_than_the_lease_leaves_the_run_running(
                  30, "rank output in the tmux pane")
         _tmux("send-keys", "-t", name, "C-z")
         try:
-            # bounded, not timed: on a loaded 2-core machine the stop once took over 10 s
-            wait_for(lambda: "Stopped" in _tmux("capture-pane", "-p", "-t", name), 30,
+            # bounded, not timed: on a loaded 2-core machine the stop once took over 30 s
+            wait_for(lambda: "Stopped" in _tmux("capture-pane", "-p", "-t", name), 60,
                      "the shell to report the job stopped")
-        except AssertionError as exc:  # what the terminal showed, to tell why
-            raise AssertionError(f"{exc}\n{_tmux('capture-pane', '-p', '-t', name)}") \
-                from None
+        except AssertionError as exc:  # what the terminal showed, and each process's state
+            raise AssertionError(f"{exc}\n{_tmux('capture-pane', '-p', '-t', name)}\n"
+                                 f"{_job_states(name)}") from None
         time.sleep(15)  # 2.5 times the lease
         _tmux("send-keys", "-t", name, "fg", "Enter")
         wait_for(done.exists, 60, "the launch to end")

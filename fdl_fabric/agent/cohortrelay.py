@@ -399,7 +399,7 @@ class CohortRelay:
         if msg["type"] == "welcome":
             conn.state = JOINED
             if self.next_beat is None:
-                self.next_beat = time.monotonic() + self.beat_every
+                self.next_beat = next_beat_at(time.monotonic(), self.beat_every)
         elif msg["type"] == "reject":
             conn.state, conn.deadline = ENDING, time.monotonic() + REJECT_GRACE
             self.refused[conn.rank] = self.refused.get(conn.rank, 0) + 1
@@ -458,10 +458,23 @@ class CohortRelay:
         self.send(wire.BEATS, {"ranks": {
             str(r): [round(max(0.0, now - self.last_frame.get(r, now)), 3),
                      self.progress.get(r, 0)] for r in joined}})
-        assert self.next_beat is not None
-        self.next_beat += self.beat_every
-        if self.next_beat <= now:  # the loop was late: no burst to catch up
-            self.next_beat = now + self.beat_every
+        self.next_beat = next_beat_at(now, self.beat_every)
+
+
+def next_beat_at(now: float, every: float) -> float:
+    """The monotonic moment of the next multiple of ``every`` on the wall clock, at
+    least a tenth of ``every`` away. Why the wall clock's grid: every agent of a
+    gateway then sends its beats in the same instant (hosts' clocks agree to
+    milliseconds under NTP), so the gateway's relay batches them into one packet to the
+    launcher, not one per host at scattered moments: at 1,024 hosts the launcher wakes
+    32 times per ``every``, not 1,024 (issue 35's idle). A late loop skips to the next
+    point: no burst to catch up. Ages stay exact, whatever the clock says: each rank's
+    is measured on this host's monotonic clock when the frame is made."""
+    wall = time.time()
+    ahead = every - wall % every
+    if ahead < every / 10:
+        ahead += every
+    return now + ahead
 
 
 def beats_every_of(value: Any) -> float:
@@ -484,4 +497,5 @@ _FROM_RANK: Dict[str, Callable[[CohortRelay, _Conn, Dict[str, Any]], None]] = {
 }
 
 
-__all__ = ["HELLO_TIMEOUT", "LIB_REFUSAL", "MAX_PER_RANK", "OUT_LIMIT", "CohortRelay"]
+__all__ = ["HELLO_TIMEOUT", "LIB_REFUSAL", "MAX_PER_RANK", "OUT_LIMIT", "CohortRelay",
+           "next_beat_at"]

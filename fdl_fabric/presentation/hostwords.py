@@ -31,8 +31,8 @@ def inert_data(event: Event) -> Event:
     data = event.data
     if fields and any(k in data for k in fields):
         data = {k: clean(v, lines=True) if k in fields else v for k, v in data.items()}
-    return clean(Event(event.name, host=event.host, rank=event.rank, data=data,
-                       time=event.time))
+    return Event(event.name, host=clean(event.host), rank=event.rank, data=clean(data),
+                 time=event.time)
 
 
 #: The data fields of each event whose text came from a host (its agent, its sshd, a

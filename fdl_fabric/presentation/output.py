@@ -436,6 +436,8 @@ class RunLog:
         self._events = _private_file(self.folder / "events.jsonl")
         #: Rank logs by (attempt, rank, stderr); a few hold a descriptor at a time.
         self._ranks = FilePool(limits.LOG_FILES_OPEN)
+        #: The folders `_folder` made (under ``_lock``).
+        self._made: set[Path] = set()
         self._lock = threading.Lock()
         #: The attempt whose rank output is being written (``--max-restarts``).
         self.attempt = 0
@@ -451,11 +453,18 @@ class RunLog:
     def _rank_file(self, rank: int, stderr: bool) -> RotatingFile:
         def make() -> RotatingFile:
             folder = self.rank_folder(rank)
-            _private_dir(folder.parent)
-            _private_dir(folder)
+            self._folder(folder.parent)
+            self._folder(folder)
             return RotatingFile(folder / ("stderr.log" if stderr else "stdout.log"),
                                 self.max_bytes)
         return self._ranks.get((self.attempt, rank, stderr), make)
+
+    def _folder(self, path: Path) -> None:
+        """A private folder of this log, made once: 8,192 ranks' two files each would
+        otherwise make (and chmod) the attempt's folder 16,384 times."""
+        if path not in self._made:
+            _private_dir(path)
+            self._made.add(path)
 
     def emit(self, event: Event) -> None:
         failure = None

@@ -50,7 +50,7 @@ def record(event: Event, *, attempt: Optional[int] = None,
     body = dict(event.data) if data is None else dict(data)
     body.pop("raw", None)  # rank output's bytes: the rank's log file has them
     if event.kind is not Kind.OUTPUT:
-        out["message"] = mask_text(render(masked(event)))
+        out["message"] = mask_text(render(event))  # `render` masks the data it words
         body = mask_data(body)
     out["data"] = body
     return out

@@ -28,7 +28,6 @@ newline either. The wording functions below quote them as they are.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
@@ -57,7 +56,8 @@ def render(event: Event, width: Optional[int] = None) -> str:
     strings are masked (`masking`: a secret by name, ``secret_env`` or value, except in
     a rank's own output) and made inert (`inert_data`) first."""
     if event.kind is not Kind.OUTPUT:
-        event = dataclasses.replace(event, data=mask_data(event.data))
+        event = Event(event.name, host=event.host, rank=event.rank,
+                      data=mask_data(event.data), time=event.time)
     event = inert_data(event)
     if width is None:
         return _WORDS[event.name](event, event.data)
