@@ -144,7 +144,9 @@ class EmulatedAgents:
         self._finish(leaf)
 
     def _agent_beat(self, leaf: Leaf) -> None:
-        if time.monotonic() - leaf.last_sent >= wire.HEARTBEAT_INTERVAL:
+        """A PING's answer, as the real agent's: none while its ranks' beats go up, else
+        a heartbeat if it sent nothing for a second."""
+        if not leaf.beating and time.monotonic() - leaf.last_sent >= wire.HEARTBEAT_INTERVAL:
             self.send(leaf, wire.HEARTBEAT)
 
     def _on_agent_stacks(self, leaf: Leaf, body: bytes) -> None:

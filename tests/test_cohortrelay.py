@@ -297,6 +297,7 @@ def test_heartbeats_of_three_ranks_are_folded_into_one_beats_frame_per_interval(
     last = beats[-1][1]
     assert len(beats) <= (last - joined_at) / rank.HEARTBEAT_INTERVAL + 1
     assert not relay.cohort(type="heartbeat")
+    assert relay.relay.beating  # the agent's pings go unanswered: the beats say it lives
     for proc in procs:
         assert proc.stdin is not None
         proc.stdin.close()  # a clean exit: the library says `exiting`
@@ -307,6 +308,7 @@ def test_heartbeats_of_three_ranks_are_folded_into_one_beats_frame_per_interval(
     closed = [b for b in relay.cohort() if "closed" in b]
     assert sorted(b["rank"] for b in closed) == [0, 1, 2]  # once each
     relay.pump(lambda: relay.relay.next_beat is None, "the beats stop with the last rank")
+    assert not relay.relay.beating  # the agent answers the launcher's pings again
 
 
 def test_a_process_that_is_not_one_of_the_agents_ranks_is_closed_at_once_unread(

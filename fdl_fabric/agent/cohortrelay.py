@@ -427,6 +427,13 @@ class CohortRelay:
                 self.sel.modify(conn.sock, want, self._on_conn)
 
     # -- time: hello bounds, the folded beats ----------------------------------------------
+    @property
+    def beating(self) -> bool:
+        """The beats go up (some rank joined): a frame at least every 1.1 x
+        ``beats_every`` (at most 3.3 s, within the smallest ``agent_timeout``, 6 s), so
+        the agent's answers to the launcher's pings would say nothing more."""
+        return self.next_beat is not None
+
     def deadlines(self) -> List[float]:
         """Moments the agent's loop must wake for."""
         due = [c.deadline for c in self.conns.values() if c.deadline is not None]

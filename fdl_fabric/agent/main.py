@@ -99,8 +99,9 @@ class Agent(HostLoop):
             wire.START: lambda body: self._spawn_all(), wire.SIGNAL: _json(self._on_signal),
             wire.STOP: lambda body: self._on_stop(wire.parse_json(body) if body else {}),
             wire.KILL: lambda body: self._kill_now(), wire.SWEEP: _json(self._on_sweep),
-            # Reading a PING renewed the lease; it is answered if the agent was quiet.
-            wire.PING: lambda body: self._beat(),
+            # Reading a PING renewed the lease; it is answered if the agent was quiet,
+            # never while its ranks' beats go up (issue 35: 1,024 frames less a round).
+            wire.PING: lambda body: None if self.cohort.beating else self._beat(),
             wire.SUSPEND: lambda body: self._suspend(True),
             wire.RESUME: lambda body: self._suspend(False),
             wire.STACKS: _json(self._on_stacks), wire.SYNC: _json(self.code.on_sync),
