@@ -158,7 +158,8 @@ def agent_boot(lab: object, repeat: int) -> str:
         floor.append(time.perf_counter() - t0)
     payload = len(bundle.payload())
     t0 = time.perf_counter()
-    compile(bundle.payload()[10:], "<fdl-agent>", "exec")
+    whole, digits = bundle.payload(), bundle._HEADER_DIGITS
+    compile(whole[digits:digits + int(whole[:digits])], "<fdl-agent>", "exec")
     loader = time.perf_counter() - t0
     return (f"agent up over one ssh session (Popen -> handshake), median of {repeat}: "
             f"{sorted(times)[len(times) // 2] * 1000:.0f} ms; `ssh host true`: "

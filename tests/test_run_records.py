@@ -431,6 +431,20 @@ def test_pruning_by_size_removes_the_oldest_until_the_rest_fit(root: Path) -> No
     assert [p.name for p in place.records(root)] == [run_id(4), run_id(5)]
 
 
+def test_an_ended_records_size_is_measured_once_and_kept_in_it(root: Path) -> None:
+    ended = ended_record(root, 1, size=1000)
+    lost = unended_record(root, 2, dead_pid(), time.time() - 5)  # no result: may change
+    assert place.prune(is_live, keep=100, root=root) == []
+    measured = int((ended / place.SIZE_FILE).read_text())
+    assert measured == place.size_of(ended) - len(str(measured))  # all but itself
+    assert stat.S_IMODE((ended / place.SIZE_FILE).stat().st_mode) == 0o600
+    assert not (lost / place.SIZE_FILE).exists()
+    (ended / CONSOLE).write_bytes(b"x" * 50_000)  # not walked again: the kept size counts
+    assert place.record_size(ended) == measured
+    fits = measured + place.size_of(lost) + 10  # with the kept size; not with 50 kB more
+    assert place.prune(is_live, keep=100, max_bytes=fits, root=root) == []
+
+
 def test_a_live_record_is_never_pruned_nor_counted_against_the_others(
         root: Path, spawned: list[subprocess.Popen[Any]]) -> None:
     pid, started = live_process(spawned)

@@ -32,6 +32,7 @@ from typing import Optional
 
 from ..agent.registry import RegistryError, foreign, make_private
 from ..limits import RECORDS_BYTES_MAX, RECORDS_KEPT
+from .record import RESULT
 
 #: The user's choice of records folder.
 ENV_RUNS_DIR = "FDL_FABRIC_RUNS_DIR"
@@ -111,6 +112,28 @@ def size_of(folder: Path) -> int:
     return total
 
 
+#: An ended record's size in bytes, kept in it once measured (`record_size`).
+SIZE_FILE = ".bytes"
+
+
+def record_size(folder: Path) -> int:
+    """The bytes of an ended record: measured once, then kept in it. Its result written,
+    a record no longer changes, and walking the files of every kept record at every
+    launch took a second before the first connect with a few runs of 8,192 ranks kept
+    (issue 35, `bench/profile.py --mode wall`). A record without a result (its launcher
+    died) is measured each time: it may still be the one being written."""
+    kept = folder / SIZE_FILE
+    with contextlib.suppress(OSError, ValueError):
+        return int(kept.read_text(encoding="ascii"))
+    size = size_of(folder)
+    if (folder / RESULT).is_file():
+        with contextlib.suppress(OSError):
+            fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w", encoding="ascii") as fh:
+                fh.write(str(size))
+    return size
+
+
 def prune(is_live: Callable[[Path], bool], *, keep: int = RECORDS_KEPT,
           max_bytes: int = RECORDS_BYTES_MAX, root: Optional[Path] = None,
           spare: Iterable[str] = ()) -> list[str]:
@@ -119,7 +142,7 @@ def prune(is_live: Callable[[Path], bool], *, keep: int = RECORDS_KEPT,
     against the others. Returns the run ids removed; never raises."""
     kept = set(spare)
     ended = [p for p in records(root) if p.name not in kept and not is_live(p)]
-    sizes = {p: size_of(p) for p in ended}
+    sizes = {p: record_size(p) for p in ended}
     total = sum(sizes.values())
     removed: list[str] = []
     for folder in ended:  # oldest first
@@ -134,5 +157,5 @@ def prune(is_live: Callable[[Path], bool], *, keep: int = RECORDS_KEPT,
     return removed
 
 
-__all__ = ["ENV_RUNS_DIR", "RUN_ID_RE", "find", "prune", "record_folder", "records",
-           "runs_path", "runs_root", "size_of"]
+__all__ = ["ENV_RUNS_DIR", "RUN_ID_RE", "SIZE_FILE", "find", "prune", "record_folder",
+           "record_size", "records", "runs_path", "runs_root", "size_of"]
