@@ -149,7 +149,11 @@ def ended_check(folder: Path, every: float = 0.25) -> Callable[[], bool]:
 
 def is_live(folder: Path) -> bool:
     """A record that must not be pruned: no result yet and its launcher runs, or runs on
-    another host (a records folder shared over NFS: only that host can tell)."""
+    another host (a records folder shared over NFS: only that host can tell). A result
+    file ends the question at one stat: a run of 8,192 ranks keeps a state of a few MB,
+    which every launch's prune parsed for each kept record (issue 35)."""
+    if (folder / RESULT).is_file():
+        return False
     run = view(folder)
     if run.result is None and run.launcher.get("host") not in (None, socket.gethostname()):
         return True
