@@ -12,14 +12,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
 
 from fdl_fabric import reports
+from fdl_fabric.agent import wire
 from fdl_fabric.events import EventBus, EventLog, Name, event
 from fdl_fabric.supervision.coordinator import Coordinator, CoordinatorSpec
 from fdl_fabric.testing.launches import wait_for as waiting
+from fdl_fabric.transport.session import BEATS_FRESH, AgentSession
 
 SALT = bytes(range(16))
 RUN = "20261205-100000-abcd1234"
@@ -178,3 +181,14 @@ def test_save_and_shutdown_reaches_every_relayed_rank(
         until(lambda h=host: [m["type"] for m in down.broadcasts(h)].count("shutdown") == 1)
     assert [m["type"] for m in down.broadcasts("node0")] == ["formed", "shutdown"], \
         "one frame per host for all its ranks, not one per rank"
+
+
+def test_a_hosts_beats_mark_them_flowing_for_the_supervisors_pings() -> None:
+    session = AgentSession(SimpleNamespace(host="h1"), lambda report: None)  # type: ignore[arg-type]
+    got: list[reports.Report] = []
+    session.cohort = got.append
+    assert not session.beats_flowing
+    session.handle(wire.BEATS, {"ranks": {"3": [0.5, 7]}})
+    assert session.beats_flowing and isinstance(got[-1], reports.Beats)
+    session._beats_at -= BEATS_FRESH + 0.1  # as if the last came that long ago
+    assert not session.beats_flowing

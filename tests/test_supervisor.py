@@ -54,6 +54,9 @@ class FakeHost:
     stack_requests: list[int] = field(default_factory=list)
     #: None: heard all the time (a healthy agent); a number: silent since then.
     silent_since: Optional[float] = None
+    pings: int = 0
+    #: Its ranks' beats arrive (some rank joined through its agent).
+    beats_flowing: bool = False
 
     @property
     def last_heard(self) -> float:
@@ -73,7 +76,7 @@ class FakeHost:
         self.sup.post(report)
 
     def ping(self) -> None:
-        pass
+        self.pings += 1
 
     def start_ranks(self) -> None:
         self.started = True
@@ -477,6 +480,24 @@ def test_after_formation_an_unresponsive_hosts_ranks_are_reported_dead_and_the_r
     assert result.ranks[1].summary()["host_fault"] == "unresponsive"
     assert result.verdict is Verdict.DEGRADED and result.exit_code == 0
     assert result.faults == {"h1": "unresponsive"}
+
+
+def test_an_agent_whose_ranks_beats_flow_is_pinged_only_for_its_lease() -> None:
+    sup, (quiet, beating), _ = supervise_live({0: None}, {1: None}, lease=30.0,
+                                              agent_timeout=10.0)
+    beating.beats_flowing = True
+    assert sup.ping_every == pytest.approx(10 / 3) and sup.lease_ping_every == 10.0
+    now = time.monotonic() + 100.0
+    for _ in range(9):  # 30 s of ping rounds
+        sup._ping(now)
+        now += sup.ping_every + 0.01  # a round comes a little after it is due
+    assert quiet.pings == 9, "an agent heard only through its answers: every round"
+    assert beating.pings == 3, "its beats keep it heard: a ping only renews the lease"
+    beating.beats_flowing = False  # its ranks left: pinged every round again
+    for _ in range(3):
+        sup._ping(now)
+        now += sup.ping_every + 0.01  # a round comes a little after it is due
+    assert beating.pings == 6
 
 
 def test_a_host_that_keeps_talking_is_never_unresponsive() -> None:

@@ -162,6 +162,10 @@ class HostHandle(Protocol):
     def last_heard(self) -> float:
         """When (monotonic) the agent last said anything, or is known to be talking."""
 
+    @property
+    def beats_flowing(self) -> bool:
+        """Its ranks' folded heartbeats arrive (some rank joined through it)."""
+
 
 class Cohort(Protocol):
     """The membership the supervisor reads and tells (the coordinator implements it)."""
@@ -203,6 +207,8 @@ class HostRecord:
     forced: bool = False
     #: The host's rank could not report: lost (its session ended) or unresponsive.
     fault: Optional[str] = None
+    #: When (monotonic) its agent was last pinged (`stopping.Stopping._ping`).
+    pinged_at: float = 0.0
 
 
 @dataclass

@@ -31,7 +31,7 @@ from .records import (
     RunPhase,
     StackRequest,
 )
-from .timing import TICK, ping_interval
+from .timing import TICK, lease_ping_interval, ping_interval
 
 
 class SupervisorState:
@@ -64,6 +64,8 @@ class SupervisorState:
         self.stop_note = stop_note
         self._running = 0
         self.ping_every = ping_interval(agent_timeout, lease)
+        #: How often an agent whose ranks' beats flow is pinged: only its lease needs it.
+        self.lease_ping_every = lease_ping_interval(lease, self.ping_every)
         #: Hosts given up on or gone (the loop runs until all are), and those that said
         #: DONE (each may need abandoning): kept as they change, not walked every turn.
         self._gone_hosts = 0

@@ -99,16 +99,19 @@ class Stopping(SupervisorState):
                         grace=timing.SHUTDOWN_GRACE)
             self._stop_all()
 
-    def _ping(self) -> None:
+    def _ping(self, now: float) -> None:
         """Renew every agent's lease (`ping_interval`): an agent that stops hearing
-        from the launcher stops its ranks."""
-        now = time.monotonic()
+        from the launcher stops its ranks. One whose ranks' beats flow is heard without
+        it, so it is pinged only for its lease (`lease_ping_interval`)."""
         if now - self._pinged < self.ping_every:
             return
         self._pinged = now
         for host in self.hosts.values():
-            if not host.gone:
-                host.handle.ping()
+            if host.gone or (host.handle.beats_flowing
+                             and now - host.pinged_at < self.lease_ping_every - timing.TICK):
+                continue
+            host.pinged_at = now
+            host.handle.ping()
 
     # -- escalation ----------------------------------------------------------------------------
     def _escalate(self) -> None:

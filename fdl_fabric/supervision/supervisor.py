@@ -24,6 +24,7 @@ Nothing here renders words: events carry data, and `presentation.words` says the
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
@@ -94,7 +95,7 @@ class Supervisor(Liveness, Outcome):
             self._check_hang()
             self._check_stacks()
             self._escalate()
-            self._ping()
+            self._ping(time.monotonic())
         # Reports that came with the last host's end (an exit, a death) still count.
         report = self._next()
         while report is not None:

@@ -50,3 +50,12 @@ def ping_interval(agent_timeout: Optional[float], lease: Optional[float]) -> flo
     than 2 s: at 1,024 hosts each ping round is 1,024 frames down and as many up."""
     bounds = [t for t in (agent_timeout, lease) if t is not None]
     return max(wire.PING_INTERVAL, min(bounds) / 3) if bounds else wire.PING_INTERVAL
+
+
+def lease_ping_interval(lease: Optional[float], ping_every: float) -> float:
+    """Seconds between two pings of an agent whose ranks' beats flow: a third of the
+    lease (the beats already keep it heard within ``agent_timeout``, so the ping only
+    renews the lease, with two thirds of it to spare), never less than ``ping_every``.
+    At the defaults (30 s) that is 10 s rather than 3.3 s: at 1,024 hosts, two thirds of
+    the pings fewer (issue 35's idle)."""
+    return max(ping_every, lease / 3) if lease is not None else ping_every

@@ -35,6 +35,9 @@ from .base import AgentProcess, Transport
 STDERR_TAIL = 4096
 #: Seconds to wait for an agent's exit status once its streams ended.
 STATUS_WAIT = 5.0
+#: Beats this recent say they flow: two at their longest interval (3 s, sent up to
+#: 1.1 x late, `agent.cohortrelay.next_beat_at`).
+BEATS_FRESH = 7.0
 
 Post = Callable[[reports.Report], None]
 #: Where rank output goes on the reading thread; it may block while the console is slow.
@@ -286,6 +289,8 @@ class AgentSession:
         self._in_sink = 0
         #: Where this host's ranks' cohort frames go (the attempt's coordinator), if any.
         self.cohort: Optional[Post] = None
+        #: When (monotonic) the agent last sent its ranks' ``beats`` (`beats_flowing`).
+        self._beats_at = 0.0
 
     # -- liveness -------------------------------------------------------------------------
     @property
@@ -299,6 +304,12 @@ class AgentSession:
         process = self.process
         held = process.reader_held_until() if process is not None else 0.0
         return max(self._heard, held)
+
+    @property
+    def beats_flowing(self) -> bool:
+        """Its ranks' beats came within `BEATS_FRESH`: the agent is heard without being
+        pinged, so a ping need only renew its lease (`supervision.stopping`)."""
+        return time.monotonic() - self._beats_at <= BEATS_FRESH
 
     def heard(self) -> None:
         self._heard = time.monotonic()
@@ -434,6 +445,8 @@ class AgentSession:
             return
         report = decode(self.host, obj)
         if isinstance(report, _FOR_COHORT):
+            if kind == wire.BEATS:
+                self._beats_at = time.monotonic()
             cohort = self.cohort
             if cohort is not None:
                 cohort(report)
