@@ -21,7 +21,10 @@ __all__ = [
     "BEATS_PER_TIMEOUT",
     "ARG_STRLEN_MAX",
     "ON_EXIT_SECONDS",
+    "RECORD_FLUSH_S",
     "RECORD_LOG_BYTES",
+    "RECORD_QUEUE_BYTES",
+    "RECORD_STALL_S",
     "RECORDS_BYTES_MAX",
     "RECORDS_KEPT",
     "COMMAND_MAX_BYTES",
@@ -224,6 +227,15 @@ TUNNEL_WAITING_SECONDS = 10.0
 #: file is renamed ``<name>.1`` (replacing the one before) and a new one starts, so one
 #: rank that prints without end holds at most twice this on the controller's disk.
 RECORD_LOG_BYTES = 64 << 20
+#: A run's logs are written by a thread of their own (`presentation.deferred`): at most
+#: this much waits for it (rank output by its bytes, an event as 512).
+RECORD_QUEUE_BYTES = 32 << 20
+#: A thread with more to hand over waits at most this long for the log's writer; past it
+#: the disk is taken as stalled and the log is given up (said once), the run going on.
+RECORD_STALL_S = 30.0
+#: How long the launcher waits for a log's writer to catch up before its verdict and
+#: at its close (what is still queued then is said lost with the log).
+RECORD_FLUSH_S = 10.0
 #: Records kept on the controller: the newest this many ended runs; older ones are pruned
 #: when a run starts. A live run's record is never pruned.
 RECORDS_KEPT = 100

@@ -387,6 +387,23 @@ def test_a_connection_that_never_says_hello_is_dropped(make: Callable[..., Harne
         "refused": 1})]
 
 
+def test_connections_that_close_before_a_hello_are_said_once_then_counted(
+        make: Callable[..., Harness]) -> None:
+    """A flood that the coordinator keeps up with (none refused for the bound) still
+    writes one record, not one per connection."""
+    h = make(2)
+    for _ in range(300):
+        socket.create_connection(("127.0.0.1", h.coord.port)).close()
+        time.sleep(0.001)
+    h.rank().hello(0, host="h0")  # a frame after them all: every close was handled
+    assert wait_for(lambda: 0 in h.coord.joined)
+    closed = h.log.named(Name.PEER_CLOSED)
+    assert len(closed) == 1 and closed[0].data["reason"] == "closed before its hello"
+    h.coord.stop()
+    counted = sum(e.data["refused"] for e in h.log.named(Name.PEERS_REFUSED))
+    assert len(closed) + counted == 300
+
+
 # -- formation timeout ------------------------------------------------------------------------
 def test_formation_timeout_names_the_ranks_that_never_joined(
         make: Callable[..., Harness]) -> None:

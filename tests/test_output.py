@@ -13,7 +13,8 @@ import pytest
 
 from fdl_fabric import limits
 from fdl_fabric.events import Event, Name, event
-from fdl_fabric.presentation.output import Console, RunLog, redact_env, use_color
+from fdl_fabric.presentation.output import Console, redact_env, use_color
+from fdl_fabric.presentation.runlog import RunLog
 from fdl_fabric.presentation.words import render
 
 

@@ -29,8 +29,8 @@ from fdl_fabric.api import launch
 from fdl_fabric.events import Event, Name
 from fdl_fabric.handle import attach
 from fdl_fabric.limits import RECORDS_KEPT
-from fdl_fabric.presentation.output import RunLog
 from fdl_fabric.presentation.rotating import RotatingFile
+from fdl_fabric.presentation.runlog import RunLog
 from fdl_fabric.runs import place
 from fdl_fabric.runs.reading import follow, is_live, last_lines, launcher_alive, view
 from fdl_fabric.runs.record import CONSOLE, RESULT, STATE, RunRecord, RunState, write_json

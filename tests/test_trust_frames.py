@@ -29,8 +29,9 @@ from fdl_fabric.events import Event, EventBus, EventLog, Name, event
 from fdl_fabric.inert import one_line
 from fdl_fabric.planning.plan import LaunchPlan, build_plan
 from fdl_fabric.presentation.hostwords import FROM_HOSTS, inert_data
-from fdl_fabric.presentation.output import LINE_START, Console, RunLog
+from fdl_fabric.presentation.output import LINE_START, Console
 from fdl_fabric.presentation.records import record
+from fdl_fabric.presentation.runlog import RunLog
 from fdl_fabric.presentation.words import render
 from fdl_fabric.supervision.rankoutput import RankOutput
 from fdl_fabric.supervision.verdict import Verdict

@@ -16,7 +16,8 @@ from typing import Optional, Protocol
 from ..errors import EXIT_FAILURE, FdlError
 from ..events import EventBus, Name, event
 from ..presentation.latest import RunFolder
-from ..presentation.output import Console, RunLog
+from ..presentation.output import Console
+from ..presentation.runlog import RunLog
 from ..presentation.words import cause_data
 from ..runs.hook import bound as hook_bound
 from ..runs.hook import hook_env, run_hook
@@ -101,6 +102,8 @@ def _said_before_the_verdict(run: Concluded, final: RunResult) -> None:
     """What the operator may want to know before the verdict: lines dropped, a
     ``max_failure`` no rank could use, where the logs are."""
     events = run.events
+    if run.log is not None:
+        run.log.flush()  # what it has to say of a failed write, said now
     dropped = run.console.dropped
     if dropped:
         events(Name.OUTPUT_DROPPED, dropped=dropped,

@@ -47,7 +47,8 @@ from ..planning.envelope import ENV_VERBOSITY, new_run_id
 from ..planning.plan import LaunchPlan
 from ..preflight import fleet, fleetcheck
 from ..presentation.latest import RunFolder, point_latest
-from ..presentation.output import Console, JsonConsole, RunLog
+from ..presentation.output import Console, JsonConsole
+from ..presentation.runlog import RunLog
 from ..presentation.words import cause_data
 from ..runs import place
 from ..runs.reading import is_live, read_json
@@ -226,7 +227,8 @@ class Launch:
         self.run_id = opts.run_id or new_run_id()
         self._open_record(r)
         if opts.log_dir:
-            self.log = RunLog(opts.log_dir, self.run_id, on_error=self._log_failed)
+            self.log = RunLog(opts.log_dir, self.run_id, on_error=self._log_failed,
+                              deferred=True)
             self.events.add(self.log)
             self.folder = point_latest(opts.log_dir, self.run_id)
             self.events(Name.LOG_FOLDER, **self.folder.data())

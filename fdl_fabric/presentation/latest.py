@@ -1,6 +1,6 @@
 """``<log-dir>/latest``: a link to the newest run's folder, as SkyPilot's and Ray's logs have.
 
-A ``--log-dir`` holds one folder per run, named by run id (`output.RunLog`); the id is
+A ``--log-dir`` holds one folder per run, named by run id (`runlog.RunLog`); the id is
 not something a person remembers, so each launch points ``latest`` at its own folder.
 The link's target is the run id alone, relative: it stays inside the log folder
 wherever that is moved or mounted, and nothing here ever writes through it. It is made

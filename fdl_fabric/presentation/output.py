@@ -13,7 +13,6 @@ JSON; a disk that fills up is reported once and the run goes on.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -21,22 +20,18 @@ import shutil
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import IO, Any, Callable, Optional, Protocol, TextIO
+from typing import Any, Callable, Optional, Protocol, TextIO
 
-from .. import limits
 from ..events import Event, Kind, Name
 from ..inert import json_inert, neutralize, shown_lines
-from ..masking import mask_data, mask_env
+from ..masking import mask_env
 from ..states import RankState
 from .hostwords import inert_data
 from .interrupted import Interrupted
 from .layout import fit
 from .ranklines import cut_to_width, rank_block
 from .records import Attempts, record
-from .rotating import FilePool, RotatingFile
 from .screen import ERR, OUT, Screen
-from .stacks import dump_text
 from .words import render
 
 #: Event kinds shown only with -v: routine progress that would drown the rank output.
@@ -113,8 +108,10 @@ class Console:
         self._hosts: dict[str, int] = {}
         self._lock = threading.Lock()
         self.live = live and threaded
-        #: Launcher lines go to a terminal: laid out for its width (`words.fit`).
+        #: Launcher lines go to a terminal: laid out for its width (`words.fit`). Asked
+        #: once: rank output asks for each chunk, thousands a second at 8,192 ranks.
         self.err_terminal = is_terminal(self.err)
+        self.out_terminal = is_terminal(self.out)
         self.screen: Optional[Screen] = None
         #: Rank output since an interrupt, shown grouped before the summary.
         self._interrupted: Optional[Interrupted] = None
@@ -140,8 +137,9 @@ class Console:
             return
         stream = self.err if data["stderr"] else self.out
         colour = _PALETTE[self.host_color(event.host or "")] if self.color else None
+        terminal = self.err_terminal if data["stderr"] else self.out_terminal
         block, rows = rank_block(data["label"], data["text"], colour=colour,
-                                 width=terminal_width(stream))
+                                 width=terminal_width(stream) if terminal else None)
         if self.screen is not None:
             self.screen.put_output(ERR if data["stderr"] else OUT,
                                    block.encode("utf-8", "replace"), rows)
@@ -402,142 +400,6 @@ def status_table(ranks: Sequence[RankLike], width: int) -> Any:
     for row in cells:
         table.add_row(*row)
     return table
-
-
-class RunLog:
-    """``--log-dir``: per-rank output, an events.jsonl timeline, the resolved cluster.
-
-    Layout (like torchrun's ``--log-dir``)::
-
-        <dir>/<run_id>/attempt_<k>/r<rank>/stdout.log   rank output, byte for byte
-        <dir>/<run_id>/attempt_<k>/r<rank>/stderr.log
-        <dir>/<run_id>/attempt_<k>/r<rank>/error.json   a failed rank's error file
-        <dir>/<run_id>/attempt_<k>/stacks/r<rank>.txt   every rank's stack (a hang, Ctrl-\\)
-        <dir>/<run_id>/events.jsonl           every other event, one record a line
-                                              (`records`, docs/events.md)
-        <dir>/<run_id>/cluster.json           the resolved plan, secrets redacted
-
-    ``k`` counts attempts (``--max-restarts``), from 0.
-
-    Rank output can carry tokens, so folders are 0700 and files 0600, like the run
-    registry, whatever the umask. A write that fails (a full disk, an I/O error) is
-    reported once through ``on_error`` (the error, the folder) and ends the log: the run
-    goes on, its console and its verdict untouched.
-    """
-
-    def __init__(self, root: str, run_id: str,
-                 on_error: Optional[Callable[[str, str], None]] = None,
-                 max_bytes: Optional[int] = None) -> None:
-        self.folder = Path(root) / run_id
-        #: Each rank log rotates past this size (`rotating`); None: no bound.
-        self.max_bytes = max_bytes
-        Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one is kept
-        _private_dir(self.folder)
-        self._events = _private_file(self.folder / "events.jsonl")
-        #: Rank logs by (attempt, rank, stderr); a few hold a descriptor at a time.
-        self._ranks = FilePool(limits.LOG_FILES_OPEN)
-        #: The folders `_folder` made (under ``_lock``).
-        self._made: set[Path] = set()
-        self._lock = threading.Lock()
-        #: The attempt whose rank output is being written (``--max-restarts``).
-        self.attempt = 0
-        #: The attempt each record belongs to (`records.Attempts`), as ``--json`` says.
-        self._attempts = Attempts()
-        self.on_error = on_error
-        #: Why the log stopped (a failed write), once it did.
-        self.failed: Optional[str] = None
-
-    def rank_folder(self, rank: int) -> Path:
-        return self.folder / f"attempt_{self.attempt}" / f"r{rank}"
-
-    def _rank_file(self, rank: int, stderr: bool) -> RotatingFile:
-        def make() -> RotatingFile:
-            folder = self.rank_folder(rank)
-            self._folder(folder.parent)
-            self._folder(folder)
-            return RotatingFile(folder / ("stderr.log" if stderr else "stdout.log"),
-                                self.max_bytes)
-        return self._ranks.get((self.attempt, rank, stderr), make)
-
-    def _folder(self, path: Path) -> None:
-        """A private folder of this log, made once: 8,192 ranks' two files each would
-        otherwise make (and chmod) the attempt's folder 16,384 times."""
-        if path not in self._made:
-            _private_dir(path)
-            self._made.add(path)
-
-    def emit(self, event: Event) -> None:
-        failure = None
-        with self._lock:
-            if self._events.closed or self.failed is not None:
-                return
-            try:
-                self._write(event)
-            except OSError as exc:
-                failure = self.failed = exc.strerror or str(exc)
-        if failure is not None and self.on_error is not None:
-            self.on_error(failure, str(self.folder))
-
-    def _write(self, event: Event) -> None:
-        if event.kind is Kind.OUTPUT:
-            assert event.rank is not None
-            self._rank_file(event.rank, bool(event.data["stderr"])).write(event.data["raw"])
-            return
-        if event.kind is Kind.SPAWN and event.rank is not None:
-            for stderr in (False, True):  # both exist from the start, as with torchrun
-                self._rank_file(event.rank, stderr)
-        attempt = self._attempts.see(event)
-        data = dict(event.data)
-        text = data.pop("error_file", None)
-        if isinstance(text, str) and event.rank is not None:
-            path = self.rank_folder(event.rank) / "error.json"
-            _private_dir(path.parent.parent)
-            _private_dir(path.parent)
-            with _private_file(path) as fh:
-                fh.write(text.encode("utf-8"))
-            data["error_json"] = str(path.relative_to(self.folder))
-        if event.kind is Kind.STACKS:
-            data["files"] = self._write_stacks(data.pop("ranks", {}) or {},
-                                               data.get("hosts") or {})
-        line = json.dumps(record(event, attempt=attempt, data=data), default=str,
-                          ensure_ascii=False) + "\n"
-        self._events.write(line.encode("utf-8"))
-        self._events.flush()
-
-    def _write_stacks(self, ranks: dict[str, Any], hosts: dict[str, str]) -> list[str]:
-        folder = self.folder / f"attempt_{self.attempt}" / "stacks"
-        _private_dir(folder.parent)
-        _private_dir(folder)
-        written = []
-        for rank, entry in sorted(ranks.items(), key=lambda kv: int(kv[0])):
-            path = folder / f"r{rank}.txt"
-            with _private_file(path, truncate=True) as fh:
-                fh.write(dump_text(rank, hosts.get(rank, "?"), entry).encode("utf-8"))
-            written.append(str(path.relative_to(self.folder)))
-        return written
-
-    def write_cluster(self, data: dict[str, Any]) -> None:
-        with _private_file(self.folder / "cluster.json") as fh:
-            fh.write(json.dumps(mask_data(data), indent=2,
-                                ensure_ascii=False).encode("utf-8"))
-
-    def close(self) -> None:
-        with self._lock:
-            with contextlib.suppress(OSError):
-                self._events.close()
-            self._ranks.close()
-
-
-def _private_dir(path: Path) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-
-
-def _private_file(path: Path, *, truncate: bool = False) -> IO[bytes]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if truncate else os.O_APPEND)
-    fd = os.open(path, flags, 0o600)
-    os.fchmod(fd, 0o600)
-    return os.fdopen(fd, "ab")
 
 
 class JsonConsole(Console):

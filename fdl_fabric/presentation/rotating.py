@@ -3,7 +3,7 @@
 A rank that prints without end must not fill the controller's disk: past ``max_bytes``
 the file is renamed ``<name>.1`` (replacing the one before) and a new one is started,
 so one log holds at most twice ``max_bytes``, the newest lines always kept. Files are
-0600 and opened without following a link (`output.RunLog`'s rule: rank output may hold
+0600 and opened without following a link (`runlog.RunLog`'s rule: rank output may hold
 tokens).
 """
 
@@ -33,12 +33,17 @@ class RotatingFile:
     Its descriptor can be released and is opened again by the next write, so a log of
     thousands of ranks holds only the few files being written (`FilePool`)."""
 
-    def __init__(self, path: Path, max_bytes: Optional[int] = None) -> None:
+    def __init__(self, path: Path, max_bytes: Optional[int] = None, *,
+                 hold: bool = True) -> None:
+        """``path`` made (or opened) now; ``hold=False``: its descriptor released at
+        once, until the first write."""
         self.path = path
         self.max_bytes = max_bytes
         self._fd: Optional[int] = open_private(path)
         self._size = os.fstat(self._fd).st_size
         self.closed = False
+        if not hold:
+            self.release()
 
     @property
     def holds_fd(self) -> bool:
@@ -103,6 +108,14 @@ class FilePool:
         while len(self._open) > self.open_max:
             _, oldest = self._open.popitem(last=False)
             oldest.release()
+        return file
+
+    def keep(self, key: Hashable, make: Callable[[], RotatingFile]) -> RotatingFile:
+        """The file of ``key`` (made by ``make`` the first time, which must leave it
+        without a descriptor), not counted as open until it is written."""
+        file = self.files.get(key)
+        if file is None:
+            file = self.files[key] = make()
         return file
 
     def close(self) -> None:

@@ -40,9 +40,10 @@ from typing import Any, Callable, Optional
 from ..events import Event, Kind, Name
 from ..limits import RECORD_LOG_BYTES
 from ..masking import mask_data
-from ..presentation.output import Console, RunLog
+from ..presentation.output import Console
 from ..presentation.records import masked
 from ..presentation.rotating import RotatingFile, TextLog, open_private
+from ..presentation.runlog import RunLog, weight
 from ..presentation.words import render
 
 STATE = "state.json"
@@ -127,8 +128,9 @@ class RunRecord:
         self.failed: Optional[str] = None
         folder.mkdir(mode=0o700, exist_ok=True)
         os.chmod(folder, 0o700)
+        #: Its files (console.log too) are written by the log's own thread, in order.
         self.log = RunLog(str(folder.parent), run_id, max_bytes=RECORD_LOG_BYTES,
-                          on_error=self._log_failed)
+                          on_error=self._log_failed, deferred=True)
         self._console_file = RotatingFile(folder / CONSOLE, RECORD_LOG_BYTES)
         stream = TextLog(self._console_file)
         self.console = Console(stream, stream, verbosity=verbosity,  # type: ignore[arg-type]
@@ -145,15 +147,19 @@ class RunRecord:
 
     def emit(self, event: Event) -> None:
         shown = masked(event)  # the console, the state and the result keep no secret
-        try:
-            self.console.emit(shown)
-        except OSError as exc:
-            self._failure(exc)
+        self.log.call(self._console_line, shown, size=weight(event))
         self.log.emit(event)  # events.jsonl: masked by its records (`records.record`)
         if event.kind is not Kind.OUTPUT:
             with self._lock:
                 self._see(shown)
         self._report()
+
+    def _console_line(self, shown: Event) -> None:
+        """console.log (on the log's writer thread)."""
+        try:
+            self.console.emit(shown)
+        except OSError as exc:
+            self._failure(exc)
 
     def _failure(self, exc: OSError) -> None:
         if self.failed is None:
@@ -213,6 +219,8 @@ class RunRecord:
             self._failure(exc)
 
     def _result(self, event: Event) -> None:
+        """result.json, written last: after every line before it reached its file."""
+        self.log.flush()
         data = event.data
         result = {"run_id": self.run_id, "verdict": data.get("verdict"),
                   "exit_code": data.get("exit_code"), "message": render(event),
@@ -236,7 +244,7 @@ class RunRecord:
             self.log.write_cluster(mask_data(data))
 
     def close(self) -> None:
-        self.log.close()
+        self.log.close()  # what was handed over written first
         with contextlib.suppress(OSError):
             self._console_file.close()
 

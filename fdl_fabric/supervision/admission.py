@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Generic, Optional, TypeVar
+from typing import Any, Generic, Optional, TypeVar
 
 from ..events import EventBus, Name
 from ..rank import PRE_AUTH_FRAME as PRE_AUTH_FRAME  # the one bound, the agent's too
@@ -149,13 +149,13 @@ class Refusals:
         self._rejected: dict[str, int] = {}
         self._rejected_peer = ""
 
-    def report(self, name: Name, peer: str, reason: str) -> None:
-        """A refusal: a warning line at once, or counted when one was said lately."""
+    def report(self, name: Name, peer: str, reason: str, **data: Any) -> None:
+        """A refusal: a line at once, or counted when one was said lately."""
         now = time.monotonic()
         if self._rejected_at is None or (now - self._rejected_at >= REJECT_REPORT_INTERVAL
                                          and not self._rejected):
             self._rejected_at = now
-            self.events(name, peer=peer, reason=reason, refused=1)
+            self.events(name, peer=peer, reason=reason, refused=1, **data)
             return
         self.count(reason, peer)
 

@@ -356,11 +356,11 @@ class Coordinator(Relayed):
         rank = conn.rank
         self._close(conn)
         if rank is None:
-            if self._refusals.under_way(time.monotonic()):
-                # A flooder closes what it holds: counted with the refusals, not a line each.
-                self._refusals.count("closed before its hello", conn.peer)
-            else:
-                self.events(Name.PEER_CLOSED, peer=conn.peer, detail=detail)
+            # A flooder's connections close before a hello, thousands a second: one said,
+            # the rest counted with the refusals (a line every few seconds), never a
+            # record each, whether or not any was refused.
+            self._refusals.report(Name.PEER_CLOSED, conn.peer, "closed before its hello",
+                                  detail=detail)
             return
         with self._lock:
             clean = rank in self._exited

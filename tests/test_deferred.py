@@ -1,0 +1,117 @@
+"""The logs' writer thread (`presentation.deferred`, `presentation.runlog`): the threads
+that read ranks' output and hellos hand events over and go on; the files are written in
+order, within bounds, and a disk that stalls gives the log up instead of the run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fdl_fabric.events import Event, Name
+from fdl_fabric.presentation.deferred import Deferred
+from fdl_fabric.presentation.runlog import RunLog
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_calls_run_in_the_order_they_were_handed_over_on_one_other_thread() -> None:
+    writer = Deferred("test-writer")
+    seen: list[tuple[int, str]] = []
+    for i in range(2000):
+        writer.call(lambda i=i: seen.append((i, threading.current_thread().name)))
+    assert writer.flush(10)
+    assert [i for i, _ in seen] == list(range(2000))
+    assert {name for _, name in seen} == {"test-writer"}
+    writer.close(5)
+
+
+def test_a_call_made_on_the_writer_thread_runs_at_once_and_never_waits_for_itself() -> None:
+    writer = Deferred("test-writer", max_bytes=1)
+    order: list[str] = []
+
+    def outer() -> None:
+        writer.call(order.append, "inner")  # a failed write's report comes back here
+        assert writer.flush(5)  # the writer does not wait for itself
+        order.append("outer")
+
+    writer.call(outer)
+    assert writer.flush(10)
+    assert order == ["inner", "outer"]
+    writer.close(5)
+
+
+def test_a_stalled_disk_holds_a_producer_at_most_the_stall_bound_then_the_log_is_given_up(
+        ) -> None:
+    release = threading.Event()
+    told: list[str] = []
+    writer = Deferred("test-writer", on_stall=told.append, max_bytes=100, stall_s=0.5)
+    writer.call(release.wait, 30, size=60)  # the disk hangs on this write
+    writer.call(lambda: None, size=30)
+    began = time.monotonic()
+    writer.call(lambda: None, size=30)  # past the bound: waits for room, then gives up
+    waited = time.monotonic() - began
+    assert 0.4 <= waited < 5
+    assert told == ["the disk took none of the log's writes for 0.5 s"]
+    assert writer.stalled == told[0]
+    began = time.monotonic()
+    writer.call(lambda: None, size=30)  # given up: nothing more waits
+    assert time.monotonic() - began < 0.2
+    assert not writer.flush(0.2)  # bounded, and says the write did not finish
+    release.set()
+    writer.close(5)
+    assert told == ["the disk took none of the log's writes for 0.5 s"]  # said once
+
+
+def test_a_call_that_raises_gives_the_log_up_and_says_so_once() -> None:
+    told: list[str] = []
+    writer = Deferred("test-writer", on_stall=told.append)
+    ran: list[int] = []
+    writer.call(ran.append, 1)
+    writer.call(lambda: 1 / 0)
+    writer.call(ran.append, 2)
+    writer.flush(5)
+    time.sleep(0.1)
+    writer.call(ran.append, 3)
+    assert writer.flush(5)
+    assert ran == [1]
+    assert told == ["the log's writer failed: ZeroDivisionError('division by zero')"]
+    writer.close(5)
+
+
+def test_a_deferred_run_log_writes_each_attempts_output_to_its_own_folder(
+        tmp_path: Path) -> None:
+    log = RunLog(str(tmp_path), "run", deferred=True)
+    for attempt in (0, 1):
+        log.attempt = attempt
+        for rank in range(3):
+            log.emit(Event(Name.RANK_STARTED, host="h", rank=rank,
+                           data={"pid": 100 + rank, "label": f"h:cpu:r{rank}"}))
+            log.emit(Event(Name.RANK_OUTPUT, host="h", rank=rank,
+                           data={"stderr": False, "raw": f"a{attempt} r{rank}\n".encode(),
+                                 "text": f"a{attempt} r{rank}", "label": "h"}))
+    log.close()
+    folder = tmp_path / "run"
+    for attempt in (0, 1):
+        for rank in range(3):
+            rank_dir = folder / f"attempt_{attempt}" / f"r{rank}"
+            assert (rank_dir / "stdout.log").read_bytes() == f"a{attempt} r{rank}\n".encode()
+            assert (rank_dir / "stderr.log").read_bytes() == b""  # exists from the start
+            assert rank_dir.stat().st_mode & 0o777 == 0o700
+            assert (rank_dir / "stderr.log").stat().st_mode & 0o777 == 0o600
+    names = [json.loads(line)["name"]
+             for line in (folder / "events.jsonl").read_text().splitlines()]
+    assert names == ["rank_started"] * 6
+
+
+def test_a_log_closed_with_writes_pending_writes_them_first(tmp_path: Path) -> None:
+    log = RunLog(str(tmp_path), "run", deferred=True)
+    for rank in range(500):
+        log.emit(Event(Name.RANK_JOINED, host="h", rank=rank, data={"pid": rank}))
+    log.close()
+    lines = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["rank"] for line in lines] == list(range(500))
+    assert log.failed is None
