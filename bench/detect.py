@@ -20,7 +20,11 @@ benchmark sends SIGKILL to one rank:
   ``pre-local-torchrun`` ``torchrun --standalone --nproc-per-node 4`` with the same
   program (defaults: ``--max-restarts 0``, ``--monitor-interval 0.1``), worker 1 killed;
   ``pre-remote`` 2 lab hosts x 2 ranks (rank 1 on lab1 killed); ``pre-remote-64`` 8 lab
-  hosts x 8 ranks (rank 9, on lab2, killed; peers on all 8 hosts).
+  hosts x 8 ranks (rank 9, on lab2, killed; peers on all 8 hosts). After each measured
+  8 x 8 run, **the machine's floor**: the same 64 rank programs, started by this script
+  in groups of their own, SIGTERMed by one process with no launcher, SSH or agent, to
+  the last one exited. ``death -> all peers stopped`` cannot go below it: it is what
+  the kernel and the cores take to end 64 Python processes.
 
 * **post-formation** (``examples/toy_train.py``; one local worker and one lab host, two
   ranks each; a death is a tolerated membership event): ``death -> the coordinator's
@@ -60,6 +64,7 @@ from detectlib import (
     JITTER,
     MEASURES,
     PRE_LOCAL_TORCH,
+    PRE_REMOTE_64,
     RANK_PROGRAM,
     REAP_POLL,
     SCENARIO,
@@ -68,7 +73,11 @@ from detectlib import (
     Bench,
     Sample,
     stop_everything,
+    teardown_floor,
 )
+
+#: The machine's floor, measured after each 8 x 8 run (`detectlib.teardown_floor`), ms.
+FLOORS: list[float] = []
 
 # --------------------------------------------------------------------------------------
 # Report
@@ -217,6 +226,11 @@ def _rounds(args: argparse.Namespace, bench: Bench, keys: list[str],
                 status += f" ({sample.error})"
             report.write(f"  {'warm-up' if warm else f'run {rep + 1}'} {key}: {status}"
                          f"  (load {benchlib.loadavg()})\n")
+            if key == PRE_REMOTE_64 and not warm:
+                FLOORS.append(teardown_floor(bench.program, bench.tmp / f"floor-{rep}",
+                                             SCENARIO[key][2] * SCENARIO[key][3]))
+                report.write(f"  run {rep + 1} the machine's floor (64 rank programs "
+                             f"SIGTERMed by one process): {FLOORS[-1]:.0f} ms\n")
             report.flush()
     return samples
 
@@ -232,6 +246,15 @@ def _report(args: argparse.Namespace, samples: list[Sample], keys: list[str],
     report.write(table(samples, keys) + "\n\n")
     if any(k in keys for k, _, _ in TARGETS):
         report.write("targets\n\n" + targets_table(samples, keys) + "\n\n")
+    if FLOORS:
+        ours = benchlib.med(_values(samples, PRE_REMOTE_64, "peers_stopped"))
+        floor = benchlib.med(FLOORS)
+        report.write(
+            f"the machine's floor for 8 x 8: the same 64 rank programs SIGTERMed by one "
+            f"process, no launcher, to the last exited: median {_fmt(floor)} ms "
+            f"({min(FLOORS):.0f}-{max(FLOORS):.0f}, {len(FLOORS)} runs, each right after an "
+            f"8 x 8 run); fdl-fabric's death -> all peers stopped is {_fmt(ours)} ms, "
+            f"{_fmt(None if ours is None or floor is None else ours - floor)} ms above it\n\n")
     verdicts = sorted({s.verdict_line for s in samples if s.verdict_line})
     if verdicts:
         report.write("verdict lines seen: " + " | ".join(v[:120] for v in verdicts) + "\n\n")

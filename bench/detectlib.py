@@ -530,3 +530,44 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------------------
+# The machine's floor: the same ranks stopped with no launcher at all
+# --------------------------------------------------------------------------------------
+
+
+def teardown_floor(program: Path, folder: Path, ranks: int) -> float:
+    """ms from one process SIGTERMing ``ranks`` idle rank programs (each in a group of
+    its own, as an agent starts them) to the last one exited (pidfds): what stopping
+    that many Python processes costs this machine's kernel and cores, with no detection,
+    no SSH and no agent. "death -> all peers stopped" cannot be below it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    procs = [benchlib.start([sys.executable, str(program), str(folder), "120"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for _ in range(ranks)]
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(folder.glob("pid-r*"))) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # every interpreter up and asleep
+        fds = [os.pidfd_open(p.pid) for p in procs]
+        poll = select.poll()
+        for fd in fds:
+            poll.register(fd, select.POLLIN)
+        left = set(fds)
+        t0 = time.perf_counter()
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+        while left and time.perf_counter() - t0 < 10:
+            for fd, _ in poll.poll(1000):
+                if fd in left:
+                    left.discard(fd)
+                    poll.unregister(fd)
+        took = (time.perf_counter() - t0) * 1000.0
+        for fd in fds:
+            os.close(fd)
+        return took
+    finally:
+        for p in procs:
+            benchlib.stop(p, grace=1)
