@@ -206,9 +206,14 @@ def test_ctrl_z_then_fg_after_longer_than_the_lease_leaves_the_run_running(
     cluster = cluster_file(lab, local=1, elastic={"heartbeat_timeout": 6},
                            command=f"python3 -u {prog} 20")
     name = f"fdl-{uuid.uuid4().hex[:8]}"
-    done = tmp_path / "exit"
-    script = tmp_path / "job.sh"  # one job: Ctrl-Z stops it whole, fg resumes it whole
-    script.write_text(" ".join([*INV, "--cluster", str(cluster)]) + f"\necho $? > {done}\n")
+    runs = tmp_path / "runs"
+    # The launcher is the job itself, as when a user types the command: the shell says
+    # "Stopped" once the launcher has stopped itself (a wrapper script would stop at the
+    # Ctrl-Z at once, and its shell's line race the launcher's last drawing). Its exit
+    # code is read from the run's record.
+    script = tmp_path / "job.sh"
+    script.write_text(f"export FDL_FABRIC_RUNS_DIR={runs}\nexec "
+                      + " ".join([*INV, "--cluster", str(cluster)]) + "\n")
     command = f"bash {script}"
     _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", "bash", "--norc")
     try:
@@ -225,9 +230,10 @@ def test_ctrl_z_then_fg_after_longer_than_the_lease_leaves_the_run_running(
                                  f"{_job_states(name)}") from None
         time.sleep(15)  # 2.5 times the lease
         _tmux("send-keys", "-t", name, "fg", "Enter")
-        wait_for(done.exists, 60, "the launch to end")
-        time.sleep(0.3)
-        assert done.read_text().strip() == "0", _tmux("capture-pane", "-p", "-t", name)
+        wait_for(lambda: list(runs.glob("*/result.json")), 60, "the launch to end")
+        (result,) = runs.glob("*/result.json")
+        assert json.loads(result.read_text())["exit_code"] == 0, \
+            _tmux("capture-pane", "-p", "-t", name)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True, timeout=10)
 
