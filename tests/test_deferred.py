@@ -115,3 +115,44 @@ def test_a_log_closed_with_writes_pending_writes_them_first(tmp_path: Path) -> N
     lines = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
     assert [json.loads(line)["rank"] for line in lines] == list(range(500))
     assert log.failed is None
+
+
+def test_a_burst_of_calls_is_written_once_it_pauses_not_call_by_call() -> None:
+    """While the launcher's threads hand events over in a burst, the writer takes none
+    of their GIL: it writes the burst whole once it pauses."""
+    writer = Deferred("test-writer")
+    handed = [0]
+    seen_at_run: list[int] = []
+    for _ in range(200):  # a call every millisecond, for 0.2 s: no pause of QUIET_S
+        handed[0] += 1
+        writer.call(lambda: seen_at_run.append(handed[0]))  # how many were handed by then
+        time.sleep(0.001)
+    assert writer.flush(10)
+    assert len(seen_at_run) == 200
+    # Written in a few batches (a stalled machine may split it), never call by call:
+    # a writer that took each call as it came would have seen about 200 counts.
+    assert len(set(seen_at_run)) <= 10, sorted(set(seen_at_run))
+    writer.close(5)
+
+
+def test_a_flush_does_not_wait_for_a_burst_to_pause() -> None:
+    writer = Deferred("test-writer")
+    stop = threading.Event()
+
+    def burst() -> None:
+        while not stop.is_set():
+            writer.call(lambda: None)
+            time.sleep(0.001)  # never a pause of QUIET_S: only LATEST_S would end it
+
+    producer = threading.Thread(target=burst, daemon=True)
+    producer.start()
+    try:
+        time.sleep(0.05)
+        done: list[int] = []
+        writer.call(done.append, 1)
+        assert writer.flush(10)
+        assert done == [1]
+    finally:
+        stop.set()
+        producer.join(5)
+        writer.close(5)

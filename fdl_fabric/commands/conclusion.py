@@ -79,6 +79,9 @@ def on_exit(run: Concluded, final: RunResult) -> None:
         return
     folder = run.record.folder if run.record is not None else None
     log = folder / ON_EXIT_LOG if folder is not None else None
+    for written in (run.record.log if run.record is not None else None, run.log):
+        if written is not None:
+            written.flush()  # the hook reads the record (console.log) as of now
     outcome = run_hook(command, hook_env(run.run_id, final.verdict.value,
                                          final.exit_code, folder), log)
     if outcome.ok:
