@@ -67,8 +67,7 @@ class RunLog:
         self.on_error = on_error
         #: Why the log stopped (a failed write, a stalled disk), once it did.
         self.failed: Optional[str] = None
-        self._writer = Deferred("fdl-log-writer", on_stall=self._stalled) if deferred \
-            else None
+        self._writer = Deferred("fdl-log-writer", on_stall=self._fail) if deferred else None
 
     @property
     def attempt(self) -> int:
@@ -103,9 +102,6 @@ class RunLog:
     def flush(self, timeout: float = limits.RECORD_FLUSH_S) -> bool:
         """Wait (at most ``timeout`` s) until what was handed over is written."""
         return self._writer is None or self._writer.flush(timeout)
-
-    def _stalled(self, reason: str) -> None:
-        self._fail(reason)
 
     def _fail(self, reason: str) -> None:
         with self._lock:
