@@ -38,7 +38,7 @@ from ..events import Event, Kind
 from ..masking import mask_data
 from .deferred import EVENT_SIZE, Deferred
 from .records import Attempts, record
-from .rotating import FilePool, RotatingFile
+from .rotating import FilePool, RotatingFile, open_private
 from .stacks import dump_text
 
 
@@ -220,11 +220,8 @@ def private_dir(path: Path) -> None:
 
 def private_file(path: Path, *, truncate: bool = False) -> IO[bytes]:
     """A file only this user can read, opened for appending (or afresh), never through
-    a link."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if truncate else os.O_APPEND)
-    fd = os.open(path, flags, 0o600)
-    os.fchmod(fd, 0o600)
-    return os.fdopen(fd, "ab")
+    a link (`rotating.open_private`, as a file object)."""
+    return os.fdopen(open_private(path, truncate=truncate), "ab")
 
 
 __all__ = ["RunLog", "private_dir", "private_file", "weight"]
