@@ -113,12 +113,22 @@ def tree(folder: Path) -> tuple[list[Path], list[Path]]:
     return folders, files
 
 
+# Rank 1 fails only once rank 0 has said all it says (a file beside the script tells it,
+# waited for at most 10 s): a failing rank ends its peers at once, and a record must hold
+# what the peers said before that, not what a race let them say.
 RANK_SCRIPT = textwrap.dedent("""\
-    import os, sys
+    import os, sys, time
     rank = os.environ["RANK"]
+    said = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "rank0-said")
     print(f"hello from rank {rank}", flush=True)
     print(f"second line of rank {rank}", flush=True)
     print(f"complaint of rank {rank}", file=sys.stderr, flush=True)
+    if rank == "0":
+        open(said, "w").close()
+    elif int(sys.argv[1]):
+        deadline = time.monotonic() + 10
+        while not os.path.exists(said) and time.monotonic() < deadline:
+            time.sleep(0.01)
     sys.exit(int(sys.argv[1]) if rank == "1" else 0)
     """)
 
