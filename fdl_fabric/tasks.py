@@ -298,7 +298,7 @@ def _usage_errors_exit_2() -> None:
 
 #: This collection's tasks, by their command-line names.
 TASK_NAMES = frozenset({"run", "launch", "cleanup", "prebuild-check", "plot-run", "stacks",
-                        "status", "attach", "logs", "stop", "wait"})
+                        "status", "attach", "logs", "stop", "wait", "join", "start"})
 #: ``--tail``'s bound: more lines than any record holds.
 TAIL_MAX = 10**9
 _usage_errors_exit_2()
@@ -380,6 +380,26 @@ def wait(c: Context, **given: Any) -> None:
         given.get("run_id"), timeout=flags.seconds("--timeout", given.get("timeout"))))
 
 
+@_task("join")
+def join(c: Context, **given: Any) -> None:
+    """Join a launch's join window from this worker: fdl-fabric join HOST:PORT."""
+    from .commands.joincli import run_join
+
+    code = run_join(given)
+    if code:
+        raise Exit(code=code)
+
+
+@_task("start")
+def start(c: Context, **given: Any) -> None:
+    """Start a join window that waits for the operator (start: manual or hybrid)."""
+    from .commands.joincli import run_start
+
+    code = run_start(given)
+    if code:
+        raise Exit(code=code)
+
+
 @task(name="run")
 def run_task(c: Context) -> None:
     """torchrun's command line: inv run -- [flags] SCRIPT [ARGS...] (fdl-fabric run).
@@ -404,4 +424,6 @@ ns.add_task(attach)
 ns.add_task(logs)
 ns.add_task(stop)
 ns.add_task(wait)
+ns.add_task(join)
+ns.add_task(start)
 ns.configure({"fdl": dict(CONFIG_DEFAULTS)})

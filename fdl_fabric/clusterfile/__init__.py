@@ -12,12 +12,15 @@
 from .loading import load_cluster, parse_cluster, this_host_name
 from .model import (
     ENV_NAME_RE,
+    JOIN_KIND,
     RESERVED_ENV_KEYS,
     ClusterSpec,
     ControllerSpec,
     ElasticSpec,
+    JoinSpec,
     SlurmSpec,
     SshSpec,
+    StartMode,
     WorkerSpec,
     is_reserved_env_key,
     parse_max_failure,
@@ -26,14 +29,17 @@ from .problems import ConfigError, Problem, make_problem
 
 __all__ = [
     "ENV_NAME_RE",
+    "JOIN_KIND",
     "RESERVED_ENV_KEYS",
     "ClusterSpec",
     "ConfigError",
     "ControllerSpec",
     "ElasticSpec",
+    "JoinSpec",
     "Problem",
     "SlurmSpec",
     "SshSpec",
+    "StartMode",
     "WorkerSpec",
     "is_reserved_env_key",
     "load_cluster",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Optional, Union
 
 # --------------------------------------------------------------------------------------------
@@ -103,12 +104,55 @@ class SlurmSpec:
     line: int = 0
 
 
+#: The transport kind of a worker whose agent dials in (`fdl-fabric join`).
+JOIN_KIND = "join"
+
+
+class StartMode(str, Enum):
+    """Who closes a join window once its quorum is in (flodl's ``start``)."""
+
+    #: The window's own rules: the target, or the window's end with the quorum.
+    AUTO = "auto"
+    #: Only the operator (`fdl-fabric start`), once the quorum is in.
+    MANUAL = "manual"
+    #: Either: the operator's start, or the window's own rules.
+    HYBRID = "hybrid"
+
+
+@dataclass(frozen=True)
+class JoinSpec:
+    """``controller.join``: the window in which workers that dial in are admitted."""
+
+    #: The quorum: the world cannot form with fewer ranks.
+    min_ranks: int
+    #: Closes the window as soon as this many ranks are in (not under ``manual``).
+    target_ranks: Optional[int] = None
+    #: The window's length; a quorum reached early does not close it.
+    join_timeout: float = 300.0
+    #: The hard cap: a quorum still unmet then fails the run.
+    max_join_timeout: float = 600.0
+    #: No roster: any worker that holds the token may walk in under any host name.
+    discovery: bool = False
+    #: The operator's token file (0600); None: a fresh token in the run's record.
+    token_file: Optional[str] = None
+    start: StartMode = StartMode.AUTO
+    #: The one port a joiner dials (its ranks reach the coordinator through its agent).
+    port: int = 1338
+    #: The address the window listens on (None: ``controller.host``).
+    bind: Optional[str] = None
+    #: A joiner offering more ranks than this is refused.
+    max_ranks_per_host: int = 256
+    line: int = 0
+
+
 @dataclass(frozen=True)
 class ControllerSpec:
     """Where every rank reports; loopback by default so a one-machine run needs no setup."""
 
     host: str = "127.0.0.1"
     port: int = 1337
+    #: The join window (``controller.join``), if workers dial in.
+    join: Optional[JoinSpec] = None
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ later code multiplies checked (workers, ranks, env variables, command bytes), so
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Optional, Union
 
-from yaml.nodes import Node
+from yaml.nodes import MappingNode, Node, ScalarNode
 
 from .. import masking
 from ..agent.wire import AGENT_TIMEOUT_MIN
@@ -25,6 +26,7 @@ from ..limits import (
     WORKERS_MAX,
 )
 from .code import CODE_KEYS, read_code
+from .join import read_join
 from .model import (
     _MAX_FAILURE_FORMAT,
     FANOUT_DEFAULT,
@@ -53,7 +55,7 @@ _TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "maste
              "agent_timeout", "hang_timeout", "fanout", "on_exit", "secret_env", *CODE_KEYS)
 #: Top-level keys that only a Slurm launch reads: every node gets the same ranks.
 _SLURM_KEYS = ("nproc_per_node", "local_devices", "path")
-_CONTROLLER_KEYS = ("host", "port")
+_CONTROLLER_KEYS = ("host", "port", "join")
 _ELASTIC_KEYS = ("max_failure", "formation_timeout", "heartbeat_timeout", "max_restarts",
                  "min_hosts", "host_failures")
 
@@ -86,11 +88,16 @@ def read_cluster(
 
     workers_field = top.field("workers")
     seen_hosts: dict[str, tuple[str, int]] = {}
-    workers = [worker for index, item in enumerate(_worker_items(r, workers_field, slurm, root))
+    discovery = _discovery(r, top.field("controller"))
+    workers = [worker for index, item in enumerate(_worker_items(r, workers_field, slurm, root,
+                                                                 discovery))
                if (worker := _read_worker(r, Field(item, f"workers[{index}]"), index, folder,
                                           local_hostname, controller, rank_env, seen_hosts))
                is not None]
 
+    join_field = _join_field(r, top.field("controller"))
+    controller = dataclasses.replace(controller, join=read_join(
+        r, join_field, workers, folder, controller.port))
     _check_roster(r, workers_field, top.field("elastic"), workers, elastic)
     _check_controller_dialable(r, top.field("controller"), controller,
                                slurm is not None or any(not w.is_local and not w.tunnel
@@ -140,19 +147,24 @@ def _read_command(r: NodeReader, field: Field, name: str) -> Optional[str]:
 
 
 def _worker_items(r: NodeReader, field: Field, slurm: Optional[SlurmSpec],
-                  root: Node) -> list[Node]:
+                  root: Node, discovery: bool) -> list[Node]:
     """The ``workers`` list's entries, or none when the list is wrong or a Slurm launch
-    takes its workers from the allocation."""
+    takes its workers from the allocation. A discovery window's walk-ins may be the whole
+    world: then the list may be absent or empty."""
     items = r.sequence(field)
     if slurm is not None:
         if field.node is not None:
             r.problem(field, "a Slurm launch takes its workers from the allocation "
                       "(SLURM_JOB_NODELIST): remove workers, or remove scheduler: slurm")
         return []
-    if field.node is None:
-        r.problem(field, "workers is required (a list with one entry per host)", root)
+    if discovery:
+        pass
+    elif field.node is None:
+        r.problem(field, "workers is required (a list with one entry per host; a roster-free "
+                  "window needs controller.join.discovery: true)", root)
     elif items == []:
-        r.problem(field, "must list at least one worker")
+        r.problem(field, "must list at least one worker (a roster-free window needs "
+                  "controller.join.discovery: true)")
     elif items is not None and len(items) > WORKERS_MAX:
         r.problem(field, f"lists {len(items)} workers; at most {WORKERS_MAX} are allowed")
         return []
@@ -210,6 +222,25 @@ def _read_controller(r: NodeReader, field: Field) -> ControllerSpec:
         host=_or(r.host(block.field("host")), default.host),
         port=_or(r.integer(block.field("port"), minimum=1, maximum=PORT_MAX), default.port),
     )
+
+
+def _join_field(r: NodeReader, field: Field) -> Field:
+    """``controller.join``'s field (its node None when absent). Read with a reader of its
+    own: `_read_controller` says the controller block's problems once."""
+    block = NodeReader(r.file).mapping(field) if field.node is not None else None
+    return block.field("join") if block is not None else Field(None, "controller.join")
+
+
+def _discovery(r: NodeReader, field: Field) -> bool:
+    """Whether ``controller.join.discovery`` is true, read ahead of the workers (a
+    roster-free window lets the list be empty); its problems are said by `read_join`."""
+    join = _join_field(r, field)
+    if not isinstance(join.node, MappingNode):
+        return False
+    for key, value in join.node.value:
+        if isinstance(key, ScalarNode) and key.value == "discovery":
+            return isinstance(value, ScalarNode) and value.value in ("true", "True", "TRUE")
+    return False
 
 
 def _check_roster(r: NodeReader, workers_field: Field, elastic_field: Field,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Union
 
-from yaml.nodes import Node, ScalarNode
+from yaml.nodes import MappingNode, Node, ScalarNode
 
 from ..limits import (
     PORT_MAX,
@@ -17,6 +17,7 @@ from ..limits import (
 )
 from .code import read_python
 from .model import (
+    JOIN_KIND,
     ControllerSpec,
     SshSpec,
     WorkerSpec,
@@ -80,7 +81,8 @@ def _read_worker(
     # is launched from another machine, where this worker is remote.
     ssh = _read_ssh(r, w.field("ssh"), folder)
     tunnel = _read_tunnel(r, w, is_local)
-    raw_path = _read_worker_path(r, w, host, is_local)
+    joins = _joins(w)
+    raw_path = _read_worker_path(r, w, host, is_local or joins)
     raw_data_path = r.path(w.field("data_path"))
     addr = _read_worker_addr(r, w, controller, ssh, host, is_local)
     nccl_socket_ifname = _read_ifname(r, w.field("nccl_socket_ifname"))
@@ -97,7 +99,8 @@ def _read_worker(
         host=host,
         nproc=nproc,
         local_devices=local_devices,
-        path=folder if raw_path is None else _resolve_path(raw_path, folder, is_local),
+        path=("" if joins else folder) if raw_path is None else _resolve_path(raw_path, folder,
+                                                                              is_local),
         addr=addr,
         nccl_socket_ifname=nccl_socket_ifname,
         ssh=ssh,
@@ -173,12 +176,21 @@ def _read_tunnel(r: NodeReader, w: Block, is_local: bool) -> bool:
     return tunnel
 
 
+def _joins(w: Block) -> bool:
+    """The worker's agent dials in (``transport: join``): its joiner says its folder
+    (``fdl-fabric join --path``), so the file need not."""
+    node = w.entries.get("transport", (None, None))[1]
+    if isinstance(node, MappingNode):
+        node = next((v for k, v in node.value if getattr(k, "value", None) == "kind"), None)
+    return isinstance(node, ScalarNode) and node.value == JOIN_KIND
+
+
 def _read_worker_path(
     r: NodeReader, w: Block, host: Optional[str], is_local: bool
 ) -> Optional[str]:
     """The worker's ``path`` as written (not yet resolved). A local worker defaults to the
     file's folder, but the launcher cannot guess a working directory on another host, so a
-    remote worker must name one."""
+    remote worker must name one (a worker that joins says its own)."""
     path_field = w.field("path")
     raw_path = r.path(path_field)
     if path_field.node is None and host is not None and not is_local:

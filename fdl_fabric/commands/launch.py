@@ -27,6 +27,7 @@ connection is gone or that stopped answering, and new agents.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -44,6 +45,7 @@ from ..clusterfile import ClusterSpec
 from ..errors import EXIT_FAILURE, EXIT_USAGE, FdlError
 from ..events import Event, EventBus, Name
 from ..planning.envelope import ENV_VERBOSITY, new_run_id
+from ..planning.joinwindow import WindowState
 from ..planning.plan import LaunchPlan
 from ..preflight import fleet, fleetcheck
 from ..presentation.latest import RunFolder, point_latest
@@ -75,6 +77,7 @@ from .between import (
 from .conclusion import conclude, failed, interrupted
 from .dryrun import plan_as_json
 from .healwatch import HealWatch
+from .joinwindow import Window
 from .launch_hosts import Hosts
 from .launch_settings import Resolved, attempt_cluster, dry_run, membership_for, plan_attempt
 from .launch_settings import resolve as resolve_settings
@@ -124,6 +127,8 @@ class Launch:
         self.attempt_now = 0
         #: Hosts lost in an attempt, dialled again until they answer (`healwatch`).
         self.healwatch: Optional[HealWatch] = None
+        #: ``controller.join``: the window where workers that dial in are admitted.
+        self.window: Optional[Window] = None
 
     def run(self) -> int:
         """The launch; its exit code. Bad input is refused (exit 2, nothing started);
@@ -163,6 +168,8 @@ class Launch:
 
     def _teardown(self) -> None:
         self.hosts.teardown()
+        if self.window is not None:
+            self.window.close()
 
     def _sweep_faulted(self) -> None:
         """Hosts lost or unresponsive during the run: swept once it is over."""
@@ -177,7 +184,8 @@ class Launch:
         """Every input checked (exit 2 on a mistake); None after a dry run."""
         resolved, self.code = resolve_settings(self.opts, self.events)
         self.resolved = resolved
-        self.membership = membership_for(resolved.cluster)
+        if resolved.cluster.workers:  # a discovery window's world comes when it forms
+            self.membership = membership_for(resolved.cluster)
         if self.opts.dry_run:
             dry_run(resolved, self.membership, self.code, self.events)
             return None
@@ -189,6 +197,12 @@ class Launch:
         hosts the membership rule gives it (`supervision.membership`)."""
         check_open_files(r.cluster, self.events)  # before anything is contacted: exit 2
         self._open_run(r)
+        if r.cluster.controller.join is not None:
+            joined = self._join_window(r)
+            if joined is None:
+                return
+            r = self.resolved = joined
+            self.membership = membership_for(r.cluster)
         self.hosts.transports = for_cluster(r.cluster, r.settings)
         assert self.run_id is not None
         self.healwatch = HealWatch(self.run_id, lambda: self.hosts.transports,
@@ -220,6 +234,21 @@ class Launch:
         if self.signals.received is not None and \
                 self.results[-1].verdict is not Verdict.INTERRUPTED:
             self._interrupted(self.signals.received)
+
+    def _join_window(self, r: Resolved) -> Optional[Resolved]:
+        """``controller.join``: the workers that dial in, admitted until the world forms
+        (the launch goes on with them) or the window fails (its verdict; None)."""
+        assert self.run_id is not None
+        self.window = Window(r.cluster, self.run_id,
+                             self.record.folder if self.record is not None else None,
+                             self.events, r.scale)
+        self.window.open()
+        decision = self.window.wait()
+        if decision.state is not WindowState.FORMED:
+            self.results.append(self.window.failed(decision))
+            return None
+        cluster, settings = self.window.world()
+        return dataclasses.replace(r, cluster=cluster, settings={**r.settings, **settings})
 
     def _open_run(self, r: Resolved) -> None:
         """The run's id, its record, its --log-dir folder; the code step said."""

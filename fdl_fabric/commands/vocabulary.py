@@ -22,7 +22,7 @@ from typing import Optional
 
 #: The commands, in the order help lists them.
 COMMANDS = ("run", "launch", "attach", "logs", "stop", "wait", "cleanup", "prebuild-check",
-            "stacks", "status", "plot-run")
+            "stacks", "status", "plot-run", "join", "start")
 
 #: Commands that take hosts (a cluster file, or hosts on the command line).
 HOSTED = frozenset({"run", "launch", "cleanup", "prebuild-check", "stacks", "status"})
@@ -30,6 +30,8 @@ HOSTED = frozenset({"run", "launch", "cleanup", "prebuild-check", "stacks", "sta
 LAUNCHING = frozenset({"run", "launch"})
 #: Commands that follow or act on one run of this controller, named by its id (RUN).
 OF_A_RUN = frozenset({"attach", "logs", "stop", "wait"})
+#: Commands that dial a join window (docs/join.md): the worker's and the operator's.
+DIALLING = frozenset({"join", "start"})
 
 
 @dataclass(frozen=True)
@@ -186,14 +188,17 @@ FLAGS: tuple[Flag, ...] = (
                                                            "prebuild-check"}), short="j"),
     # One command's own.
     _f("run_id", "the run: its id or the id's unique start (also given as the word RUN); "
-       "cleanup stops only its ranks, the others look at it or act on it (default: the "
-       "newest run)", frozenset({"cleanup", "stacks"}) | OF_A_RUN, metavar="RUN_ID"),
+       "cleanup stops only its ranks, join joins only its window, the others look at it "
+       "or act on it (default: the newest run)",
+       frozenset({"cleanup", "stacks", "join", "start"}) | OF_A_RUN, metavar="RUN_ID"),
     _f("tail", "the last N lines of output first (attach: 20)", frozenset({"attach", "logs"}),
        metavar="N", default="logs: all"),
     _f("follow", "follow the output as it comes, across restarts, to the verdict",
        frozenset({"logs"}), short="f"),
     _f("rank", "only this rank's lines", frozenset({"logs"}), metavar="N"),
-    _f("host", "only the lines of this host's ranks", frozenset({"logs"}), metavar="HOST"),
+    _f("host", "logs: only the lines of this host's ranks; join: the name this worker "
+       "joins as", frozenset({"logs", "join"}), metavar="HOST",
+       default="join: this machine's name"),
     _f("stop", "Ctrl-C stops the run (TERM, then KILL after the kill grace) instead of "
        "leaving it running", frozenset({"attach"})),
     _f("kill", "stop at once: KILL every rank's process group, no grace",
@@ -209,6 +214,21 @@ FLAGS: tuple[Flag, ...] = (
        "named with --run-id)", frozenset({"cleanup"})),
     _f("fast", "only what a launch checks before spawning: ssh, paths, program, port",
        frozenset({"prebuild-check"})),
+    # Workers that dial in (docs/join.md).
+    _f("controller", "the join window's HOST:PORT (also given as the first word)",
+       DIALLING, metavar="HOST:PORT"),
+    _f("token_file", "a file of yours, mode 0600, holding the window's token (or set "
+       "FDL_FABRIC_TOKEN; never a token on the command line)", DIALLING, metavar="FILE",
+       default="start: the run's record"),
+    _f("nproc", "the ranks this worker offers (CPU ranks)", frozenset({"join"}),
+       metavar="N"),
+    _f("devices", "the GPUs this worker offers: 0,1 or all (nvidia-smi's)",
+       frozenset({"join"}), metavar="LIST"),
+    _f("path", "the folder the ranks run in on this worker", frozenset({"join"}),
+       metavar="DIR", default="the current folder"),
+    _f("persist", "dial again after a transient end (5 s, doubling to 60 s), and after "
+       "each run for the next; stops on a permanent refusal (exit 2)",
+       frozenset({"join"})),
     _f("output", "the picture to write, .svg or .png (default: RUN_DIR/timeline.svg and "
        "timeline.png)", frozenset({"plot-run"}), metavar="FILE", short="o"),
 )
@@ -226,12 +246,20 @@ def short_flags(command: str) -> dict[str, str]:
     return {f.name: f.short for f in flags_of(command) if f.short}
 
 
+#: The flag a command's bare word stands for (invoke has no optional positional).
+_WORD_FLAG = {**{c: "--run-id" for c in OF_A_RUN}, "start": "--run-id",
+              "join": "--controller"}
+
+
 def named_run(words: list[str]) -> list[str]:
-    """``attach``, ``logs``, ``stop``, ``wait`` take their run as a word (``fdl-fabric logs
-    RUN``, as ``docker logs`` and ``sky logs``); invoke has no optional positional, so
-    the word is handed on as ``--run-id RUN``. Other commands' words are left alone."""
-    if not words or words[0].rpartition(".")[2] not in OF_A_RUN:
+    """``attach``, ``logs``, ``stop``, ``wait`` and ``start`` take their run as a word
+    (``fdl-fabric logs RUN``, as ``docker logs`` and ``sky logs``), ``join`` its window's
+    address (``fdl-fabric join HOST:PORT``); invoke has no optional positional, so the
+    word is handed on as its flag. Other commands' words are left alone."""
+    command = words[0].rpartition(".")[2] if words else ""
+    if command not in _WORD_FLAG:
         return words
+    flag = _WORD_FLAG[command]
     valued = {w for f in flags_of(words[0].rpartition(".")[2]) if f.metavar
               for w in f.spellings}
     out, rest = [words[0]], iter(words[1:])
@@ -243,7 +271,7 @@ def named_run(words: list[str]) -> list[str]:
         elif word.startswith("-"):
             out.append(word)
         else:
-            out += ["--run-id", word]
+            out += [flag, word]
     return out
 
 
@@ -288,6 +316,13 @@ USAGE = {
     "wait": ("fdl-fabric wait [RUN] [options]",
              "Wait until a run ends and exit with its exit code (0, 1, 128+N); 124 when "
              "--timeout passes first."),
+    "join": ("fdl-fabric join HOST:PORT [options]",
+             "Join a launch's join window from this worker (behind NAT, a pod, a VM that "
+             "boots and joins): the agent of the fdl-fabric installed here runs its ranks. "
+             "Exit 0 done, 1 transient (--persist dials again), 2 permanent."),
+    "start": ("fdl-fabric start [RUN] [options]",
+              "Close a join window with start: manual or hybrid now that its quorum is in; "
+              "refused with why (auto, quorum not met, closed)."),
     "plot-run": ("fdl-fabric plot-run RUN_DIR [options]",
                  "Draw a run's timeline from RUN_DIR/events.jsonl (<log-dir>/<run_id>)."),
 }

@@ -42,6 +42,7 @@ from .codewords import CODE_WORDS
 from .commandwords import COMMAND_WORDS
 from .dryrunwords import dry_run_text
 from .hostwords import inert_data
+from .joinwords import JOIN_WORDS
 from .layout import HANG as HANG  # the continuation indent, as tests measure it
 from .layout import fit, table
 from .runwords import RUN_WORDS
@@ -576,6 +577,7 @@ _WORDS: dict[Name, Words] = {
     Name.VERDICT: _verdict,
     Name.DRY_RUN: lambda e, d: dry_run_text(d),
     **SETUP_WORDS,
+    **JOIN_WORDS,
     **COMMAND_WORDS,
     **RUN_WORDS,
     **CODE_WORDS,

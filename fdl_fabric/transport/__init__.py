@@ -38,11 +38,12 @@ HostSettings = Mapping[str, Any]
 def _kinds() -> dict[str, type[Transport]]:
     """The built-in kinds, by name. SSH and Slurm load only when a cluster has such a
     host: a launch with only local workers never imports Fabric's SSH stack."""
+    from .joining import JoinTransport
     from .slurm import SlurmTransport
     from .ssh import SshTransport
 
     return {LocalTransport.kind: LocalTransport, SshTransport.kind: SshTransport,
-            SlurmTransport.kind: SlurmTransport}
+            SlurmTransport.kind: SlurmTransport, JoinTransport.kind: JoinTransport}
 
 
 #: Kinds registered beyond the built-in ones (a test's fake transport, a plug-in).

@@ -1,0 +1,228 @@
+"""The join handshake over real TLS on loopback (`joinwire`, `transport.joinport`,
+`commands.join`): both sides prove the token bound to the connection's certificate, a
+man in the middle is refused before anything is said, junk never fails the window, and
+the token is held as ssh holds a key."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fdl_fabric import joinwire
+from fdl_fabric.clusterfile import JoinSpec
+from fdl_fabric.commands import join as joiner
+from fdl_fabric.events import Event, EventBus, Name
+from fdl_fabric.planning.joinwindow import JoinLedger
+from fdl_fabric.transport.joinport import JoinPort, server_context
+
+TOKEN = bytes(range(32))
+
+
+class Said:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    def named(self, name: Name) -> list[Event]:
+        return [e for e in self.events if e.name is name]
+
+
+@pytest.fixture
+def said() -> Said:
+    return Said()
+
+
+@pytest.fixture
+def port(said: Said) -> Iterator[JoinPort]:
+    bus = EventBus()
+    bus.add(said)
+    spec = JoinSpec(min_ranks=1, discovery=True)
+    opened = JoinPort("127.0.0.1", 0, TOKEN, JoinLedger(spec, "run-1"), bus)
+    opened.open()
+    yield opened
+    opened.close()
+
+
+def request(port: int, token: bytes = TOKEN, host: str = "pod-a") -> joiner.JoinRequest:
+    return joiner.JoinRequest(address="127.0.0.1", port=port, token=token, host=host,
+                              nproc=1, path="/tmp")
+
+
+def dial_and_offer(req: joiner.JoinRequest) -> dict[str, Any]:
+    stream = joiner._handshake(joiner._dial(req, lambda _: None), req)
+    try:
+        return joiner._admission(stream, req)
+    finally:
+        stream.close()
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.02)
+
+
+def test_a_joiner_with_the_token_is_admitted_and_told_its_run(port: JoinPort,
+                                                              said: Said) -> None:
+    accept = dial_and_offer(request(port.port))
+    assert (accept["run_id"], accept["host"], accept["ranks"]) == ("run-1", "pod-a", 1)
+    wait_for(lambda: said.named(Name.JOIN_ADMITTED))
+    assert said.named(Name.JOIN_ADMITTED)[0].host == "pod-a"
+
+
+def test_a_joiner_that_hangs_up_before_the_world_forms_is_taken_out(
+        port: JoinPort, said: Said) -> None:
+    dial_and_offer(request(port.port))  # closes its connection once admitted
+    wait_for(lambda: said.named(Name.JOIN_LEFT))
+    assert port.members == {} and port.ledger.ranks_in == 0
+
+
+def test_a_wrong_token_is_refused_on_both_sides_and_nothing_is_admitted(
+        port: JoinPort, said: Said) -> None:
+    with pytest.raises(joiner.Outcome) as caught:
+        dial_and_offer(request(port.port, token=bytes(32)))
+    assert caught.value.code == joiner.EXIT_PERMANENT
+    assert "did not prove it holds this token" in str(caught.value)
+    wait_for(lambda: said.named(Name.JOIN_REFUSED))
+    assert "a wrong token" in said.named(Name.JOIN_REFUSED)[0].data["reason"]
+    assert port.members == {} and port.ledger.joined == {}
+
+
+def test_a_man_in_the_middle_with_its_own_certificate_is_refused_before_the_hello(
+        port: JoinPort) -> None:
+    """A proxy that ends TLS with a certificate of its own and relays the plain bytes:
+    the launcher's proof binds the launcher's certificate, so the joiner refuses, and
+    the proxy never sees a hello."""
+    context, _ = server_context()
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen = bytearray()
+
+    def relay() -> None:
+        """One thread, one message at a time each way, as the protocol goes."""
+        conn, _ = listener.accept()
+        front = context.wrap_socket(conn, server_side=True)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
+        back = client.wrap_socket(socket.create_connection(("127.0.0.1", port.port)))
+        for s in (front, back):
+            s.settimeout(5)
+
+        def exactly(sock: ssl.SSLSocket, n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = sock.recv(n - len(data))
+                if not chunk:
+                    raise EOFError
+                data += chunk
+            return data
+
+        def message(src: ssl.SSLSocket, dst: ssl.SSLSocket) -> None:
+            head = exactly(src, 4)
+            body = exactly(src, int.from_bytes(head, "big"))
+            if src is front:
+                seen.extend(body)
+            dst.sendall(head + body)
+
+        try:
+            back.sendall(exactly(front, len(joinwire.MAGIC)))
+            message(front, back)   # the joiner's nonce
+            message(back, front)   # the launcher's nonce and proof
+            message(front, back)   # the joiner's answer: a hello only if it trusted us
+        except (OSError, EOFError):
+            pass
+        finally:
+            front.close()
+            back.close()
+
+    threading.Thread(target=relay, daemon=True).start()
+    with pytest.raises(joiner.Outcome) as caught:
+        dial_and_offer(request(int(listener.getsockname()[1])))
+    assert caught.value.code == joiner.EXIT_PERMANENT
+    time.sleep(0.3)
+    assert b"hello" not in bytes(seen) and b"pod-a" not in bytes(seen)
+    assert port.members == {}
+    listener.close()
+
+
+def test_junk_never_fails_the_window_and_is_said_a_few_times_then_counted(
+        port: JoinPort, said: Said) -> None:
+    """Connections from 127.0.0.2 that send garbage, close at once, or say nothing:
+    none ends the window, a real joiner (from 127.0.0.1) is still admitted, and the
+    refusals of the junk's source are said three times, then counted."""
+    def junk(kind: int) -> None:
+        try:
+            with socket.create_connection(("127.0.0.1", port.port), timeout=5,
+                                          source_address=("127.0.0.2", 0)) as s:
+                if kind == 0:
+                    s.sendall(os.urandom(512))
+                elif kind == 1:
+                    s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                time.sleep(0.05)
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=junk, args=(n % 3,), daemon=True) for n in range(300)]
+    for t in threads:
+        t.start()
+    accept = dial_and_offer(request(port.port, host="pod-real"))
+    assert accept["host"] == "pod-real"
+    for t in threads:
+        t.join(30)
+    wait_for(lambda: sum(port._under_way.values()) == 0, 30)
+    port.flush(force=True)
+    assert len(said.named(Name.JOIN_REFUSED)) == joiner_sources_said()
+    counted = sum(e.data["count"] for e in said.named(Name.JOIN_REFUSALS))
+    assert counted > 0
+    assert port.ledger.closed is None
+    assert [e.host for e in said.named(Name.JOIN_ADMITTED)] == ["pod-real"]
+
+
+def joiner_sources_said() -> int:
+    """One source (127.0.0.1): said `SAID_PER_SOURCE` times."""
+    from fdl_fabric.transport.joinport import SAID_PER_SOURCE
+
+    return SAID_PER_SOURCE
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_a_token_file_others_can_read_is_refused(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "token"
+    path.write_text(joinwire.new_token())
+    os.chmod(path, mode)
+    with pytest.raises(joinwire.JoinError) as caught:
+        joinwire.read_token_file(str(path))
+    assert "readable by others" in str(caught.value) and "chmod 600" in str(caught.value)
+
+
+def test_a_token_file_is_made_0600_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    text = joinwire.new_token()
+    joinwire.write_token_file(str(path), text)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert joinwire.read_token_file(str(path)) == bytes.fromhex(text)
+
+
+def test_a_short_or_garbled_token_is_refused() -> None:
+    with pytest.raises(joinwire.JoinError, match="at least 32 hex digits"):
+        joinwire.parse_token("abcd", "FDL_FABRIC_TOKEN")
+    with pytest.raises(joinwire.JoinError, match="hex digits"):
+        joinwire.parse_token("not hex at all", "FDL_FABRIC_TOKEN")
+
+
+def test_the_launchers_proof_cannot_stand_for_a_joiners() -> None:
+    binding, a, b = b"c" * 32, b"a" * 32, b"b" * 32
+    launcher = joinwire.proof(TOKEN, "launcher", binding, a, b)
+    assert not joinwire.proof_holds(TOKEN, "joiner", binding, a, b, launcher)
+    assert joinwire.proof_holds(TOKEN, "launcher", binding, a, b, launcher)
+    assert not joinwire.proof_holds(TOKEN, "launcher", b"d" * 32, a, b, launcher)

@@ -1,0 +1,215 @@
+"""Workers that dial in (issue 36), through the real thing: ``fdl-fabric launch`` with a
+``controller.join`` window, and ``fdl-fabric join`` processes, each its own worker —
+pods as network namespaces where the lab can make them, else processes on loopback.
+
+The window forms with its quorum and trains gloo DDP to exit 0; a wrong token and a
+duplicate host are refused that attempt only; a quorum unmet at the cap ends the
+launch 1 with flodl's words; the target closes the window early; a manual window waits
+for ``fdl-fabric start``; a joiner that dials before the launcher is up joins once it
+is; a launcher SIGKILLed leaves no rank of a walk-in behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+import pytest
+import yaml
+
+from fdl_fabric import joinwire
+from fdl_fabric.testing import NetnsLab
+from fdl_fabric.testing.launches import LiveProcess
+from fdl_fabric.testing.netns import netns_available
+from fdl_fabric.testing.processes import free_port
+from labutil import ROOT, gloo_run_completed, wait_for
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(150)]
+
+FDL = (sys.executable, "-m", "fdl_fabric")
+DDP = str(ROOT / "examples" / "ddp_torch.py")
+SLEEPER = "import os, time; print('rank', os.environ['RANK'], 'pid', os.getpid(), " \
+          "flush=True); time.sleep(300)"
+
+
+class Joiners:
+    """The joiners a test started; each killed with its process group at the end."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.started: list[LiveProcess] = []
+        self.token = folder / "join.token"
+        joinwire.write_token_file(str(self.token), joinwire.new_token())
+
+    def start(self, port: int, host: str, *flags: str, netns: Optional[str] = None,
+              address: str = "127.0.0.1", token: Optional[Path] = None) -> LiveProcess:
+        argv = [*FDL, "join", f"{address}:{port}", "--token-file", str(token or self.token),
+                "--host", host, *(flags or ("--nproc", "1")), "--path", str(self.folder)]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        joiner = LiveProcess(argv, cwd=self.folder)
+        self.started.append(joiner)
+        return joiner
+
+    def stop(self) -> None:
+        for joiner in self.started:
+            joiner.kill()
+
+
+@pytest.fixture
+def joiners(tmp_path: Path) -> Iterator[Joiners]:
+    made = Joiners(tmp_path)
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+def window_file(folder: Path, token: Path, *, bind: str = "127.0.0.1",
+                workers: Optional[list[dict[str, Any]]] = None, env: Optional[dict[str, str]] = None,
+                **join: Any) -> tuple[Path, int]:
+    """A cluster file whose world comes from its join window; the window's port."""
+    port = free_port("127.0.0.1")
+    doc: dict[str, Any] = {
+        "controller": {"host": "127.0.0.1", "port": free_port("127.0.0.1"),
+                       "join": {"port": port, "bind": bind, "token_file": str(token),
+                                **({"discovery": True} if workers is None else {}), **join}},
+        "kill_grace": 2,
+        "agent_timeout": 6,
+    }
+    if env:
+        doc["env"] = env
+    if workers is not None:
+        doc["workers"] = workers
+    path = folder / "cluster.yml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path, port
+
+
+def launch(cluster: Path, *command: str) -> LiveProcess:
+    return LiveProcess([*FDL, "launch", "-c", str(cluster), "--", *command],
+                       cwd=cluster.parent)
+
+
+# -- the window forms, and trains ----------------------------------------------------------
+
+def test_four_pods_in_a_discovery_window_train_gloo_ddp_to_exit_0(
+        netns_lab: Any, joiners: Joiners, tmp_path: Path) -> None:
+    """Four network namespaces each run ``fdl-fabric join`` to the launcher (the root
+    namespace); a pod with a wrong token and one with a taken name are refused that
+    attempt only, and the run goes on to gloo DDP's identical parameters everywhere."""
+    if netns_available() is not None:
+        pytest.skip(str(netns_available()))
+    lab: NetnsLab = netns_lab(n_hosts=4, routed=True, host_ifnames={i: "eth7" for i in range(4)})
+    cluster, port = window_file(tmp_path, joiners.token, bind="0.0.0.0", min_ranks=4,
+                                join_timeout=60, env={"GLOO_SOCKET_IFNAME": "eth7"})
+    run = launch(cluster, sys.executable, DDP, "--steps", "5", "--out", str(tmp_path / "out"))
+    run.wait_line(r"cluster join: window open", timeout=30)
+    nets = [lab._nets[h.name] for h in lab.hosts]
+    pods = [joiners.start(port, f"pod-{i}", netns=net.name, address=net.root_addr)
+            for i, net in enumerate(nets[:3])]
+    stranger = tmp_path / "other.token"
+    joinwire.write_token_file(str(stranger), joinwire.new_token())
+    wrong = joiners.start(port, "pod-x", netns=nets[3].name, address=nets[3].root_addr,
+                          token=stranger)
+    assert wrong.finish(30) == 2
+    assert "did not prove it holds this token" in wrong.err
+    twin = joiners.start(port, "pod-0", netns=nets[3].name, address=nets[3].root_addr)
+    assert twin.finish(30) == 2 and "already joined this run" in twin.err
+    pods.append(joiners.start(port, "pod-3", netns=nets[3].name, address=nets[3].root_addr))
+    assert run.finish(120) == 0, run.err
+    assert gloo_run_completed(run.stderr_lines[-1], 4), run.err
+    assert "cluster join: world formed — 4 rank(s) across 4 host(s)" in run.err
+    assert "refused a join attempt of 10." in run.err and "a wrong token" in run.err
+    params = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("params-r*.json")]
+    assert sorted(p["rank"] for p in params) == [0, 1, 2, 3]
+    assert len({p["fingerprint"] for p in params}) == 1, "DDP: the same parameters everywhere"
+    for pod in pods:
+        assert pod.finish(30) == 0, pod.err
+        assert "the run's agent ended; done" in pod.err
+
+
+def test_a_quorum_unmet_at_the_cap_ends_the_launch_1_and_tells_the_joiner(
+        joiners: Joiners, tmp_path: Path) -> None:
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=2, join_timeout=1,
+                                max_join_timeout=3)
+    run = launch(cluster, "true")
+    run.wait_line(r"cluster join: window open", timeout=30)
+    lone = joiners.start(port, "pod-a")
+    assert run.finish(30) == 1
+    assert run.stderr_lines[-1] == ("cluster launcher: failed: quorum not met: 1/2 ranks "
+                                    "joined within the join window's max_join_timeout hard "
+                                    "cap (3s)")
+    assert lone.finish(20) == 1, "a transient end: --persist would dial again"
+    assert "the window failed: quorum not met" in lone.err
+
+
+def test_the_target_closes_the_window_long_before_its_time(joiners: Joiners,
+                                                          tmp_path: Path) -> None:
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=1, target_ranks=2,
+                                join_timeout=300)
+    run = launch(cluster, sys.executable, "-c", "print('hi')")
+    run.wait_line(r"cluster join: window open", timeout=30)
+    started = time.monotonic()
+    for host in ("pod-a", "pod-b"):
+        joiners.start(port, host)
+    assert run.finish(60) == 0, run.err
+    assert time.monotonic() - started < 60
+    assert "(target ranks reached)" in run.err
+
+
+def test_a_manual_window_waits_for_fdl_fabric_start(joiners: Joiners, tmp_path: Path) -> None:
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=1, start="manual",
+                                join_timeout=120)
+    run = launch(cluster, sys.executable, "-c", "print('after the start')")
+    run.wait_line(r"cluster join: window open", timeout=30)
+    early = subprocess.run([*FDL, "start"], capture_output=True, text=True, timeout=30,
+                           cwd=tmp_path)
+    assert early.returncode == 1 and "quorum not met (0/1 ranks)" in early.stderr
+    joiners.start(port, "pod-a")
+    run.wait_line(r"host 'pod-a' joined", timeout=30)
+    time.sleep(1.5)
+    assert "world formed" not in run.err, "manual never closes by itself"
+    started = subprocess.run([*FDL, "start"], capture_output=True, text=True, timeout=30,
+                             cwd=tmp_path)
+    assert started.returncode == 0, started.stderr
+    assert run.finish(60) == 0, run.err
+    assert "(operator start)" in run.err and "cluster join: operator start received" in run.err
+
+
+def test_a_joiner_that_dials_before_the_launcher_is_up_joins_once_it_is(
+        joiners: Joiners, tmp_path: Path) -> None:
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=1, target_ranks=1)
+    early = joiners.start(port, "pod-a")
+    early.wait_line(r"nothing answers at 127\.0\.0\.1:\d+ yet", timeout=30)
+    time.sleep(3)
+    run = launch(cluster, sys.executable, "-c", "print('joined late')")
+    assert run.finish(60) == 0, run.err
+    assert early.finish(30) == 0, early.err
+
+
+def test_a_launcher_sigkilled_leaves_no_rank_of_a_walk_in_behind(joiners: Joiners,
+                                                                 tmp_path: Path) -> None:
+    """The connection is the leash: when the launcher dies, each joiner closes its
+    agent's input and the agent stops its ranks, within the lease at the latest."""
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=2, target_ranks=2)
+    run = launch(cluster, sys.executable, "-c", SLEEPER)
+    run.wait_line(r"cluster join: window open", timeout=30)
+    pods = [joiners.start(port, host) for host in ("pod-a", "pod-b")]
+    pids = [int(run.wait_line(rf"\[pod-{h}:cpu:r{r}\] rank {r} pid (\d+)", timeout=60)
+                .group(1)) for h, r in (("a", 0), ("b", 1))]
+    os.kill(run.pid, signal.SIGKILL)
+    run.finish(10)
+    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() !=
+                             psutil.STATUS_ZOMBIE for p in pids), 35,
+             "every walk-in's ranks stopped")
+    for pod in pods:
+        assert pod.finish(30) in (0, 1), pod.err
