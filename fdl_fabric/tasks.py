@@ -313,6 +313,13 @@ def status(c: Context, **given: Any) -> None:
     if given.get("on"):
         _there("status", given)
         return
+    if given.get("controller"):  # one join window, from anywhere, with its token
+        from .commands.joincli import run_start
+
+        code = run_start(given, what="status")
+        if code:
+            raise Exit(code=code)
+        return
     file, from_hosts = _hosts(c, "status", given)
     # The hosts' view when hosts are named, or the default cluster file is there: this
     # controller's runs need neither.

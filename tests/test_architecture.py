@@ -24,6 +24,8 @@ LAYERS: dict[str, int] = {
     # or imported by training scripts (standard library only: tests/test_agent.py).
     "agent": 0, "rank": 0, "events": 0, "errors": 0, "limits": 0, "shell": 0, "inert": 0,
     "reports": 0, "states": 0, "causes": 0, "shutdown": 0, "masking": 0,
+    # The join handshake, shared by the launcher's window and `fdl-fabric join`.
+    "joinwire": 0, "tlsstream": 0,
     "clusterfile": 1,
     "planning": 2,
     "presentation": 3,
@@ -40,8 +42,8 @@ LAYERS: dict[str, int] = {
 #: never renders words.
 NEVER: set[tuple[str, str]] = {("supervision", "presentation")}
 #: The names of the built-in transport kinds, and the modules that implement them.
-KIND_NAMES = {"local", "ssh", "slurm", "gateway"}
-KIND_MODULES = {"local", "ssh", "slurm", "gateway", "kinds", "sshconfig", "tunnel"}
+KIND_NAMES = {"local", "ssh", "slurm", "gateway", "join"}
+KIND_MODULES = {"local", "ssh", "slurm", "gateway", "kinds", "sshconfig", "tunnel", "joining"}
 MODULE_LINES_MAX = 600
 
 

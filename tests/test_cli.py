@@ -293,7 +293,7 @@ def _complete(shell: str, words: list[str]) -> list[str]:
 
 def test_bash_completes_the_commands_including_run_and_each_commands_flags() -> None:
     assert _complete("bash", ["fdl-fabric", "ru"]) == ["run"]
-    assert _complete("bash", ["fdl-fabric", "st"]) == ["stop", "stacks", "status"]
+    assert _complete("bash", ["fdl-fabric", "st"]) == ["stop", "stacks", "status", "start"]
     assert _complete("bash", ["fdl-fabric", "run", "--nproc"]) == [
         "--nproc-per-node", "--nproc_per_node"]
     assert _complete("bash", ["fdl-fabric", "launch", "--host"]) == ["--hostfile", "--hosts"]

@@ -574,7 +574,9 @@ def test_workers_is_required() -> None:
 
 
 def test_workers_must_not_be_empty() -> None:
-    assert problem_at(error("workers: []"), "workers").message == "must list at least one worker"
+    assert problem_at(error("workers: []"), "workers").message == (
+        "must list at least one worker (a roster-free window needs "
+        "controller.join.discovery: true)")
 
 
 def test_host_is_required() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,8 +75,8 @@ def joiners(tmp_path: Path) -> Iterator[Joiners]:
 
 
 def window_file(folder: Path, token: Path, *, bind: str = "127.0.0.1",
-                workers: Optional[list[dict[str, Any]]] = None, env: Optional[dict[str, str]] = None,
-                **join: Any) -> tuple[Path, int]:
+                workers: Optional[list[dict[str, Any]]] = None,
+                env: Optional[dict[str, str]] = None, **join: Any) -> tuple[Path, int]:
     """A cluster file whose world comes from its join window; the window's port."""
     port = free_port("127.0.0.1")
     doc: dict[str, Any] = {
@@ -178,6 +179,17 @@ def test_a_manual_window_waits_for_fdl_fabric_start(joiners: Joiners, tmp_path: 
     run.wait_line(r"host 'pod-a' joined", timeout=30)
     time.sleep(1.5)
     assert "world formed" not in run.err, "manual never closes by itself"
+    here = subprocess.run([*FDL, "status"], capture_output=True, text=True, timeout=30,
+                          cwd=tmp_path)
+    assert re.search(r"join window of run \S+ at 127\.0\.0\.1:\d+: staging — 1 rank\(s\) in "
+                     r"\(quorum 1, target none\), start manual; \d+s left in the window",
+                     here.stdout), here.stdout + here.stderr
+    assert re.search(r"^  pod-a  1 rank\(s\)  from 127\.0\.0\.1$", here.stdout, re.M)
+    there = subprocess.run([*FDL, "status", "--controller", f"127.0.0.1:{port}",
+                            "--token-file", str(joiners.token), "--json"],
+                           capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    window = json.loads(there.stdout)["join_window"]["window"]
+    assert (window["phase"], window["ranks_in"], window["start"]) == ("staging", 1, "manual")
     started = subprocess.run([*FDL, "start"], capture_output=True, text=True, timeout=30,
                              cwd=tmp_path)
     assert started.returncode == 0, started.stderr
@@ -213,3 +225,68 @@ def test_a_launcher_sigkilled_leaves_no_rank_of_a_walk_in_behind(joiners: Joiner
              "every walk-in's ranks stopped")
     for pod in pods:
         assert pod.finish(30) in (0, 1), pod.err
+
+
+# -- a walk-in lost, and the next attempt --------------------------------------------------
+
+ATTEMPTS = ("import os, sys, time; attempt = os.environ['TORCHELASTIC_RESTART_COUNT']; "
+            "print('rank', os.environ['RANK'], 'attempt', attempt, 'pid', os.getpid(), "
+            "flush=True); time.sleep(300 if attempt == '0' else 0); "
+            "sys.exit(1 if attempt == '1' and os.environ['RANK'] == '0' else 0)")
+
+
+#: Attempt 0 runs until stopped; any later one exits 0 at once.
+UNTIL_RESTARTED = ("import os, time; attempt = os.environ['TORCHELASTIC_RESTART_COUNT']; "
+                   "print('rank', os.environ['RANK'], 'attempt', attempt, 'pid', os.getpid(), "
+                   "flush=True); time.sleep(300 if attempt == '0' else 0)")
+
+
+def _agent_of(joiner: LiveProcess) -> psutil.Process:
+    def found() -> Optional[psutil.Process]:
+        return next((p for p in psutil.Process(joiner.pid).children(recursive=True)
+                     if "fdl_fabric.agent.main" in " ".join(p.cmdline())), None)
+    agent: psutil.Process = wait_for(found, 30, "the joiner's agent")
+    return agent
+
+
+def _three_walk_ins(joiners: Joiners, tmp_path: Path, restarts: int,
+                    program: str = ATTEMPTS) -> tuple[LiveProcess, list[LiveProcess]]:
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=2, target_ranks=3,
+                                join_timeout=8)
+    doc = yaml.safe_load(cluster.read_text())
+    doc["elastic"] = {"max_restarts": restarts, "min_hosts": 2}
+    cluster.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = launch(cluster, sys.executable, "-c", program)
+    run.wait_line(r"cluster join: window open", timeout=30)
+    pods = [joiners.start(port, f"pod-{h}", "--nproc", "1", "--persist") for h in "abc"]
+    for r in range(3):
+        run.wait_line(rf"rank {r} attempt 0 pid", timeout=60)
+    return run, pods
+
+
+def test_a_walk_in_whose_agent_dies_sits_out_an_attempt_then_joins_the_next(
+        joiners: Joiners, tmp_path: Path) -> None:
+    """Its joiner (--persist) outlives its agent and dials again at once; as any lost
+    host, it sits out the next attempt (min_hosts: 2), and the one after runs on the
+    whole world again."""
+    run, pods = _three_walk_ins(joiners, tmp_path, restarts=2)
+    _agent_of(pods[1]).kill()
+    assert run.finish(120) == 0, run.err
+    assert "cluster join: host 'pod-b' joined again" in run.err
+    assert run.stderr_lines[-1] == "cluster launcher: run completed — all 3 ranks exited 0"
+    assert run.wait_line(r"\(restart 1 of 2\) on 2 of 3 hosts \(pod-a, pod-c\)", timeout=1)
+    assert run.wait_line(r"\(restart 2 of 2\) on 3 of 3 hosts", timeout=1)
+
+
+def test_a_walk_in_that_is_gone_is_a_lost_host_and_the_others_run_the_next_attempt(
+        joiners: Joiners, tmp_path: Path) -> None:
+    """A walk-in whose joiner is killed is a lost host (its agent stops its ranks: the
+    connection was its leash); the next attempt runs on the two that joined again
+    (min_hosts: 2), and the run completes DEGRADED."""
+    run, pods = _three_walk_ins(joiners, tmp_path, restarts=1, program=UNTIL_RESTARTED)
+    os.killpg(pods[2].pid, signal.SIGKILL)
+    assert run.finish(90) == 0, run.err
+    assert "cluster join: host 'pod-a' joined again" in run.err
+    assert run.stderr_lines[-1] == ("cluster launcher: run completed on 2 of 3 hosts (pod-c "
+                                    "lost in attempt 0) — DEGRADED: 2 ranks in the last "
+                                    "attempt")

@@ -224,7 +224,7 @@ def test_a_transport_the_file_names_but_nobody_registered_is_refused_at_its_key(
     assert status == 2
     text = err.getvalue()
     assert (f"{file}:10: workers[0].transport: unknown transport 'fakr' (did you mean "
-            "'fake'?); known: local, ssh, slurm, fake") in text, text
+            "'fake'?); known: local, ssh, slurm, join, fake") in text, text
     assert f"{file}:15: workers[1].transport:" in text, "every worker's problem, at once"
     assert fake.connects == [], "nothing was contacted"
 

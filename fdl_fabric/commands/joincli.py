@@ -105,8 +105,9 @@ def _from_record(run: Optional[str]) -> tuple[str, Optional[str]]:
 
 
 def run_start(given: dict[str, Any], what: str = "start") -> int:
-    """``fdl-fabric start``: arm a manual or hybrid window. 0 armed, 1 refused or no
-    window, 2 bad input."""
+    """``fdl-fabric start``: arm a manual or hybrid window (0 armed, 1 refused or no
+    window, 2 bad input); with ``what="status"``, show it (`fdl-fabric status
+    --controller`: 0 shown, 1 no window answered)."""
     try:
         controller, token_file = given.get("controller"), given.get("token_file")
         if not controller:
@@ -121,13 +122,60 @@ def run_start(given: dict[str, Any], what: str = "start") -> int:
     try:
         answer = ask_window(request, what)
     except Outcome as outcome:
-        _say(f"fdl-fabric {what}: {outcome}")
+        if what == "status":
+            show_window(f"{address}:{port}", {"error": str(outcome)},
+                        as_json=bool(given.get("json")))
+        else:
+            _say(f"fdl-fabric {what}: {outcome}")
         return EXIT_USAGE if outcome.code == EXIT_PERMANENT else EXIT_TRANSIENT
     if "refuse" in answer:
         _say(f"fdl-fabric {what}: refused: {str(answer['refuse'])[:500]}")
         return EXIT_TRANSIENT
     if what == "status":
-        print(json.dumps(answer.get("status"), indent=2))
+        show_window(f"{address}:{port}", answer, as_json=bool(given.get("json")))
     else:
         _say(f"fdl-fabric start: the window at {address}:{port} is started")
     return 0
+
+
+def show_window(address: str, answer: dict[str, Any], *, as_json: bool) -> None:
+    """One window's status, as words (`presentation.joinwords`) or one JSON object."""
+    from ..events import EventBus, Name
+    from ..presentation.output import Console
+
+    console = Console()
+    data = ({"address": address, "error": str(answer.get("refuse") or answer["error"])}
+            if "refuse" in answer or "error" in answer
+            else {"address": address, "window": answer.get("status") or {}})
+    if as_json:
+        console.json({"join_window": data})
+    else:
+        EventBus(console)(Name.JOIN_WINDOW_VIEW, **data)
+
+
+def local_windows(as_json: bool) -> None:
+    """``fdl-fabric status`` on the launcher's machine: the window of each live run of
+    this controller that has one, asked over its proofs (bounded: a window that does not
+    answer is said so)."""
+    from ..runs.reading import view
+
+    try:
+        folders = place.records()
+    except OSError:
+        return
+    for folder in folders:
+        note = folder / WINDOW_NOTE
+        if not note.exists() or not view(folder).alive:
+            continue
+        recorded: dict[str, Any] = {}
+        try:
+            recorded = json.loads(note.read_text())
+            address, port = flags.endpoint("--controller", str(recorded["address"]))
+            request = JoinRequest(address=address.strip("[]"), port=port,
+                                  token=read_token_file(str(recorded["token_file"])),
+                                  host="operator")
+            answer = ask_window(request, "status")
+        except (OSError, ValueError, KeyError, FdlError, JoinError, Outcome) as exc:
+            answer = {"error": str(exc)}
+        show_window(str(recorded.get("address", "?")), answer, as_json=as_json)
+

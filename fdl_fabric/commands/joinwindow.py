@@ -25,6 +25,7 @@ from ..joinwire import JoinError, new_token, parse_token, read_token_file, write
 from ..planning.joinwindow import Decision, JoinLedger, WindowState
 from ..supervision.records import RunResult
 from ..supervision.verdict import Verdict
+from ..transport import kind_of
 from ..transport.joinport import Joined, JoinPort
 from .joincli import WINDOW_NOTE
 
@@ -48,7 +49,7 @@ class Window:
         self.record = record
         self.events = events
         self.scale = scale
-        roster = {w.host: _ranks(w) for w in cluster.workers if w.transport == JOIN_KIND}
+        roster = {w.host: _ranks(w) for w in cluster.workers if kind_of(w).dials_in}
         self.ledger = JoinLedger(join, run_id, roster)
         self.port: Optional[JoinPort] = None
         self.token_file = ""
@@ -61,7 +62,7 @@ class Window:
         spec = self.spec
         token = self._token()
         bind = spec.bind or self.cluster.controller.host
-        self.port = JoinPort(bind, spec.port, token, self.ledger, self.events)
+        self.port = JoinPort(bind, spec.port, token, self.ledger, self.events, self.scale)
         self.port.open()
         self.opened_at = time.monotonic()
         self._note(f"{bind}:{self.port.port}")
@@ -149,7 +150,7 @@ class Window:
         members = {j.host: j for j in self._members()}
         workers: list[WorkerSpec] = []
         for w in self.cluster.workers:
-            if w.transport != JOIN_KIND:
+            if not kind_of(w).dials_in:
                 workers.append(w)
             elif w.host in members:
                 workers.append(_joined_worker(w, members[w.host]))
@@ -189,5 +190,4 @@ def _joined_worker(worker: WorkerSpec, joined: Joined) -> WorkerSpec:
         nproc, devices = (None, offer.devices) if offer.devices is not None else \
             (offer.nproc, None)
     return dataclasses.replace(worker, nproc=nproc, local_devices=devices,
-                               path=worker.path or offer.path or ".", addr=joined.peer,
-                               transport=JOIN_KIND)
+                               path=worker.path or offer.path or ".", addr=joined.peer)

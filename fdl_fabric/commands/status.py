@@ -21,6 +21,7 @@ from ..masking import mask_data
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
 from .asking import ANSWER_TIMEOUT, asking_agents, cluster_to_ask, collect
+from .joincli import local_windows
 from .runsview import controller_runs
 
 
@@ -40,6 +41,7 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
             console.json({"controller": mine})
         else:
             events(Name.RUNS_VIEW, **mine)
+            local_windows(as_json=False)
         return 0
     asked = cluster_to_ask(cluster_file, cluster, events)
     if isinstance(asked, int):
@@ -60,6 +62,7 @@ def run_status(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
         console.json({**data, "controller": mine})
     else:
         events(Name.RUNS_VIEW, **mine)
+        local_windows(as_json=False)
         events(Name.STATUS_VIEW, **data)
     return EXIT_FAILURE if problems else 0
 

@@ -215,11 +215,13 @@ FLAGS: tuple[Flag, ...] = (
     _f("fast", "only what a launch checks before spawning: ssh, paths, program, port",
        frozenset({"prebuild-check"})),
     # Workers that dial in (docs/join.md).
-    _f("controller", "the join window's HOST:PORT (also given as the first word)",
-       DIALLING, metavar="HOST:PORT"),
+    _f("controller", "the join window's HOST:PORT (join, start: also given as the first "
+       "word; status: show that window)", DIALLING | frozenset({"status"}),
+       metavar="HOST:PORT"),
     _f("token_file", "a file of yours, mode 0600, holding the window's token (or set "
-       "FDL_FABRIC_TOKEN; never a token on the command line)", DIALLING, metavar="FILE",
-       default="start: the run's record"),
+       "FDL_FABRIC_TOKEN; never a token on the command line)",
+       DIALLING | frozenset({"status"}), metavar="FILE",
+       default="start, status: the run's record"),
     _f("nproc", "the ranks this worker offers (CPU ranks)", frozenset({"join"}),
        metavar="N"),
     _f("devices", "the GPUs this worker offers: 0,1 or all (nvidia-smi's)",

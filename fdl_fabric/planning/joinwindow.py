@@ -112,6 +112,9 @@ class JoinLedger:
 
     def refusal(self, offer: Offer) -> Optional[Refusal]:
         """Why ``offer`` cannot join, or None."""
+        if self.closed is not None and self.closed.state is WindowState.FORMED:
+            return Refusal("the world has formed; it takes no new host until this run "
+                           "ends: the next window is the next run's (--persist dials again)")
         if self.closed is not None:
             return Refusal(f"the window has closed ({self.closed.state.value}"
                            + (f": {self.closed.why.value}" if self.closed.why else "") + ")")

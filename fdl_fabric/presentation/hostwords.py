@@ -96,4 +96,5 @@ FROM_HOSTS: dict[Name, tuple[str, ...]] = {
     Name.STACKS_VIEW: ("ranks", "problems"),
     Name.CHECK_REPORT: ("checks",),
     Name.STATUS_VIEW: ("runs", "problems"),
+    Name.JOIN_WINDOW_VIEW: ("window", "error"),
 }

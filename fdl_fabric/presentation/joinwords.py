@@ -62,6 +62,24 @@ def _failed(e: Event, d: Mapping[str, Any]) -> str:
             f"window's max_join_timeout hard cap ({d['cap']:g}s)")
 
 
+def _view(e: Event, d: Mapping[str, Any]) -> str:
+    """``fdl-fabric status``'s view of one window: its phase, who is in, the time left."""
+    if d.get("error"):
+        return f"join window at {d['address']}: {d['error']}"
+    w = d["window"]
+    start = w["start"] + (" (started)" if w.get("armed") else "")
+    head = (f"join window of run {w['run_id']} at {w['address']}: {w['phase']} — "
+            f"{w['ranks_in']} rank(s) in (quorum {w['quorum']}, target {_target(w)}), "
+            f"start {start}")
+    if w["phase"] in ("waiting", "staging"):
+        head += (f"; {w['window_left']:.0f}s left in the window, {w['cap_left']:.0f}s to "
+                 "the cap")
+    hosts = [f"  {host}  {info['ranks']} rank(s)"
+             + (f"  from {info['peer']}" if info.get("peer") else "")
+             for host, info in sorted(w["hosts"].items())]
+    return "\n".join([head, *hosts])
+
+
 #: The words of the join window's events.
 JOIN_WORDS: dict[Name, Words] = {
     Name.JOIN_WINDOW_OPEN: _open,
@@ -70,8 +88,11 @@ JOIN_WORDS: dict[Name, Words] = {
     Name.JOIN_REFUSALS: _refusals,
     Name.JOIN_LEFT: lambda e, d: (f"{J}host {e.host!r} ({d['peer']}) left before the world "
                                   "formed; its ranks no longer count"),
+    Name.JOIN_REJOINED: lambda e, d: (f"{J}host {e.host!r} joined again from {d['peer']}, "
+                                      "for the next attempt"),
     Name.JOIN_START_ARMED: lambda e, d: (f"{J}operator start received ({d['ranks_in']} "
                                          "rank(s) in)"),
     Name.JOIN_WORLD_FORMED: _formed,
     Name.JOIN_WINDOW_FAILED: _failed,
+    Name.JOIN_WINDOW_VIEW: _view,
 }

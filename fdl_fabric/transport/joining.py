@@ -17,7 +17,15 @@ from .joinport import HANDSHAKE_S, Joined, JoinedAgentProcess
 
 
 class JoinTransport(Transport):
-    """A joined worker: its agent is started by a message on its connection."""
+    """A joined worker: its agent is started by a message on its connection.
+
+    Its settings are its first admission (`joinport.Joined`); the joiner it starts an
+    agent through is always its host's latest (`JoinPort.current`): each attempt needs a
+    fresh one, since a joiner's agent runs once, and `fdl-fabric join --persist` dials
+    again after each run. Connecting is waiting for that joiner, bounded by the window's
+    length (`rejoin_wait`): a walk-in that never comes back is a host that cannot be
+    reached, which the membership rule (``min_hosts``) leaves out or which ends the
+    launch, as any unreachable host does."""
 
     kind = JOIN_KIND
     dials_in = True
@@ -25,10 +33,14 @@ class JoinTransport(Transport):
     sweep_after_loss = False
 
     @property
-    def joined(self) -> Joined:
+    def first(self) -> Joined:
         if not isinstance(self.settings, Joined):
             raise TransportError(self.host, "it has not joined the window (fdl-fabric join)")
         return self.settings
+
+    def _current(self) -> Optional[Joined]:
+        first = self.first
+        return first.port.current(self.host) or first
 
     @property
     def this_machine(self) -> bool:
@@ -40,17 +52,29 @@ class JoinTransport(Transport):
 
     @property
     def destination(self) -> Optional[str]:
-        return self.joined.peer if isinstance(self.settings, Joined) else None
+        return self.first.peer if isinstance(self.settings, Joined) else None
+
+    @property
+    def connected(self) -> bool:
+        """A joiner of this host is there, its agent not yet started."""
+        current = self._current()
+        return current is not None and current.ready
+
+    def connect(self) -> None:
+        """Wait, bounded, for a joiner of this host ready to start an agent."""
+        port = self.first.port
+        if port.wait_ready(self.host, port.rejoin_wait) is None:
+            raise TransportError(self.host, f"it did not join again within "
+                                 f"{port.rejoin_wait:g}s (fdl-fabric join --persist dials "
+                                 "again after each run)")
 
     def start_agent(self, stdout: ByteSink, stderr: ByteSink) -> AgentProcess:
-        """One agent per joiner: a second attempt's agent needs the joiner to dial a
-        later window (`fdl-fabric join --persist`)."""
-        joined = self.joined
-        if joined.started:
-            raise TransportError(self.host, "its joiner's agent has already run; it joins "
-                                 "again at the next window (fdl-fabric join --persist)")
-        if not joined.accepted.wait(HANDSHAKE_S) or joined.stream.closed:
-            raise TransportError(self.host, "its joiner's connection was closed")
+        """One agent per joiner, started by telling it to start its own install's."""
+        port = self.first.port
+        joined = port.wait_ready(self.host, HANDSHAKE_S)
+        if joined is None:
+            raise TransportError(self.host, "no joiner of it is ready: its agent has run "
+                                 "and it did not join again (fdl-fabric join --persist)")
         joined.attach(stdout, stderr)
         joined.send({"start": True})
         return JoinedAgentProcess(joined)

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Union
 
 from .. import __version__, joinwire
 from ..clusterfile.names import host_name_problem
@@ -95,12 +95,12 @@ class Joined:
     """An admitted joiner: its offer, its connection, and the reader that hands the
     agent's bytes to the session once its agent is started (`attach`)."""
 
-    def __init__(self, offer: Offer, peer: str, stream: TlsStream,
-                 on_left: Callable[[Joined], None]) -> None:
+    def __init__(self, offer: Offer, peer: str, stream: TlsStream, port: JoinPort) -> None:
         self.offer = offer
         self.peer = peer
         self.stream = stream
-        self._on_left = on_left
+        #: The window that admitted it: where a later joiner of the same host is found.
+        self.port = port
         self._lock = threading.Lock()
         self._stdout: Optional[ByteSink] = None
         self._stderr: Optional[ByteSink] = None
@@ -141,7 +141,7 @@ class Joined:
         with self._lock:
             sinks = (self._stdout, self._stderr)
         if sinks[0] is None:
-            self._on_left(self)
+            self.port.left(self)
         for s in sinks:
             if s is not None:
                 s.close()
@@ -149,6 +149,11 @@ class Joined:
     def join(self, timeout: Optional[float]) -> None:
         if threading.current_thread() is not self._reader:
             self._reader.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        """Accepted, its agent not yet started, its connection open."""
+        return self.accepted.is_set() and not self.started and not self.stream.closed
 
 
 class JoinedAgentProcess(AgentProcess):
@@ -182,8 +187,13 @@ class JoinPort:
     """The listening port of one launch's join window (see the module docstring)."""
 
     def __init__(self, bind: str, port: int, token: bytes, ledger: JoinLedger,
-                 events: EventBus) -> None:
+                 events: EventBus, scale: float = 1.0) -> None:
         self.bind, self.port = bind, port
+        #: FLODL_NET_TIMEOUT_SCALE: the window's seconds, as the launch scales them.
+        self.scale = scale
+        #: How long a later attempt waits for a host of the world to join again.
+        self.rejoin_wait = ledger.spec.join_timeout * scale
+        self.opened_at = time.monotonic()
         self._token = token
         self.ledger = ledger
         self.events = events
@@ -213,6 +223,7 @@ class JoinPort:
                            "controller.join.port") from None
         self.port = int(listener.getsockname()[1])
         self._listener = listener
+        self.opened_at = time.monotonic()
         threading.Thread(target=self._accept, name="join port", daemon=True).start()
 
     def _accept(self) -> None:
@@ -319,11 +330,16 @@ class JoinPort:
                               f"{__version__}: install the same version on both",
                               permanent=True)
         with self.changed:  # admitted and said before the window can count it
-            refusal = refusal or self.ledger.admit(offer)
+            rejoin = refusal is None and self._rejoins(offer)
+            if not rejoin:
+                refusal = refusal or self.ledger.admit(offer)
+            if rejoin and isinstance(rejoin, Refusal):
+                refusal = rejoin
             if refusal is None:
-                joined = Joined(offer, source, stream, self._left)
+                joined = Joined(offer, source, stream, self)
                 self.members[offer.host] = joined
-                self.events(Name.JOIN_ADMITTED, host=offer.host, peer=source,
+                self.events(Name.JOIN_REJOINED if rejoin else Name.JOIN_ADMITTED,
+                            host=offer.host, peer=source,
                             ranks=self.ledger.ranks_of(offer), ranks_in=self.ledger.ranks_in,
                             quorum=spec.min_ranks, target=spec.target_ranks)
                 self.changed.notify_all()
@@ -338,14 +354,52 @@ class JoinPort:
         joined.accepted.set()
         return True
 
-    def _left(self, joined: Joined) -> None:
+    def _rejoins(self, offer: Offer) -> Union[bool, Refusal]:
+        """After the world formed: a host of the world whose agent has run comes back for
+        the next attempt (True), offering the same ranks (else its refusal); any other
+        offer is the ledger's to refuse (False). The caller holds the lock."""
+        before = self.members.get(offer.host)
+        if self.ledger.closed is None or before is None:
+            return False
+        if before.ready:
+            return Refusal(f"host {offer.host!r} already joined this run (a duplicate "
+                           "join: give each worker its own --host)", permanent=True)
+        if offer.ranks and offer.ranks != self.ledger.ranks_of(before.offer):
+            return Refusal(f"host {offer.host!r} is in this run's world with "
+                           f"{self.ledger.ranks_of(before.offer)} rank(s), it offers "
+                           f"{offer.ranks}", permanent=True)
+        return True
+
+    def current(self, host: str) -> Optional[Joined]:
+        """The latest joiner of ``host`` (a re-join replaces the one whose agent ran)."""
         with self.changed:
-            if self.members.get(joined.host) is joined and not joined.started:
+            return self.members.get(host)
+
+    def wait_ready(self, host: str, timeout: float) -> Optional[Joined]:
+        """A joiner of ``host`` ready to start its agent, waiting at most ``timeout``
+        seconds for one to dial in again (`fdl-fabric join --persist` does, after each
+        run); None if none did."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                joined = self.members.get(host)
+                if joined is not None and joined.ready:
+                    return joined
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return None
+                self.changed.wait(min(left, 0.5))
+
+    def left(self, joined: Joined) -> None:
+        """A joiner's connection ended before its agent started: while the window is
+        open its ranks no longer count; once the world formed, its host keeps its place
+        (it may join again for the next attempt)."""
+        with self.changed:
+            left = (self.ledger.closed is None and not joined.started
+                    and self.members.get(joined.host) is joined)
+            if left:
                 del self.members[joined.host]
                 self.ledger.retract(joined.host)
-                left = self.ledger.closed is None
-            else:
-                left = False
             self.changed.notify_all()
         if left:
             self.events(Name.JOIN_LEFT, host=joined.host, peer=joined.peer)
@@ -364,14 +418,24 @@ class JoinPort:
         return {"refuse": f"unknown request {request[:40]!r}"}
 
     def status(self) -> dict[str, Any]:
-        """The window as `fdl-fabric status` shows it (the caller holds the lock)."""
+        """The window as `fdl-fabric status` shows it (the caller holds the lock): its
+        phase (flodl's: waiting for the quorum, staging with it, training once formed,
+        failed), who is in, and the seconds left in the window and to the cap."""
         spec, ledger = self.ledger.spec, self.ledger
-        return {"run_id": ledger.run_id, "state": ledger.closed.state.value
-                if ledger.closed else "open",
+        elapsed = time.monotonic() - self.opened_at
+        if ledger.closed is None:
+            phase = "staging" if ledger.ranks_in >= spec.min_ranks else "waiting"
+        else:
+            phase = "training" if ledger.closed.state.value == "formed" else "failed"
+        return {"run_id": ledger.run_id, "phase": phase, "address": f"{self.bind}:{self.port}",
                 "ranks_in": ledger.ranks_in, "quorum": spec.min_ranks,
                 "target": spec.target_ranks, "start": spec.start.value,
-                "armed": ledger.armed,
-                "hosts": {h: ledger.ranks_of(o) for h, o in ledger.joined.items()}}
+                "armed": ledger.armed, "discovery": spec.discovery,
+                "window_left": max(0.0, spec.join_timeout * self.scale - elapsed),
+                "cap_left": max(0.0, spec.max_join_timeout * self.scale - elapsed),
+                "hosts": {h: {"ranks": ledger.ranks_of(o), "peer": self.members[h].peer
+                              if h in self.members else None}
+                          for h, o in ledger.joined.items()}}
 
     # -- refusals ----------------------------------------------------------------------
     def _refused(self, source: str, reason: str, host: Optional[str] = None) -> None:

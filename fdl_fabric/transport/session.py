@@ -472,7 +472,10 @@ class AgentSession:
                 return
             self._gone = True
         status = self._exit_status()
-        clean = self.done and status == 0 and not self.broken
+        # An agent that dialled in is not our process: no status comes, and its DONE is
+        # the word that it ended well.
+        ended_well = status == 0 or (status is None and self.transport.dials_in)
+        clean = self.done and ended_well and not self.broken
         killed_by = -status if status is not None and status < 0 and not self.broken else None
         self.post(reports.AgentGone(self.host, clean, "" if clean else self._why(status),
                                     killed_by=killed_by))
