@@ -230,6 +230,7 @@ class Name(str, Enum):
     JOIN_WORLD_FORMED = ("join_world_formed", Kind.FORMED)
     JOIN_WINDOW_FAILED = ("join_window_failed", Kind.VERDICT)
     JOIN_WINDOW_VIEW = ("join_window_view", Kind.RESULT)
+    JOIN_WINDOW_PLANNED = ("join_window_planned", Kind.RESULT)
     CLEANUP_HOST = ("cleanup_host", Kind.INFO)
     STEPS_CANCELLED = ("steps_cancelled", Kind.INFO)
     STEPS_NOT_CANCELLED = ("steps_not_cancelled", Kind.WARNING)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -59,7 +61,7 @@ def request(port: int, token: bytes = TOKEN, host: str = "pod-a") -> joiner.Join
 
 
 def dial_and_offer(req: joiner.JoinRequest) -> dict[str, Any]:
-    stream = joiner._handshake(joiner._dial(req, lambda _: None), req)
+    stream = joiner.connect(req, lambda _: None)
     try:
         return joiner._admission(stream, req)
     finally:
@@ -226,3 +228,129 @@ def test_the_launchers_proof_cannot_stand_for_a_joiners() -> None:
     assert not joinwire.proof_holds(TOKEN, "joiner", binding, a, b, launcher)
     assert joinwire.proof_holds(TOKEN, "launcher", binding, a, b, launcher)
     assert not joinwire.proof_holds(TOKEN, "launcher", b"d" * 32, a, b, launcher)
+
+
+def test_persist_dials_again_at_once_after_an_agent_ran_and_backs_off_after_failures(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """flodl's contract: transient ends back off 5 s doubling to 60 s; a permanent one
+    stops; an agent that ran is followed by a dial at once (the next attempt waits)."""
+    ends: list[Any] = [joiner.Outcome(1, "nothing answered")] * 6 + [
+        0, joiner.Outcome(1, "closed"), 1, joiner.Outcome(2, "wrong token")]
+    slept: list[float] = []
+
+    def once(request: joiner.JoinRequest, say: Any) -> int:
+        end = ends.pop(0)
+        if isinstance(end, joiner.Outcome):
+            raise end
+        return int(end)
+
+    monkeypatch.setattr(joiner, "join_once", once)
+    code = joiner.join(request(1), persist=True, say=lambda _: None, sleep=slept.append)
+    assert code == joiner.EXIT_PERMANENT and ends == []
+    assert slept == [5, 10, 20, 40, 60, 60, 5], "no wait after the agent ran (0, then 1)"
+
+
+def test_without_persist_a_join_ends_with_its_first_exit_code(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(joiner, "join_once", lambda request, say: (_ for _ in ()).throw(
+        joiner.Outcome(1, "nothing answered")))
+    assert joiner.join(request(1), persist=False, say=lambda _: None) == 1
+
+
+def test_sixty_four_joiners_behind_one_address_dialling_at_once_are_all_admitted(
+        port: JoinPort, said: Said) -> None:
+    """Workers behind one NAT share an address: beyond the per-source bound the window
+    turns a connection away before TLS, and the joiner dials again after a short random
+    pause, within its dial's bound."""
+    streams: list[Any] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        req = request(port.port, host=f"pod-{i}")
+        stream = joiner.connect(req, lambda _: None)
+        joiner._admission(stream, req)
+        with lock:
+            streams.append(stream)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert len(streams) == 64
+        assert sorted(port.members) == sorted(f"pod-{i}" for i in range(64))
+    finally:
+        for s in streams:
+            s.close()
+
+
+# -- the command line ---------------------------------------------------------------------
+
+def fdl(*args: str, env: Optional[dict[str, str]] = None,
+        cwd: Optional[Path] = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fdl_fabric", *args], capture_output=True,
+                          text=True, timeout=60, cwd=cwd,
+                          env={k: v for k, v in {**os.environ, **(env or {})}.items()
+                               if k != joinwire.ENV_TOKEN or env})
+
+
+@pytest.mark.parametrize("args,said", [
+    (["join", "127.0.0.1:1338", "--nproc", "1"], "--token-file: the window's token is needed"),
+    (["join", "no-port-here", "--nproc", "1"], "--controller: expected HOST:PORT"),
+    (["join", "127.0.0.1:1338", "--nproc", "1", "--devices", "0"],
+     "give --nproc (CPU ranks) or --devices (GPUs), not both"),
+    (["join", "127.0.0.1:1338", "--devices", "0,x"], "--devices: expected GPU numbers"),
+    (["join", "127.0.0.1:1338", "--nproc", "1", "--path", "/no/such/folder"],
+     "--path: no such folder"),
+])
+def test_a_bad_join_flag_is_refused_exit_2_naming_it(args: list[str], said: str,
+                                                     tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    joinwire.write_token_file(str(token), joinwire.new_token())
+    if "--token-file" not in said:
+        args = [*args, "--token-file", str(token)]
+    done = fdl(*args)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+def test_a_token_file_others_can_read_is_refused_before_dialling(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(joinwire.new_token())
+    token.chmod(0o644)
+    done = fdl("join", "127.0.0.1:1", "--nproc", "1", "--token-file", str(token))
+    assert done.returncode == 2 and "readable by others" in done.stderr
+    assert "nothing answers" not in done.stderr
+
+
+def test_the_token_may_come_from_the_environment_never_from_argv(tmp_path: Path) -> None:
+    """With FDL_FABRIC_TOKEN and nothing listening, the joiner dials (and would keep
+    dialling): the token was taken; no flag takes a token's value."""
+    from fdl_fabric.commands import vocabulary
+
+    assert not any("token" in f.name and f.name != "token_file" for f in vocabulary.FLAGS)
+    proc = subprocess.Popen([sys.executable, "-m", "fdl_fabric", "join", "127.0.0.1:9",
+                             "--nproc", "1"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, joinwire.ENV_TOKEN: joinwire.new_token()})
+    try:
+        assert proc.stderr is not None
+        assert "nothing answers at 127.0.0.1:9 yet" in proc.stderr.readline()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_dry_run_of_a_join_window_says_it_and_listens_nowhere(tmp_path: Path) -> None:
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    number = port.getsockname()[1]
+    port.close()
+    (tmp_path / "cluster.yml").write_text(
+        "controller:\n  join:\n    discovery: true\n    min_ranks: 2\n"
+        f"    port: {number}\n")
+    done = fdl("launch", "-c", "cluster.yml", "--dry-run", "--", "true", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (f"join window on 127.0.0.1:{number} (not opened: a dry run): quorum 2 ranks, "
+            "target none") in done.stdout + done.stderr
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", number)) != 0, "nothing listens"

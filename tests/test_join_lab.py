@@ -290,3 +290,100 @@ def test_a_walk_in_that_is_gone_is_a_lost_host_and_the_others_run_the_next_attem
     assert run.stderr_lines[-1] == ("cluster launcher: run completed on 2 of 3 hosts (pod-c "
                                     "lost in attempt 0) — DEGRADED: 2 ranks in the last "
                                     "attempt")
+
+
+def test_ssh_hosts_and_walk_ins_share_one_run_roster_first(
+        sshd_lab: Any, joiners: Joiners, tmp_path: Path) -> None:
+    """Two sshd lab hosts (the roster, reached over SSH) and two walk-ins: the window
+    counts the walk-ins, the world is the roster in its order, then the walk-ins by
+    name."""
+    lab = sshd_lab(n_hosts=2)
+    port = free_port("127.0.0.1")
+    cluster = lab.write_cluster(
+        [lab.worker(h, nproc=1) for h in lab.hosts],
+        controller={"host": "127.0.0.1", "port": free_port("127.0.0.1"),
+                    "join": {"discovery": True, "min_ranks": 2, "target_ranks": 2,
+                             "port": port, "token_file": str(joiners.token)}})
+    run = launch(cluster, "python3", "-c", "import os; print('rank', os.environ['RANK'], "
+                 "'of', os.environ['WORLD_SIZE'])")
+    run.wait_line(r"cluster join: window open", timeout=30)
+    for host in ("walk-z", "walk-a"):
+        joiners.start(port, host)
+    assert run.finish(90) == 0, run.err
+    assert run.stderr_lines[-1] == "cluster launcher: run completed — all 4 ranks exited 0"
+    names = [h.name for h in lab.hosts]
+    assert (f"4 rank(s) on 4 host(s) ({names[0]}: r0, {names[1]}: r1, walk-a: r2, "
+            "walk-z: r3)") in run.err
+    assert sorted(run.stdout_lines) == sorted(
+        [f"[{names[0]}:cpu:r0] rank 0 of 4", f"[{names[1]}:cpu:r1] rank 1 of 4",
+         "[walk-a:cpu:r2] rank 2 of 4", "[walk-z:cpu:r3] rank 3 of 4"])
+
+
+#: Idle and garbage connections to a port from 127.0.0.2, as fast as they go, until
+#: killed; prints how many it opened on TERM.
+JUNK = r"""
+import os, signal, socket, sys, threading
+port, counts = int(sys.argv[1]), [0]
+def report(*_):
+    print(counts[0], flush=True)
+    os._exit(0)
+def flood(garbage):
+    while True:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2,
+                                         source_address=("127.0.0.2", 0))
+            counts[0] += 1
+            if garbage:
+                s.sendall(os.urandom(256))
+            s.close()
+        except OSError:
+            pass
+signal.signal(signal.SIGTERM, report)
+for n in range(4):
+    threading.Thread(target=flood, args=(n % 2,), daemon=True).start()
+print("flooding", flush=True)
+signal.pause()
+"""
+
+
+def test_a_junk_flood_during_the_window_does_not_fail_it(joiners: Joiners,
+                                                         tmp_path: Path) -> None:
+    """Thousands of junk connections from another address while the window is open:
+    the joiners are admitted, the world forms, the run ends 0, and the refusals are
+    said a few times, then counted."""
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=2, target_ranks=2)
+    run = launch(cluster, sys.executable, "-c", "print('through the flood')")
+    run.wait_line(r"cluster join: window open", timeout=30)
+    flood = LiveProcess([sys.executable, "-c", JUNK, str(port)])
+    try:
+        flood.wait_line("flooding", timeout=10)
+        time.sleep(3)
+        for host in ("pod-a", "pod-b"):
+            joiners.start(port, host)
+        assert run.finish(60) == 0, run.err
+    finally:
+        if flood.proc.poll() is None:
+            flood.signal(signal.SIGTERM)
+        flood.finish(10)
+    opened = int(flood.stdout_lines[-1])
+    assert opened > 500, "the premise: a flood"
+    said = [line for line in run.stderr_lines if "refused a join attempt of 127.0.0.2" in line]
+    assert 1 <= len(said) <= 3
+    assert "cluster join: world formed — 2 rank(s) across 2 host(s)" in run.err
+
+
+@pytest.mark.timeout(200)
+def test_a_joiner_that_dials_90_s_before_the_launcher_joins_once_it_is_up(
+        joiners: Joiners, tmp_path: Path) -> None:
+    """torchrun's store fails a node that starts more than 60 s before it
+    (pytorch/pytorch#107021); a joiner with --persist dials for 60 s, waits 5 s, dials
+    again, and joins the window whenever it opens."""
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=1, target_ranks=1)
+    early = joiners.start(port, "pod-a", "--nproc", "1", "--persist")
+    time.sleep(90)
+    assert early.proc.poll() is None, early.err
+    assert "nothing answered at 127.0.0.1" in early.err and "dialling again in 5s" in early.err
+    run = launch(cluster, sys.executable, "-c", "print('ninety seconds late')")
+    assert run.finish(60) == 0, run.err
+    assert "[pod-a:cpu:r0] ninety seconds late" in run.stdout_lines
+    early.wait_line(r"the run's agent ended; done", timeout=30)

@@ -10,15 +10,17 @@ its frames both ways over the same connection. When the connection ends, it clos
 agent's input, and the agent stops its ranks: the leash, as with SSH.
 
 Exit codes (flodl's contract): 0 the run's agent ended; 1 transient (nothing answered,
-the window closed or failed, the connection dropped): ``--persist`` dials again after 5 s,
-doubling to 60 s; 2 permanent (a wrong token, a refused offer, bad flags): ``--persist``
-stops too.
+the window closed or failed, the connection dropped, the agent ended badly):
+``--persist`` dials again, at once after an agent ran (the run's next attempt waits for
+it), else after 5 s, doubling to 60 s; 2 permanent (a wrong token, a refused offer, bad
+flags): ``--persist`` stops too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import ssl
@@ -79,24 +81,40 @@ class Outcome(Exception):
         self.code = code
 
 
+class TurnedAway(Outcome):
+    """The connection ended before TLS: a window turning it away, or no window at all."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_TRANSIENT, message)
+
+
 Say = Callable[[str], None]
 
 
 def join(request: JoinRequest, *, persist: bool, say: Say,
          sleep: Callable[[float], None] = time.sleep) -> int:
-    """Join, once or (``persist``) again after each transient end; the exit code."""
-    attempt = 0
+    """Join, once or (``persist``) again: at once after its agent ran (the next attempt
+    of the run waits for it), after a backoff (`BACKOFF_S`) after any other transient
+    end; never again after a permanent one. The exit code of the last join."""
+    failures = 0
     while True:
+        ran = False
         try:
             code = join_once(request, say)
-            message = "the run's agent ended"
+            ran = True
+            message = "the run's agent ended" if code == EXIT_DONE else \
+                "the run's agent ended badly"
         except Outcome as outcome:
             code, message = outcome.code, str(outcome)
         say(f"fdl-fabric join: {message}" if code else f"fdl-fabric join: {message}; done")
         if not persist or code == EXIT_PERMANENT:
             return code
-        wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
-        attempt = 0 if code == EXIT_DONE else attempt + 1
+        if ran:
+            failures = 0
+            say("fdl-fabric join: dialling again for the next attempt or run (--persist)")
+            continue
+        wait = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
+        failures += 1
         say(f"fdl-fabric join: dialling again in {wait:g}s (--persist)")
         sleep(wait)
 
@@ -104,7 +122,7 @@ def join(request: JoinRequest, *, persist: bool, say: Say,
 def join_once(request: JoinRequest, say: Say) -> int:
     """One dial, one admission, one agent; raises `Outcome` for anything but an agent
     that ran."""
-    stream = _handshake(_dial(request, say), request)
+    stream = connect(request, say)
     try:
         accept = _admission(stream, request)
         say(f"fdl-fabric join: joined run {accept.get('run_id')} as {request.host} with "
@@ -116,9 +134,26 @@ def join_once(request: JoinRequest, say: Say) -> int:
         stream.close()
 
 
-def _dial(request: JoinRequest, say: Say) -> socket.socket:
-    """A TCP connection, trying every second while nothing answers, at most `DIAL_S`."""
+def connect(request: JoinRequest, say: Say,
+            message: Optional[dict[str, Any]] = None) -> TlsStream:
+    """A connection whose handshake is done (the hello, or an operator's ``message``,
+    sent). A window that turns the connection away before TLS (too many handshakes
+    under way from this address: many workers behind one NAT, a fleet dialling at once)
+    is dialled again after a short random pause, within `DIAL_S`."""
     deadline = time.monotonic() + DIAL_S
+    while True:
+        try:
+            return _handshake(_dial(request, say, deadline), request, message)
+        except TurnedAway as exc:
+            if time.monotonic() > deadline:
+                raise Outcome(EXIT_TRANSIENT, str(exc)) from None
+            time.sleep(random.uniform(0.05, 0.5))
+
+
+def _dial(request: JoinRequest, say: Say, deadline: Optional[float] = None) -> socket.socket:
+    """A TCP connection, trying every second while nothing answers, until ``deadline``
+    (`DIAL_S` from now)."""
+    deadline = deadline if deadline is not None else time.monotonic() + DIAL_S
     said = False
     while True:
         try:
@@ -153,8 +188,8 @@ def _handshake(sock: socket.socket, request: JoinRequest,
         stream = TlsStream(tls)
     except (OSError, ssl.SSLError) as exc:
         sock.close()
-        raise Outcome(EXIT_TRANSIENT, f"no TLS with {request.address}:{request.port} "
-                      f"({exc}): is it a join window?") from None
+        raise TurnedAway(f"no TLS with {request.address}:{request.port} ({exc}): is it a "
+                         "join window?") from None
     try:
         binding = joinwire.cert_hash(der)
         mine_hex = joinwire.new_nonce()
@@ -282,7 +317,10 @@ def ask_window(request: JoinRequest, what: str) -> dict[str, Any]:
     except OSError as exc:
         raise Outcome(EXIT_TRANSIENT, f"no join window answers at {request.address}:"
                       f"{request.port} ({exc.strerror or exc})") from None
-    stream = _handshake(sock, request, {"operator": what})
+    try:
+        stream = _handshake(sock, request, {"operator": what})
+    except TurnedAway:  # busy: once more, through the bounded dial
+        stream = connect(request, lambda _: None, {"operator": what})
     try:
         return _read(stream, time.monotonic() + HANDSHAKE_S)
     finally:

@@ -35,7 +35,13 @@ from ..planning.plan import LaunchPlan, build_plan
 from ..runs import place
 from ..supervision.membership import Membership
 from ..sync.step import CodeStep, never_sent, sync_spec
-from ..transport import HostSettings, resolve_cluster, resolve_settings, with_dialable_addrs
+from ..transport import (
+    HostSettings,
+    kind_of,
+    resolve_cluster,
+    resolve_settings,
+    with_dialable_addrs,
+)
 from ..transport.configtrust import inert, with_trust
 from .dryrun import dry_run_data, dry_run_devices
 from .launchoptions import LaunchOptions, MaxFailure
@@ -214,6 +220,19 @@ def dry_run(r: Resolved, membership: Membership, code: Optional[CodeStep],
 
 def _dry_run(r: Resolved, membership: Membership, code: Optional[CodeStep],
              events: EventBus) -> None:
+    join = r.cluster.controller.join
+    if join is not None:  # the window's world is who dials in: the window said, then the rest
+        joining = [w.host for w in r.cluster.workers if kind_of(w).dials_in]
+        events(Name.JOIN_WINDOW_PLANNED, address=f"{join.bind or r.cluster.controller.host}:"
+               f"{join.port}", quorum=join.min_ranks, target=join.target_ranks,
+               window=join.join_timeout * r.scale, cap=join.max_join_timeout * r.scale,
+               start=join.start.value, discovery=join.discovery, joining=joining,
+               token_file=join.token_file)
+        others = tuple(w for w in r.cluster.workers if w.host not in joining)
+        if not others:
+            return
+        r = dataclasses.replace(r, cluster=dataclasses.replace(r.cluster, workers=others))
+        membership = membership_for(r.cluster)
     roster = attempt_cluster(r.cluster, membership.roster)
     if code is not None:
         roster = code.planned(roster)

@@ -228,8 +228,9 @@ FLAGS: tuple[Flag, ...] = (
        frozenset({"join"}), metavar="LIST"),
     _f("path", "the folder the ranks run in on this worker", frozenset({"join"}),
        metavar="DIR", default="the current folder"),
-    _f("persist", "dial again after a transient end (5 s, doubling to 60 s), and after "
-       "each run for the next; stops on a permanent refusal (exit 2)",
+    _f("persist", "dial again: at once after its agent ran (for the next attempt or run), "
+       "after 5 s doubling to 60 s after another transient end; stops on a permanent "
+       "refusal (exit 2)",
        frozenset({"join"})),
     _f("output", "the picture to write, .svg or .png (default: RUN_DIR/timeline.svg and "
        "timeline.png)", frozenset({"plot-run"}), metavar="FILE", short="o"),

@@ -80,6 +80,19 @@ def _view(e: Event, d: Mapping[str, Any]) -> str:
     return "\n".join([head, *hosts])
 
 
+def _planned(e: Event, d: Mapping[str, Any]) -> str:
+    """A dry run's line for the window: the world it will take, nothing listened to."""
+    who = ("any host with the token" if d["discovery"] else "")
+    if d["joining"]:
+        named = ", ".join(d["joining"])
+        who = f"{named}" + (f", and {who}" if who else "")
+    token = (f"the token in {d['token_file']}" if d.get("token_file")
+             else "a fresh token, written into the run's record")
+    return (f"join window on {d['address']} (not opened: a dry run): quorum {d['quorum']} "
+            f"ranks, target {_target(d)}, window {d['window']:g}s, cap {d['cap']:g}s, start "
+            f"{d['start']}; it admits {who} with {token}")
+
+
 #: The words of the join window's events.
 JOIN_WORDS: dict[Name, Words] = {
     Name.JOIN_WINDOW_OPEN: _open,
@@ -95,4 +108,5 @@ JOIN_WORDS: dict[Name, Words] = {
     Name.JOIN_WORLD_FORMED: _formed,
     Name.JOIN_WINDOW_FAILED: _failed,
     Name.JOIN_WINDOW_VIEW: _view,
+    Name.JOIN_WINDOW_PLANNED: _planned,
 }
