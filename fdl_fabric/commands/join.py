@@ -157,8 +157,11 @@ def _dial(request: JoinRequest, say: Say, deadline: Optional[float] = None) -> s
     said = False
     while True:
         try:
-            return socket.create_connection((request.address, request.port),
+            sock = socket.create_connection((request.address, request.port),
                                             timeout=HANDSHAKE_S)
+            # Small messages both ways, each waited for: no Nagle delay behind them.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
         except OSError as exc:
             if time.monotonic() > deadline:
                 raise Outcome(EXIT_TRANSIENT, f"nothing answered at {request.address}:"

@@ -246,6 +246,8 @@ class JoinPort:
                 conn.close()
                 self._refused(source, "too many handshakes under way from it")
                 continue
+            with contextlib.suppress(OSError):  # small messages, each waited for
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._handshake, args=(conn, source),
                              name="join handshake", daemon=True).start()
 
