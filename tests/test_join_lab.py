@@ -387,3 +387,25 @@ def test_a_joiner_that_dials_90_s_before_the_launcher_joins_once_it_is_up(
     assert run.finish(60) == 0, run.err
     assert "[pod-a:cpu:r0] ninety seconds late" in run.stdout_lines
     early.wait_line(r"the run's agent ended; done", timeout=30)
+
+
+def test_stacks_of_a_run_whose_hosts_dial_in_are_asked_of_its_launcher(
+        joiners: Joiners, tmp_path: Path) -> None:
+    """``fdl-fabric stacks`` cannot reach a walk-in: it asks the run's launcher, as
+    Ctrl-\\\\ does, and shows the view it recorded; the run goes on."""
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=2, target_ranks=2)
+    run = launch(cluster, sys.executable, "-c", SLEEPER)
+    run.wait_line(r"cluster join: window open", timeout=30)
+    for host in ("pod-a", "pod-b"):
+        joiners.start(port, host)
+    for h, r in (("a", 0), ("b", 1)):
+        run.wait_line(rf"\[pod-{h}:cpu:r{r}\] rank {r} pid", timeout=60)
+    shown = subprocess.run([*FDL, "stacks", "-c", str(cluster)], capture_output=True,
+                           text=True, timeout=90, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "asked of its launcher (its hosts dial in)" in shown.stdout
+    assert re.search(r"ranks 0, 1 \(pod-a, pod-b\): ", shown.stdout), shown.stdout
+    assert "attempt_0/stacks/r0.txt" in shown.stdout
+    assert run.proc.poll() is None, "the run goes on"
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.finish(60) == 143

@@ -10,18 +10,26 @@ and the same grouped view a hung run prints is shown. The run is never touched.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import queue
+import signal
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Optional
 
 from .. import reports
 from ..clusterfile import ClusterSpec
-from ..errors import EXIT_FAILURE
+from ..errors import EXIT_FAILURE, EXIT_USAGE
 from ..events import EventBus, Name
 from ..planning.plan import cluster_key
 from ..presentation.output import Console
+from ..runs.reading import view
 from ..transport.session import AgentSession
 from .asking import ANSWER_TIMEOUT, asking_agents, cluster_to_ask, collect, newest_live_run
+from .runref import ended, find_run
 
 
 def run_stacks(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = None,
@@ -37,8 +45,58 @@ def run_stacks(cluster_file: Optional[str], *, cluster: Optional[ClusterSpec] = 
     if isinstance(asked, int):
         return asked
     cluster, settings = asked
+    if cluster.controller.join is not None:
+        return _through_launcher(run_id, events)
     with asking_agents(cluster, settings) as (sessions, inbox, errors):
         return _show(cluster, sessions, inbox, errors, run_id, events, every_run)
+
+
+def _through_launcher(run_id: Optional[str], events: EventBus) -> int:
+    """A cluster whose workers dial in cannot be reached from here: its run's launcher,
+    on this machine, is asked instead, as Ctrl-\\ asks it (SIGQUIT: every rank's stack,
+    the run goes on), and the view it recorded is shown."""
+    folder = find_run(run_id, "stacks", events)
+    if folder is None:
+        return EXIT_USAGE
+    run = view(folder)
+    if run.ended:
+        return ended(run, events) or EXIT_FAILURE
+    asked_at = time.time()
+    os.kill(int(run.launcher["pid"]), signal.SIGQUIT)  # alive: `view` checked its start
+    deadline = time.monotonic() + LAUNCHER_STACKS_S
+    while time.monotonic() < deadline:
+        for record in _records(folder / "events.jsonl"):
+            if record.get("name") == Name.STACKS.value and record.get("time", 0) >= asked_at:
+                # The launcher's own words for it (the record keeps each stack in a file
+                # of its own, named in ``files``), shown as it printed them.
+                data = dict(record.get("data") or {})
+                print(f"run {run.run_id}, asked of its launcher (its hosts dial in):\n"
+                      f"{record.get('message', '')}", flush=True)
+                for name in data.get("files") or ():
+                    print(f"  {folder / str(name)}", flush=True)
+                return EXIT_FAILURE if data.get("problems") else 0
+        time.sleep(0.2)
+    events(Name.STACKS_PROBLEM, host=run.launcher.get("host", "?"),
+           problem=f"its launcher did not record the stacks within {LAUNCHER_STACKS_S:g}s")
+    return EXIT_FAILURE
+
+
+#: How long ``stacks`` waits for a launcher to record the stacks it was asked for.
+LAUNCHER_STACKS_S = 60.0
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                found.append(record)
+    return found
 
 
 def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],
