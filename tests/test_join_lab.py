@@ -409,3 +409,23 @@ def test_stacks_of_a_run_whose_hosts_dial_in_are_asked_of_its_launcher(
     assert run.proc.poll() is None, "the run goes on"
     os.kill(run.pid, signal.SIGTERM)
     assert run.finish(60) == 143
+
+
+def test_a_joiner_told_to_stop_stops_its_ranks_and_does_not_dial_again(
+        joiners: Joiners, tmp_path: Path) -> None:
+    """TERM to a joiner (systemctl stop, a pod's end) goes to its agent, which stops its
+    ranks and says so: the run's verdict names the signal and the host, as for a
+    scancel; with --persist the joiner still exits, once."""
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=1, target_ranks=1)
+    run = launch(cluster, sys.executable, "-c", SLEEPER)
+    run.wait_line(r"cluster join: window open", timeout=30)
+    pod = joiners.start(port, "pod-a", "--nproc", "1", "--persist")
+    pid = int(run.wait_line(r"\[pod-a:cpu:r0\] rank 0 pid (\d+)", timeout=60).group(1))
+    os.kill(pod.pid, signal.SIGTERM)
+    assert pod.finish(30) in (0, 1), pod.err
+    assert "dialling again" not in pod.err
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() ==
+             psutil.STATUS_ZOMBIE, 15, "its rank stopped")
+    assert run.finish(60) == 143, run.err
+    assert run.stderr_lines[-1] == ("cluster launcher: interrupted by SIGTERM on pod-a — every "
+                                    "rank was stopped")

@@ -51,6 +51,10 @@ FORM_MARGIN_S = 30.0
 BACKOFF_S = (5.0, 10.0, 20.0, 40.0, 60.0)
 #: Bytes read from the agent or the connection at a time.
 CHUNK = 65536
+#: Once the agent's output ended, how long it has to exit before it is killed.
+AGENT_EXIT_S = 60.0
+#: Set when the joiner was told to stop (TERM, INT, HUP) while its agent ran.
+STOPPED = threading.Event()
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ def join(request: JoinRequest, *, persist: bool, say: Say,
         except Outcome as outcome:
             code, message = outcome.code, str(outcome)
         say(f"fdl-fabric join: {message}" if code else f"fdl-fabric join: {message}; done")
-        if not persist or code == EXIT_PERMANENT:
+        if not persist or code == EXIT_PERMANENT or STOPPED.is_set():
             return code
         if ran:
             failures = 0
@@ -271,7 +275,11 @@ def _run_agent(stream: TlsStream, request: JoinRequest) -> int:
             except (StreamClosed, TimeoutError):
                 break
         stream.shutdown_write()
-        status = agent.wait()
+        try:  # its output ended: it is exiting (its own ends are bounded by the kill grace)
+            status = agent.wait(AGENT_EXIT_S)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            status = agent.wait()
     return EXIT_DONE if status == 0 else EXIT_TRANSIENT
 
 
@@ -297,6 +305,7 @@ def _forwarding_stops(agent: subprocess.Popen[bytes]) -> Any:
     """TERM, INT or HUP to the joiner goes to its agent, which stops its ranks as it
     does at the end of its input (a systemd stop, a Ctrl-C)."""
     def forward(signum: int, _frame: Any) -> None:
+        STOPPED.set()  # a stop (systemd, Ctrl-C): --persist does not dial again
         with contextlib.suppress(OSError):
             agent.send_signal(signum)
 
