@@ -354,3 +354,27 @@ def test_a_dry_run_of_a_join_window_says_it_and_listens_nowhere(tmp_path: Path) 
             "target none") in done.stdout + done.stderr
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", number)) != 0, "nothing listens"
+
+
+@pytest.mark.parametrize("case,offered", [("healthy-h200", (0,)), ("driver-gone", None)])
+def test_devices_all_offers_the_gpus_nvidia_smi_lists_or_is_refused_without_one(
+        case: str, offered: Optional[tuple[int, ...]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fdl_fabric.commands import joincli
+    from fdl_fabric.errors import FdlError
+
+    root = Path(__file__).resolve().parent
+    fakebin = tmp_path / "fakebin"
+    fakebin.mkdir()
+    (fakebin / "nvidia-smi").symlink_to(root / "progs" / "nvidia_smi_standin.py")
+    monkeypatch.setenv("PATH", f"{fakebin}:{os.environ['PATH']}")
+    monkeypatch.setenv("FDL_NVSMI_CASE", str(root / "fixtures" / "nvidia-smi" / case))
+    token = tmp_path / "token"
+    joinwire.write_token_file(str(token), joinwire.new_token())
+    given = {"controller": "127.0.0.1:1338", "devices": "all", "token_file": str(token)}
+    if offered is None:
+        with pytest.raises(FdlError) as caught:
+            joincli.join_request(given)
+        assert caught.value.exit_code == 2 and "no GPU to offer" in str(caught.value)
+    else:
+        assert joincli.join_request(given).devices == offered

@@ -273,11 +273,10 @@ class JoinPort:
 
     def _handshake(self, conn: socket.socket, source: str) -> None:
         started = time.monotonic()
-        deadline = started + HANDSHAKE_S
         stream: Optional[TlsStream] = None
         kept = False
         try:
-            stream = self._tls(conn, deadline)
+            stream = self._tls(conn, self._deadline(started))
             kept = self._converse(stream, source, lambda: self._deadline(started))
         except (joinwire.JoinError, StreamClosed, TimeoutError, OSError, ssl.SSLError,
                 ValueError) as exc:
