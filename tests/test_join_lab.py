@@ -429,3 +429,35 @@ def test_a_joiner_told_to_stop_stops_its_ranks_and_does_not_dial_again(
     assert run.finish(60) == 143, run.err
     assert run.stderr_lines[-1] == ("cluster launcher: interrupted by SIGTERM on pod-a — every "
                                     "rank was stopped")
+
+
+def test_a_walk_in_run_keeps_its_logs_and_json_and_a_hang_is_found(
+        joiners: Joiners, tmp_path: Path) -> None:
+    """The rest holds for walk-ins: ``--log-dir`` keeps each rank's output and the
+    timeline with the window's events, ``--json`` ends with the verdict record, and a
+    run whose ranks go silent past ``hang_timeout`` ends hung, its stacks collected."""
+    cluster, port = window_file(tmp_path, joiners.token, min_ranks=2, target_ranks=2)
+    doc = yaml.safe_load(cluster.read_text())
+    doc["hang_timeout"] = 3
+    cluster.write_text(yaml.safe_dump(doc, sort_keys=False))
+    logs = tmp_path / "logs"
+    silent = ("import os, time; print('rank', os.environ['RANK'], 'says one line', "
+              "flush=True); time.sleep(300)")
+    run = LiveProcess([*FDL, "launch", "-c", str(cluster), "--log-dir", str(logs), "--json",
+                       "--", sys.executable, "-c", silent], cwd=tmp_path)
+    wait_for(lambda: any('"join_window_open"' in line for line in run.stdout_lines), 30,
+             "the window's record")
+    for host in ("pod-a", "pod-b"):
+        joiners.start(port, host)
+    assert run.finish(90) == 1, run.err
+    records = [json.loads(line) for line in run.stdout_lines]
+    assert records[-1]["name"] == "verdict" and records[-1]["data"]["verdict"] == "hung"
+    names = [r["name"] for r in records]
+    assert {"join_window_open", "join_admitted", "join_world_formed", "stacks"} <= set(names)
+    [folder] = [p for p in logs.iterdir() if p.is_dir() and not p.is_symlink()]
+    timeline = [json.loads(line)["name"] for line in
+                (folder / "events.jsonl").read_text().splitlines()]
+    assert "join_world_formed" in timeline and timeline[-1] == "verdict"
+    for r in (0, 1):
+        assert (folder / "attempt_0" / f"r{r}" / "stdout.log").read_text() == \
+            f"rank {r} says one line\n"

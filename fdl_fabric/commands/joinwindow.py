@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -90,8 +91,9 @@ class Window:
             if spec.token_file is not None:
                 self.token_file = spec.token_file
                 return read_token_file(spec.token_file)
+            # The run's record (0700), or a private folder of its own if it has none.
             folder = self.record if self.record is not None else Path(
-                os.environ.get("TMPDIR", "/tmp"))
+                tempfile.mkdtemp(prefix="fdl-join-"))
             self.token_file = str(folder / TOKEN_FILE)
             text = new_token()
             write_token_file(self.token_file, text)

@@ -228,6 +228,8 @@ class Launch:
             if not restarts.another(result.restartable, attempt,
                                     self.signals.received is not None):
                 break
+        if self.window is not None:  # no attempt left for a walk-in to join again for
+            self.window.close()
         degraded = degraded_if_fewer_hosts(self.results, self.hosts_of, self.membership)
         if degraded is not None:
             self.results[-1] = degraded

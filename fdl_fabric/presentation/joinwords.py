@@ -101,8 +101,8 @@ JOIN_WORDS: dict[Name, Words] = {
     Name.JOIN_REFUSALS: _refusals,
     Name.JOIN_LEFT: lambda e, d: (f"{J}host {e.host!r} ({d['peer']}) left before the world "
                                   "formed; its ranks no longer count"),
-    Name.JOIN_REJOINED: lambda e, d: (f"{J}host {e.host!r} joined again from {d['peer']}, "
-                                      "for the next attempt"),
+    Name.JOIN_REJOINED: lambda e, d: (f"{J}host {e.host!r} joined again from {d['peer']}: "
+                                      "ready if the run has another attempt"),
     Name.JOIN_START_ARMED: lambda e, d: (f"{J}operator start received ({d['ranks_in']} "
                                          "rank(s) in)"),
     Name.JOIN_WORLD_FORMED: _formed,

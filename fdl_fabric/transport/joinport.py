@@ -252,8 +252,12 @@ class JoinPort:
                              name="join handshake", daemon=True).start()
 
     def close(self) -> None:
-        """Stop listening, and cut every joiner whose agent never started."""
-        self._closed = True
+        """Stop listening, and cut every joiner whose agent never started. From here on
+        the port says nothing: the launch's verdict is its last line, and a joiner
+        dialling again meanwhile (``--persist``) is turned away in silence."""
+        with self.changed:
+            self._closed = True
+            self.changed.notify_all()
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.close()
@@ -331,6 +335,8 @@ class JoinPort:
                               f"{__version__}: install the same version on both",
                               permanent=True)
         with self.changed:  # admitted and said before the window can count it
+            if self._closed:
+                refusal = Refusal("the run is ending: dial again for the next run")
             rejoin = refusal is None and self._rejoins(offer)
             if not rejoin:
                 refusal = refusal or self.ledger.admit(offer)
@@ -345,8 +351,9 @@ class JoinPort:
                             quorum=spec.min_ranks, target=spec.target_ranks)
                 self.changed.notify_all()
         if refusal is not None:
-            stream.sendall(joinwire.pack({"refuse": refusal.reason,
-                                          "permanent": refusal.permanent}))
+            with contextlib.suppress(StreamClosed, TimeoutError, OSError):
+                stream.sendall(joinwire.pack({"refuse": refusal.reason,
+                                              "permanent": refusal.permanent}))
             self._refused(source, refusal.reason, host=offer.host)
             return False
         stream.sendall(joinwire.pack({"accept": {
@@ -395,19 +402,19 @@ class JoinPort:
         """A joiner's connection ended before its agent started: while the window is
         open its ranks no longer count; once the world formed, its host keeps its place
         (it may join again for the next attempt)."""
-        with self.changed:
-            left = (self.ledger.closed is None and not joined.started
-                    and self.members.get(joined.host) is joined)
-            if left:
+        with self.changed:  # every word of the port is said under its lock (`close`)
+            if (self.ledger.closed is None and not joined.started and not self._closed
+                    and self.members.get(joined.host) is joined):
                 del self.members[joined.host]
                 self.ledger.retract(joined.host)
+                self.events(Name.JOIN_LEFT, host=joined.host, peer=joined.peer)
             self.changed.notify_all()
-        if left:
-            self.events(Name.JOIN_LEFT, host=joined.host, peer=joined.peer)
 
     def _operator(self, request: str) -> dict[str, Any]:
         """``start`` arms the window; ``status`` describes it."""
         with self.changed:
+            if request == "start" and self._closed:
+                return {"refuse": "the run is ending"}
             if request == "start":
                 refused = self.ledger.arm()
                 self.changed.notify_all()
@@ -440,14 +447,15 @@ class JoinPort:
 
     # -- refusals ----------------------------------------------------------------------
     def _refused(self, source: str, reason: str, host: Optional[str] = None) -> None:
-        with self.changed:
-            self._said[source] += 1
-            say = self._said[source] <= SAID_PER_SOURCE
-            if not say:
-                self._counted[source] += 1
         if host is not None and host_name_problem(host) is not None:
             host = None  # a name that is not one is never shown as a host (the reason says)
-        if say:
+        with self.changed:  # said under the lock: nothing after `close` (the verdict)
+            if self._closed:
+                return
+            self._said[source] += 1
+            if self._said[source] > SAID_PER_SOURCE:
+                self._counted[source] += 1
+                return
             self.events(Name.JOIN_REFUSED, peer=source, reason=reason, host=host,
                         last=self._said[source] == SAID_PER_SOURCE)
 
@@ -455,12 +463,13 @@ class JoinPort:
         """The refusals counted since the last line, as one line (every `REPORT_EVERY`)."""
         now = time.monotonic()
         with self.changed:
-            if not self._counted or (not force and now - self._reported_at < REPORT_EVERY):
+            if self._closed or not self._counted or (
+                    not force and now - self._reported_at < REPORT_EVERY):
                 return
             counted, self._counted = dict(self._counted), Counter()
             self._reported_at = now
-        self.events(Name.JOIN_REFUSALS, count=sum(counted.values()),
-                    sources=sorted(counted)[:8], more_sources=max(0, len(counted) - 8))
+            self.events(Name.JOIN_REFUSALS, count=sum(counted.values()),
+                        sources=sorted(counted)[:8], more_sources=max(0, len(counted) - 8))
 
 
 def _offer(hello: object) -> Offer:
