@@ -23,7 +23,7 @@ from fdl_fabric.clusterfile import JoinSpec
 from fdl_fabric.commands import join as joiner
 from fdl_fabric.events import Event, EventBus, Name
 from fdl_fabric.planning.joinwindow import JoinLedger
-from fdl_fabric.transport.joinport import JoinPort, server_context
+from fdl_fabric.transport.joinport import SAID_PER_SOURCE, JoinPort, server_context
 
 TOKEN = bytes(range(32))
 
@@ -183,18 +183,11 @@ def test_junk_never_fails_the_window_and_is_said_a_few_times_then_counted(
         t.join(30)
     wait_for(lambda: sum(port._under_way.values()) == 0, 30)
     port.flush(force=True)
-    assert len(said.named(Name.JOIN_REFUSED)) == joiner_sources_said()
+    assert len(said.named(Name.JOIN_REFUSED)) == SAID_PER_SOURCE  # one source: 127.0.0.2
     counted = sum(e.data["count"] for e in said.named(Name.JOIN_REFUSALS))
     assert counted > 0
     assert port.ledger.closed is None
     assert [e.host for e in said.named(Name.JOIN_ADMITTED)] == ["pod-real"]
-
-
-def joiner_sources_said() -> int:
-    """One source (127.0.0.1): said `SAID_PER_SOURCE` times."""
-    from fdl_fabric.transport.joinport import SAID_PER_SOURCE
-
-    return SAID_PER_SOURCE
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])

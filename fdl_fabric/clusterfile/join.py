@@ -93,15 +93,8 @@ def read_join(r: NodeReader, field: Field, workers: list[WorkerSpec], folder: st
 
 def _capacity(joining: list[WorkerSpec]) -> Optional[int]:
     """The ranks the roster's joiners bring, when the file says each one's count."""
-    total = 0
-    for w in joining:
-        if w.nproc is not None:
-            total += w.nproc
-        elif isinstance(w.local_devices, tuple):
-            total += len(w.local_devices)
-        else:
-            return None
-    return total
+    known = [w.known_ranks for w in joining]
+    return None if None in known else sum(n or 0 for n in known)
 
 
 def _token_file(r: NodeReader, field: Field, folder: str) -> Optional[str]:

@@ -89,6 +89,14 @@ class WorkerSpec:
         """``host`` doubles as the ssh destination unless the file says otherwise."""
         return self.ssh.target or self.host
 
+    @property
+    def known_ranks(self) -> Optional[int]:
+        """Its ranks as the file gives them: ``nproc``, or its listed devices; None for
+        ``local_devices: all`` or a joiner that says its own (known from the host)."""
+        if self.nproc is not None:
+            return self.nproc
+        return len(self.local_devices) if isinstance(self.local_devices, tuple) else None
+
 
 @dataclass(frozen=True)
 class SlurmSpec:

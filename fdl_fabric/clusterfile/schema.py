@@ -175,7 +175,7 @@ def _check_ranks(r: NodeReader, field: Field, workers: list[WorkerSpec]) -> None
     """Every rank gets its own environment in the plan, so the total is what memory
     scales with. `local_devices: all` counts 0 here: its length is only known from the
     host."""
-    ranks = sum(_ranks_of(w) for w in workers)
+    ranks = sum(w.known_ranks or 0 for w in workers)
     if ranks > RANKS_MAX:
         r.problem(field, f"the workers have {ranks} ranks in total; at most {RANKS_MAX} "
                   "are allowed")
@@ -205,12 +205,6 @@ def _read_slurm(r: NodeReader, top: Block, folder: str) -> Optional[SlurmSpec]:
     path = None if raw_path is None else _resolve_path(raw_path, folder, is_local=False)
     return SlurmSpec(nproc_per_node=nproc, local_devices=local_devices, path=path,
                      line=line_of(field.node) if field.node is not None else 0)
-
-
-def _ranks_of(worker: WorkerSpec) -> int:
-    if worker.nproc is not None:
-        return worker.nproc
-    return len(worker.local_devices) if isinstance(worker.local_devices, tuple) else 0
 
 
 def _read_controller(r: NodeReader, field: Field) -> ControllerSpec:

@@ -93,12 +93,23 @@ def run_join(given: dict[str, Any]) -> int:
     return join(request, persist=bool(given.get("persist")), say=_say)
 
 
+def _window_note(folder: Path) -> tuple[str, str]:
+    """The window's address and token file, as its run's record keeps them."""
+    note = json.loads((folder / WINDOW_NOTE).read_text())
+    return str(note["address"]), str(note["token_file"])
+
+
+def _operator(controller: str, token_file: Optional[str]) -> JoinRequest:
+    """An operator's request to the window at ``controller`` (HOST:PORT)."""
+    address, port = flags.endpoint("--controller", controller)
+    return JoinRequest(address=address.strip("[]"), port=port, token=_token(token_file),
+                       host="operator")
+
+
 def _from_record(run: Optional[str]) -> tuple[str, Optional[str]]:
     """The window's address and token file, from the run's record on this machine."""
     try:
-        folder: Path = place.find(run)
-        note = json.loads((folder / WINDOW_NOTE).read_text())
-        return str(note["address"]), str(note["token_file"])
+        return _window_note(place.find(run))
     except (LookupError, OSError, ValueError, KeyError, TypeError) as exc:
         raise usage("--run-id", f"no join window of that run here ({exc}): give "
                           "--controller HOST:PORT and --token-file FILE") from None
@@ -113,9 +124,8 @@ def run_start(given: dict[str, Any], what: str = "start") -> int:
         if not controller:
             controller, recorded = _from_record(given.get("run_id"))
             token_file = token_file or recorded
-        address, port = flags.endpoint("--controller", str(controller))
-        request = JoinRequest(address=address.strip("[]"), port=port,
-                              token=_token(token_file), host="operator")
+        request = _operator(str(controller), token_file)
+        address, port = request.address, request.port
     except FdlError as exc:
         _say(f"fdl-fabric {what}: {exc}")
         return EXIT_USAGE
@@ -167,15 +177,11 @@ def local_windows(as_json: bool) -> None:
         note = folder / WINDOW_NOTE
         if not note.exists() or not view(folder).alive:
             continue
-        recorded: dict[str, Any] = {}
+        address = "?"
         try:
-            recorded = json.loads(note.read_text())
-            address, port = flags.endpoint("--controller", str(recorded["address"]))
-            request = JoinRequest(address=address.strip("[]"), port=port,
-                                  token=read_token_file(str(recorded["token_file"])),
-                                  host="operator")
-            answer = ask_window(request, "status")
-        except (OSError, ValueError, KeyError, FdlError, JoinError, Outcome) as exc:
+            address, token_file = _window_note(folder)
+            answer = ask_window(_operator(address, token_file), "status")
+        except (OSError, ValueError, KeyError, TypeError, FdlError, Outcome) as exc:
             answer = {"error": str(exc)}
-        show_window(str(recorded.get("address", "?")), answer, as_json=as_json)
+        show_window(address, answer, as_json=as_json)
 

@@ -50,7 +50,8 @@ class Window:
         self.record = record
         self.events = events
         self.scale = scale
-        roster = {w.host: _ranks(w) for w in cluster.workers if kind_of(w).dials_in}
+        roster = {w.host: w.known_ranks or 0 for w in cluster.workers
+                  if kind_of(w).dials_in}
         self.ledger = JoinLedger(join, run_id, roster)
         self.port: Optional[JoinPort] = None
         self.token_file = ""
@@ -160,18 +161,11 @@ class Window:
             if host not in {w.host for w in workers}:
                 workers.append(_joined_worker(_walk_in(self.cluster, host), members[host]))
         workers = [dataclasses.replace(w, index=i) for i, w in enumerate(workers)]
-        return (dataclasses.replace(self.cluster, workers=tuple(workers)),
-                {h: j for h, j in members.items()})
+        return dataclasses.replace(self.cluster, workers=tuple(workers)), dict(members)
 
     def close(self) -> None:
         if self.port is not None:
             self.port.close()
-
-
-def _ranks(worker: WorkerSpec) -> int:
-    if worker.nproc is not None:
-        return worker.nproc
-    return len(worker.local_devices) if isinstance(worker.local_devices, tuple) else 0
 
 
 def _walk_in(cluster: ClusterSpec, host: str) -> WorkerSpec:

@@ -64,8 +64,9 @@ def _through_launcher(run_id: Optional[str], events: EventBus) -> int:
     asked_at = time.time()
     os.kill(int(run.launcher["pid"]), signal.SIGQUIT)  # alive: `view` checked its start
     deadline = time.monotonic() + LAUNCHER_STACKS_S
+    timeline = _Timeline(folder / "events.jsonl")
     while time.monotonic() < deadline:
-        for record in _records(folder / "events.jsonl"):
+        for record in timeline.new():
             if record.get("name") == Name.STACKS.value and record.get("time", 0) >= asked_at:
                 # The launcher's own words for it (the record keeps each stack in a file
                 # of its own, named in ``files``), shown as it printed them.
@@ -85,18 +86,30 @@ def _through_launcher(run_id: Optional[str], events: EventBus) -> int:
 LAUNCHER_STACKS_S = 60.0
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                found.append(record)
-    return found
+class _Timeline:
+    """events.jsonl read as it grows: each call, the whole records written since the
+    last (a line still being written waits for the next call)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        whole = data[:data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        found = []
+        for line in whole.splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    found.append(record)
+        return found
 
 
 def _show(cluster: ClusterSpec, sessions: Mapping[str, AgentSession],

@@ -30,11 +30,8 @@ ALL_DEVICES_GUESS = 16
 
 def ranks_on(worker: WorkerSpec) -> int:
     """The ranks a worker runs, as far as the cluster file says."""
-    if worker.nproc is not None:
-        return worker.nproc
-    if isinstance(worker.local_devices, tuple):
-        return max(1, len(worker.local_devices))
-    return ALL_DEVICES_GUESS
+    known = worker.known_ranks  # nproc is at least 1; an empty device list still runs one
+    return ALL_DEVICES_GUESS if known is None else max(1, known)
 
 
 def forward_bound(worker: WorkerSpec) -> int:
