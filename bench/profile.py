@@ -209,8 +209,13 @@ def timeline(cluster: Path, cmd: str, repeat: int, extra: Sequence[str] = ()) ->
 
     from fdl_fabric.commands import launch_hosts
 
+    wrap(launcher.Launch, "_resolve", "resolve the cluster")
+    wrap(launcher.Launch, "_open_run", "open the run's record")
     wrap(launch_hosts, "connect_all", "connect all hosts")
     wrap(launch_hosts, "start_agents", "start agents")
+    wrap(launch_hosts.Hosts, "resolve_devices", "resolve devices") if hasattr(
+        launch_hosts, "Hosts") else None
+    wrap(launcher.Launch, "_check_versions", "versions")
     wrap(launcher.Launch, "_plan", "plan")
     wrap(Coordinator, "start", "coordinator start")
     wrap(Coordinator, "stop", "coordinator stop")
@@ -224,6 +229,17 @@ def timeline(cluster: Path, cmd: str, repeat: int, extra: Sequence[str] = ()) ->
         handle(self, report)  # type: ignore[arg-type]
 
     supervisor.Supervisor._handle = handled  # type: ignore[method-assign]
+    from fdl_fabric.agent import wire as agent_wire
+    from fdl_fabric.transport import session as agent_session
+    frame_names = {agent_wire.HELLO: "HELLO", agent_wire.FACTS: "FACTS"}
+    session_handle = agent_session.AgentSession.handle
+
+    def session_handled(self: object, kind: int, obj: dict) -> None:  # type: ignore[type-arg]
+        if kind in frame_names:
+            stamp(f"agent frame {frame_names[kind]} read")
+        session_handle(self, kind, obj)  # type: ignore[arg-type]
+
+    agent_session.AgentSession.handle = session_handled  # type: ignore[method-assign]
     with open(os.devnull, "w") as devnull:
         for _ in range(repeat + 1):
             current = {}
@@ -248,7 +264,8 @@ def timeline(cluster: Path, cmd: str, repeat: int, extra: Sequence[str] = ()) ->
     for key in keys:
         first, last = med(key), med(key + " (last)")
         rows.append([f"{first:.0f}" if first is not None else "-",
-                     f"{last:.0f}" if last is not None and key.startswith("report") else "",
+                     f"{last:.0f}" if last is not None
+                     and key.startswith(("report", "agent frame")) else "",
                      key])
     return benchlib.table(rows, [True, True, False]) + \
         f"\n(median of {len(runs)} in-process runs after one warm-up)\n"

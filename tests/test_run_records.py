@@ -431,6 +431,25 @@ def test_pruning_by_count_removes_the_oldest_ended_records_first(root: Path) -> 
     assert place.prune(is_live, keep=4, root=root) == [], "within the count: nothing"
 
 
+def test_a_pruned_record_leaves_the_listing_at_once_and_its_files_after(root: Path) -> None:
+    """A launch prunes before its first connect: the files of a big old record are
+    removed by a daemon thread, and a removal cut short is finished by the next prune."""
+    for n in range(1, 4):
+        ended_record(root, n)
+    assert place.prune(is_live, keep=2, root=root, background=True) == [run_id(1)]
+    assert [p.name for p in place.records(root)] == [run_id(2), run_id(3)]
+    deadline = time.monotonic() + 10
+    while (root / (place.PRUNED_PREFIX + run_id(1))).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not (root / (place.PRUNED_PREFIX + run_id(1))).exists()
+    cut_short = root / (place.PRUNED_PREFIX + run_id(9))  # a launcher killed mid-removal
+    (cut_short / "r0").mkdir(parents=True)
+    (cut_short / "r0" / "stdout.log").write_text("x")
+    assert place.prune(is_live, keep=2, root=root) == []
+    assert not cut_short.exists()
+    assert sorted(p.name for p in root.iterdir()) == [run_id(2), run_id(3)]
+
+
 def test_pruning_by_size_removes_the_oldest_until_the_rest_fit(root: Path) -> None:
     for n in range(1, 6):
         ended_record(root, n, size=1000)

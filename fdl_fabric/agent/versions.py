@@ -12,6 +12,8 @@ installed metadata without importing anything; torch is imported only when its b
 has a GPU backend, as only then is there an NCCL version to read, and importing it
 takes seconds. The interpreter is bounded by a timeout and killed with its process
 group after it, so a broken venv or a hanging ``sitecustomize`` never holds up a launch.
+The answer is kept on the host while nothing it rests on changed (`versioncache`), so
+most launches start no interpreter for it.
 
 Standard library only, Python 3.8 syntax: this module ships to hosts in the agent bundle.
 """
@@ -23,7 +25,7 @@ import os
 import subprocess
 from typing import Any, Callable, Dict, List, Optional
 
-from fdl_fabric.agent import bounded
+from fdl_fabric.agent import bounded, versioncache
 from fdl_fabric.agent.checks import resolve_program
 
 #: Seconds the interpreter may take when the request does not say (an import of torch
@@ -84,7 +86,8 @@ for name in names:
     if got is not None or asked is not None:
         packages[name] = got
 out = {"python": platform.python_version(), "executable": sys.executable,
-       "packages": packages, "torch_cuda": None, "cuda_available": None, "nccl": None}
+       "packages": packages, "torch_cuda": None, "cuda_available": None, "nccl": None,
+       "paths": list(sys.path)}
 if version("torch") is not None:
     cuda, gpu = gpu_build()
     out["torch_cuda"] = cuda
@@ -126,7 +129,15 @@ def gather(request: Dict[str, Any],
     found = resolve_program(python, cwd, env.get("PATH"))
     if found.startswith("!"):
         return {"error": not_runnable(python, cwd, found)}
-    return _run(found, names, cwd, env, timeout, beat)
+    launch_env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
+    question = versioncache.key(found, cwd, names, env, launch_env)
+    kept = versioncache.lookup(question)
+    if kept is not None:
+        return kept
+    facts = _run(found, names, cwd, env, timeout, beat)
+    versioncache.keep(question, found, cwd, facts)
+    facts.pop(versioncache.PATHS, None)
+    return facts
 
 
 def not_runnable(python: str, cwd: str, why: str) -> str:

@@ -373,7 +373,7 @@ class Launch:
         try:
             root = place.runs_root()
             folder = str(root / self.run_id)
-            pruned = place.prune(is_live, root=root, spare=[self.run_id])
+            pruned = place.prune(is_live, root=root, spare=[self.run_id], background=True)
             self.record = RunRecord(
                 root / self.run_id, self.run_id, detached=self.opts.detached,
                 verbosity=self.opts.verbosity,
