@@ -37,8 +37,12 @@ from .admission import (
 )
 from .cohort import CoordinatorSpec
 
-#: How often the coordinator drains reported deaths and checks heartbeats.
+#: How often the coordinator drains reported deaths and checks heartbeats while things
+#: happen (a report, a death and a stop wake it at once, whatever its wait).
 TICK_INTERVAL = 0.05
+#: Quiet turns sleep twice as long each time, up to this many ticks (a silent rank is then
+#: found at most 0.25 s later, an idle coordinator wakes 4 times a second, not 20).
+QUIET_TICKS = 5
 #: Selector data of the wake-up socket (connections carry a `Conn`, the listener None).
 _WAKE = object()
 _RECV_CHUNK = 65536
@@ -187,12 +191,16 @@ class Connections:
     def _run(self) -> None:
         """Accept, read and tick until stopped; a crash aborts the run rather than hang it."""
         next_tick = time.monotonic()
+        wait = TICK_INTERVAL
         try:
             while not self._stopping.is_set():
                 selector = self._selector
                 if selector is None:
                     return
-                woken, accept = self._turn(selector)
+                woken, accept, busy = self._turn(selector, wait)
+                # Quiet turns sleep longer, up to `QUIET_TICKS` ticks (as the supervisor's
+                # loop: `timing.QUIET_TICKS`); anything read or a wake shortens it again.
+                wait = TICK_INTERVAL if busy else min(wait * 2, TICK_INTERVAL * QUIET_TICKS)
                 if accept:
                     self._accept()
                 if self._stopping.is_set():
@@ -206,12 +214,14 @@ class Connections:
                 return
             self._crashed(exc)
 
-    def _turn(self, selector: selectors.BaseSelector) -> tuple[bool, bool]:
-        """One wait on the sockets: the ranks' frames first, then connections without a
-        hello; returns whether it was woken and whether the listener is ready."""
+    def _turn(self, selector: selectors.BaseSelector, wait: float) -> tuple[bool, bool, bool]:
+        """One wait on the sockets, at most ``wait`` s: the ranks' frames first, then
+        connections without a hello; returns whether it was woken, whether the listener
+        is ready, and whether anything at all was."""
         woken = accept = False
         strangers: list[Conn] = []
-        for key, _ in selector.select(timeout=TICK_INTERVAL):
+        ready = selector.select(timeout=wait)
+        for key, _ in ready:
             if key.data is None:
                 accept = True
             elif key.data is _WAKE:
@@ -224,7 +234,7 @@ class Connections:
                 self._read(key.data)
         for conn in strangers:
             self._read(conn)
-        return woken, accept
+        return woken, accept, bool(ready)
 
     def _accept(self) -> None:
         """At most `ACCEPT_PER_TURN` connections; the listener stays ready for the next

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 from .cohort import DeadRanks, Reason
@@ -62,6 +62,24 @@ class Heartbeats:
         if isinstance(progress, int) and not isinstance(progress, bool) \
                 and progress != self.progress.get(rank, 0):
             self.progress[rank] = progress
+            with self._lock:
+                self._last_progress = now
+
+    def folded(self, beats: Iterable[tuple[int, float, int]], now: float) -> None:
+        """One host's folded beats, ``(rank, age, progress)`` of ranks already checked:
+        each rank alive as of its own last frame, a moved progress the run's progress.
+        One loop and no call per rank: 8,192 ranks every 3 s, through `beat`, were most
+        of the idle coordinator's CPU at 1,024 hosts (issue 35)."""
+        last_frame, progress_of = self.last_frame, self.progress
+        moved = False
+        for rank, age, progress in beats:
+            heard = now - age if age > 0.0 else now
+            if heard > last_frame.get(rank, 0.0):
+                last_frame[rank] = heard
+            if progress != progress_of.get(rank, 0):
+                progress_of[rank] = progress
+                moved = True
+        if moved:
             with self._lock:
                 self._last_progress = now
 

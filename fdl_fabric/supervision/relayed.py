@@ -123,16 +123,18 @@ class Relayed(Connections):
                     source=host, down=down if down is not None else _nowhere, via_rank=rank)
 
     def _relayed_beats(self, report: reports.Beats, now: float) -> None:
-        """One host's folded heartbeats: each rank alive as of its own last frame."""
+        """One host's folded heartbeats: each rank alive as of its own last frame
+        (`Heartbeats.folded`), for the joined ranks this host runs."""
+        host, owners, relayed = report.host, self._rank_hosts, self._relayed
+        fresh = []
         for rank, (age, progress) in report.ranks.items():
-            conn = self._relayed.get(rank)
-            if not self._speaks_for(report.host, rank) or conn is None or conn.closed \
-                    or conn.rank is None:
+            if owners.get(rank) != host:
+                self._speaks_for(host, rank)  # dropped, said once and counted
                 continue
-            heard = now - max(0.0, age)
-            if heard > self._beats.last_frame.get(rank, 0.0):
-                self._beats.last_frame[rank] = heard
-            self._beats.beat(rank, {"progress": progress}, now)
+            conn = relayed.get(rank)
+            if conn is not None and not conn.closed and conn.rank is not None:
+                fresh.append((rank, age, progress))
+        self._beats.folded(fresh, now)
 
 
 #: What the I/O thread does with each kind of relayed report.

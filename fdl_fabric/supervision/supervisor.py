@@ -31,6 +31,7 @@ from typing import Any, Optional
 from .. import reports
 from ..events import Event
 from ..states import RankState as RankState  # named here by the launcher
+from . import timing
 from .liveness import Liveness
 from .outcome import Outcome
 from .records import RankExit, RunPhase
@@ -80,11 +81,14 @@ class Supervisor(Liveness, Outcome):
     def run(self) -> RunResult:
         if self.phase is RunPhase.RUNNING:
             self._start_all()
+        wait = self.tick
         while self._gone_hosts < len(self.hosts):
             try:
-                report: Optional[reports.Report] = self.inbox.get(timeout=self.tick)
+                report: Optional[reports.Report] = self.inbox.get(timeout=wait)
             except queue.Empty:
                 report = None
+            wait = self.tick if report is not None else \
+                min(wait * 2, self.tick * timing.QUIET_TICKS)
             self._check_pause()
             while report is not None:
                 self._handle(report)

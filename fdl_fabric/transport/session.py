@@ -231,7 +231,8 @@ def _beats(host: str, obj: dict[str, Any]) -> reports.Report:
     """BEATS: {"ranks": {"<r>": [age, progress]}}."""
     ranks: dict[int, tuple[float, int]] = {}
     for key, (age, progress) in dict(obj["ranks"]).items():
-        if not isinstance(age, (int, float)) or not isinstance(progress, int):
+        if not isinstance(age, (int, float)) or not isinstance(progress, int) \
+                or isinstance(progress, bool):
             raise ValueError("beats: [age, progress] per rank")
         ranks[int(key)] = (float(age), int(progress))
     return reports.Beats(host, ranks)
