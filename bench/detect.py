@@ -134,9 +134,12 @@ def machine_notes(load_before: str) -> list[str]:
     with contextlib.suppress(Exception):
         from fdl_fabric.supervision import connections, timing
 
+        quiet = getattr(timing, "QUIET_TICKS", 1)
         intervals.append(f"supervisor tick {getattr(timing, 'TICK', float('nan')) * 1000:g}"
-                         " ms (an inbox wait: reports wake it at once)")
-        intervals.append(f"coordinator tick {connections.TICK_INTERVAL * 1000:g} ms")
+                         f" ms, up to {quiet}x when quiet (an inbox wait: reports wake it "
+                         "at once)")
+        intervals.append(f"coordinator tick {connections.TICK_INTERVAL * 1000:g} ms, up to "
+                         f"{quiet}x when quiet (frames and wakes end its wait)")
     intervals.append("agents: no timer (SIGCHLD through set_wakeup_fd)")
     intervals.append("torchrun monitor interval 100 ms (default)")
     notes += [

@@ -448,6 +448,9 @@ def test_a_pruned_record_leaves_the_listing_at_once_and_its_files_after(root: Pa
     assert place.prune(is_live, keep=2, root=root) == []
     assert not cut_short.exists()
     assert sorted(p.name for p in root.iterdir()) == [run_id(2), run_id(3)]
+    place.prune(is_live, keep=2, root=root, background=True)
+    assert not [t for t in threading.enumerate() if t.name == "fdl-prune"], \
+        "nothing to remove: no thread is started (a launch holds one thread per host)"
 
 
 def test_pruning_by_size_removes_the_oldest_until_the_rest_fit(root: Path) -> None:

@@ -166,21 +166,40 @@ def prune(is_live: Callable[[Path], bool], *, keep: int = RECORDS_KEPT,
         total -= sizes[folder]
         removed.append(folder.name)
     base = ended[0].parent if ended else root
-    if base is not None:
-        if background:
-            threading.Thread(target=discard_pruned, args=(base,), name="fdl-prune",
-                             daemon=True).start()
-        else:
-            discard_pruned(base)
+    if base is None or not (removed or _pruned_in(base)):
+        return removed
+    if not background:
+        discard_pruned(base)
+    elif not _DISCARDING.locked():  # else the thread at work takes these too, or the next
+        threading.Thread(target=discard_pruned, args=(base,), name="fdl-prune",
+                         daemon=True).start()
     return removed
 
 
+#: Held by the one thread removing pruned records' files (`discard_pruned`).
+_DISCARDING = threading.Lock()
+
+
 def discard_pruned(root: Path) -> None:
-    """Remove the files of every pruned record under ``root`` (never raises)."""
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(root):
-            if entry.name.startswith(PRUNED_PREFIX) and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+    """Remove the files of every pruned record under ``root``, one caller at a time (a
+    second one returns at once); never raises."""
+    if not _DISCARDING.acquire(blocking=False):
+        return
+    try:
+        for path in _pruned_in(root):
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        _DISCARDING.release()
+
+
+def _pruned_in(root: Path) -> list[str]:
+    """The folders of pruned records under ``root`` whose files are still there."""
+    try:
+        with os.scandir(root) as entries:
+            return [e.path for e in entries
+                    if e.name.startswith(PRUNED_PREFIX) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
 
 
 __all__ = ["ENV_RUNS_DIR", "PRUNED_PREFIX", "RUN_ID_RE", "SIZE_FILE", "discard_pruned", "find",

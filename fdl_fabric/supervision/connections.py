@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..events import EventBus, Name
+from . import timing
 from .admission import (
     ACCEPT_PER_TURN,
     HELLO_PROMPT,
@@ -40,9 +41,6 @@ from .cohort import CoordinatorSpec
 #: How often the coordinator drains reported deaths and checks heartbeats while things
 #: happen (a report, a death and a stop wake it at once, whatever its wait).
 TICK_INTERVAL = 0.05
-#: Quiet turns sleep twice as long each time, up to this many ticks (a silent rank is then
-#: found at most 0.25 s later, an idle coordinator wakes 4 times a second, not 20).
-QUIET_TICKS = 5
 #: Selector data of the wake-up socket (connections carry a `Conn`, the listener None).
 _WAKE = object()
 _RECV_CHUNK = 65536
@@ -198,9 +196,11 @@ class Connections:
                 if selector is None:
                     return
                 woken, accept, busy = self._turn(selector, wait)
-                # Quiet turns sleep longer, up to `QUIET_TICKS` ticks (as the supervisor's
-                # loop: `timing.QUIET_TICKS`); anything read or a wake shortens it again.
-                wait = TICK_INTERVAL if busy else min(wait * 2, TICK_INTERVAL * QUIET_TICKS)
+                # Quiet turns sleep twice as long each time, up to `timing.QUIET_TICKS`
+                # ticks, as the supervisor's loop does (a silent rank is then found at most
+                # 0.25 s later); anything read, or a wake, shortens the wait again.
+                wait = TICK_INTERVAL if busy else \
+                    min(wait * 2, TICK_INTERVAL * timing.QUIET_TICKS)
                 if accept:
                     self._accept()
                 if self._stopping.is_set():
