@@ -196,11 +196,9 @@ class Connections:
                 if selector is None:
                     return
                 woken, accept, busy = self._turn(selector, wait)
-                # Quiet turns sleep twice as long each time, up to `timing.QUIET_TICKS`
-                # ticks, as the supervisor's loop does (a silent rank is then found at most
-                # 0.25 s later); anything read, or a wake, shortens the wait again.
-                wait = TICK_INTERVAL if busy else \
-                    min(wait * 2, TICK_INTERVAL * timing.QUIET_TICKS)
+                # Quiet turns sleep longer (a silent rank is then found at most 0.25 s
+                # later); anything read, or a wake, shortens the wait again.
+                wait = timing.next_wait(wait, TICK_INTERVAL, busy)
                 if accept:
                     self._accept()
                 if self._stopping.is_set():

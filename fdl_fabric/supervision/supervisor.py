@@ -87,8 +87,7 @@ class Supervisor(Liveness, Outcome):
                 report: Optional[reports.Report] = self.inbox.get(timeout=wait)
             except queue.Empty:
                 report = None
-            wait = self.tick if report is not None else \
-                min(wait * 2, self.tick * timing.QUIET_TICKS)
+            wait = timing.next_wait(wait, self.tick, busy=report is not None)
             self._check_pause()
             while report is not None:
                 self._handle(report)

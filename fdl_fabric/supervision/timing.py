@@ -20,6 +20,12 @@ TICK = 0.05
 #: 0.25 s, and an idle launcher wakes 4 times a second instead of 20 (a wake-up costs
 #: this machine about 0.1 ms of CPU: issue 35's idle). A report still wakes it at once.
 QUIET_TICKS = 5
+
+
+def next_wait(wait: float, tick: float, busy: bool) -> float:
+    """The next wait of a loop that ticks every ``tick`` s while ``busy`` and, once quiet,
+    doubles each wait up to `QUIET_TICKS` ticks (the supervisor's and the coordinator's)."""
+    return tick if busy else min(wait * 2, tick * QUIET_TICKS)
 #: Seconds between two walks over every host for a silent agent, at most (a twentieth of
 #: ``agent_timeout`` when that is less: 0.3 s at its 6 s minimum).
 HOST_CHECK_EVERY = 0.5
