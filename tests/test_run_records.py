@@ -29,8 +29,9 @@ from fdl_fabric.api import launch
 from fdl_fabric.events import Event, Name
 from fdl_fabric.handle import attach
 from fdl_fabric.limits import RECORDS_KEPT
+from fdl_fabric.masking import mask_data
 from fdl_fabric.presentation.rotating import RotatingFile
-from fdl_fabric.presentation.runlog import RunLog
+from fdl_fabric.presentation.runlog import RunLog, cluster_json
 from fdl_fabric.runs import place
 from fdl_fabric.runs.reading import follow, is_live, last_lines, launcher_alive, view
 from fdl_fabric.runs.record import CONSOLE, RESULT, STATE, RunRecord, RunState, write_json
@@ -220,6 +221,22 @@ def test_a_launch_whose_records_folder_is_foreign_says_so_runs_and_writes_nothin
 
 
 # -- logs that rotate ----------------------------------------------------------------------
+
+def test_cluster_json_is_the_masked_plan_with_one_rank_a_line() -> None:
+    ranks = [{"rank": r, "host": "h\u00e9", "argv": ["train.py", "--url",
+                                                 "https://bob:hunter2@example.invalid/x"],
+              "env": {"HF_TOKEN": "hf_abcdefghijklmnopqrstuvwxyz", "RANK": str(r)}}
+             for r in range(3)]
+    data = {"run_id": "r1", "env": {"WANDB_API_KEY": "k" * 40}, "workers": [], "ranks": ranks}
+    text = cluster_json(data).decode("utf-8")
+    assert json.loads(text) == mask_data(data), "the same data as before, masked"
+    assert "hunter2" not in text and "hf_abc" not in text and "k" * 40 not in text
+    lines = text.splitlines()
+    assert [line for line in lines if '"rank": ' in line] == [
+        line for line in lines if line.startswith('    {"rank"')], "one rank a line"
+    assert len([line for line in lines if '"rank": ' in line]) == 3
+    assert "h\u00e9" in text, "kept readable, not escaped"
+
 
 @settings(max_examples=60, deadline=None)
 @given(max_bytes=st.integers(1, 64),
@@ -583,7 +600,11 @@ def test_a_foreground_run_leaves_its_state_console_rank_logs_and_result(
     run = view(folder)
     assert run.phase is RunState.ENDED and run.exit_code == code and not run.alive
     _, files = tree(folder)
-    assert [p for p in files if p.name.startswith(".")] == [], "no temporary file is left"
+    assert [p for p in files if p.name.startswith(".") and p.name != place.SIZE_FILE] == [], \
+        "no temporary file is left"
+    kept = int((folder / place.SIZE_FILE).read_text())
+    assert kept == place.size_of(folder) - len(str(kept)), \
+        "its size is kept at its end: the next launch's prune does not walk its files"
 
 
 def test_result_and_state_are_never_seen_half_written(
@@ -625,7 +646,8 @@ def test_result_and_state_are_never_seen_half_written(
     verdict_line = capfd.readouterr().err.splitlines()[-1]
     assert (recorded["verdict"], recorded["exit_code"], recorded["message"]) == (
         result.verdict, result.exit_code, verdict_line)
-    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == [
+        place.SIZE_FILE], "no temporary file is left; the record's size is kept"
 
 
 @pytest.mark.parametrize("code", [0, 1])

@@ -57,9 +57,12 @@ class FakeHost:
     pings: int = 0
     #: Its ranks' beats arrive (some rank joined through its agent).
     beats_flowing: bool = False
+    #: How often the supervisor asked when it was last heard.
+    heard_asked: int = 0
 
     @property
     def last_heard(self) -> float:
+        self.heard_asked += 1
         return time.monotonic() if self.silent_since is None else self.silent_since
 
     def suspend(self) -> None:
@@ -498,6 +501,24 @@ def test_an_agent_whose_ranks_beats_flow_is_pinged_only_for_its_lease() -> None:
         sup._ping(now)
         now += sup.ping_every + 0.01  # a round comes a little after it is due
     assert beating.pings == 6
+
+
+def test_hosts_are_walked_for_silence_only_once_one_could_be_silent() -> None:
+    sup, (old, recent), log = supervise_live({0: None}, {1: None}, agent_timeout=10.0)
+    now = time.monotonic()
+    sup._watch_from = now - 100.0  # as if it had watched them for long
+    old.silent_since = now - 9.4  # silent for the timeout in 0.6 s
+    recent.silent_since = now - 1.0
+    sup._check_hosts()
+    assert (old.heard_asked, recent.heard_asked) == (1, 1) and not log.of(Kind.DEATH)
+    while time.monotonic() < now + 0.5:  # nobody can be silent yet: no walk
+        sup._check_hosts()
+        time.sleep(0.01)
+    assert (old.heard_asked, recent.heard_asked) == (1, 1)
+    time.sleep(max(0.0, now + 1.0 - time.monotonic()))
+    sup._check_hosts()  # due: the least recently heard agent is found at once
+    assert old.abandoned and not recent.abandoned
+    assert [e.host for e in log.of(Kind.DEATH)] == ["h0"]
 
 
 def test_a_host_that_keeps_talking_is_never_unresponsive() -> None:

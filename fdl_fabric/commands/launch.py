@@ -50,7 +50,7 @@ from ..planning.plan import LaunchPlan
 from ..preflight import fleet, fleetcheck
 from ..presentation.latest import RunFolder, point_latest
 from ..presentation.output import Console, JsonConsole
-from ..presentation.runlog import RunLog
+from ..presentation.runlog import RunLog, cluster_json
 from ..presentation.words import cause_data
 from ..runs import place
 from ..runs.reading import is_live, read_json
@@ -165,6 +165,9 @@ class Launch:
                     self.log.close()
                 if self.record is not None:
                     self.record.close()
+                    # Its size kept now, after the verdict, so the next launch's prune
+                    # does not walk its 24,000 files of 8,192 ranks (issue 35).
+                    place.record_size(self.record.folder)
 
     def _teardown(self) -> None:
         self.hosts.teardown()
@@ -306,10 +309,11 @@ class Launch:
         """The first attempt's hosts, the plan kept with the logs, the launch line and
         what the plan warns of."""
         membership_event(self.events, selection, plan)
-        data = plan_as_json(plan, self.hosts.transports)
-        for log in (self.log, self.record):
-            if log is not None:
-                log.write_cluster(data)
+        logs = [log for log in (self.log, self.record) if log is not None]
+        if logs:
+            text = cluster_json(plan_as_json(plan, self.hosts.transports))  # masked once
+            for log in logs:
+                log.write_cluster(text)
         self.events(Name.LAUNCH, run_id=plan.run_id, world_size=plan.world_size,
                     ranks={h: [r.rank for r in plan.host_ranks(h)] for h in plan.hosts()})
         for name, data in plan_warnings(

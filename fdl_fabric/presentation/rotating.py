@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Dict, Hashable, Optional
 
 
-def open_private(path: Path, *, truncate: bool = False) -> int:
+def open_private(path: str | Path, *, truncate: bool = False) -> int:
     """A file descriptor of ``path`` for appending (or writing afresh), 0600, never
     through a link."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (
@@ -33,17 +33,23 @@ class RotatingFile:
     Its descriptor can be released and is opened again by the next write, so a log of
     thousands of ranks holds only the few files being written (`FilePool`)."""
 
-    def __init__(self, path: Path, max_bytes: Optional[int] = None, *,
+    def __init__(self, path: str | Path, max_bytes: Optional[int] = None, *,
                  hold: bool = True) -> None:
         """``path`` made (or opened) now; ``hold=False``: its descriptor released at
-        once, until the first write."""
-        self.path = path
+        once, until the first write (which learns the file's size then). The path is
+        kept as a string: a burst of 8,192 ranks' files is made here (issue 35), and
+        `pathlib` cost more than the system calls."""
+        self.path = str(path)
         self.max_bytes = max_bytes
-        self._fd: Optional[int] = open_private(path)
-        self._size = os.fstat(self._fd).st_size
         self.closed = False
-        if not hold:
-            self.release()
+        fd = open_private(self.path)
+        if hold:
+            self._fd: Optional[int] = fd
+            self._size = os.fstat(fd).st_size
+        else:
+            os.close(fd)
+            self._fd = None
+            self._size = 0
 
     @property
     def holds_fd(self) -> bool:
@@ -68,7 +74,7 @@ class RotatingFile:
 
     def _rotate(self, fd: int) -> int:
         os.close(fd)
-        os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+        os.replace(self.path, self.path + ".1")
         self._fd = open_private(self.path, truncate=True)
         self._size = 0
         return self._fd

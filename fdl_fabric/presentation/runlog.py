@@ -175,7 +175,7 @@ class RunLog:
 
     def _new_rank_file(self, rank: int, stderr: bool, hold: bool) -> RotatingFile:
         name = "stderr.log" if stderr else "stdout.log"
-        return RotatingFile(Path(f"{self._rank_folder(rank)}/{name}"), self.max_bytes,
+        return RotatingFile(f"{self._rank_folder(rank)}/{name}", self.max_bytes,
                             hold=hold)
 
     def _write_stacks(self, ranks: dict[str, Any], hosts: dict[str, str]) -> list[str]:
@@ -190,10 +190,11 @@ class RunLog:
             written.append(str(path.relative_to(self.folder)))
         return written
 
-    def write_cluster(self, data: dict[str, Any]) -> None:
+    def write_cluster(self, text: bytes) -> None:
+        """``cluster.json``: ``text`` as `cluster_json` made it (masked once, for every
+        log of the run)."""
         with self._lock, private_file(self.folder / "cluster.json") as fh:
-            fh.write(json.dumps(mask_data(data), indent=2,
-                                ensure_ascii=False).encode("utf-8"))
+            fh.write(text)
 
     def close(self) -> None:
         """What was handed over written (at most `limits.RECORD_FLUSH_S`), then closed."""
@@ -204,6 +205,23 @@ class RunLog:
             with contextlib.suppress(OSError):
                 self._events.close()
             self._ranks.close()
+
+
+def cluster_json(data: dict[str, Any]) -> bytes:
+    """``cluster.json``'s bytes: ``data`` masked (`masking`), one key a line, and each
+    item of a list (a worker, a rank) on a line of its own: readable in a pager, and
+    made by the C encoder. Why not ``indent``: it takes the pure-Python encoder, 0.23 s
+    of the launch's CPU for 8,192 ranks against 0.05 s (issue 35)."""
+    shown = mask_data(data)
+    dumps = functools.partial(json.dumps, default=str, ensure_ascii=False)
+    lines = []
+    for key, value in shown.items():
+        if isinstance(value, list) and value:
+            items = ",\n    ".join(dumps(item) for item in value)
+            lines.append(f"  {dumps(key)}: [\n    {items}\n  ]")
+        else:
+            lines.append(f"  {dumps(key)}: {dumps(value)}")
+    return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
 
 
 def weight(event: Event) -> int:

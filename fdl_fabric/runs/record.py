@@ -238,10 +238,10 @@ class RunRecord:
     #: The root cause as said (its words), seen before the verdict.
     root_cause: Optional[str] = None
 
-    def write_cluster(self, data: dict[str, Any]) -> None:
-        """``cluster.json``: the plan as `masking` lets it be kept."""
+    def write_cluster(self, text: bytes) -> None:
+        """``cluster.json``: the plan as `runlog.cluster_json` laid it out, masked."""
         with contextlib.suppress(OSError):
-            self.log.write_cluster(mask_data(data))
+            self.log.write_cluster(text)
 
     def close(self) -> None:
         self.log.close()  # what was handed over written first

@@ -102,7 +102,8 @@ class SupervisorState:
         now = time.monotonic()
         #: Silence clocks start here (and again after a pause of this process).
         self._watch_from = now
-        self._hosts_checked_at = 0.0
+        #: When the next walk over the hosts for a silent agent is due (`_check_hosts`).
+        self._hosts_due = 0.0
         #: The last turn of the loop, on the clock that counts a suspended machine.
         self._last_turn = timing.boottime()
         #: The agents' lease (seconds of the launcher's silence after which they stop

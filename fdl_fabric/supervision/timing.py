@@ -29,6 +29,9 @@ def next_wait(wait: float, tick: float, busy: bool) -> float:
 #: Seconds between two walks over every host for a silent agent, at most (a twentieth of
 #: ``agent_timeout`` when that is less: 0.3 s at its 6 s minimum).
 HOST_CHECK_EVERY = 0.5
+#: The longest gap between two such walks, as a share of ``agent_timeout`` (they are
+#: due when the least recently heard agent could first be silent that long).
+HOST_SILENCE_WALK = 0.25
 #: Extra seconds past the kill grace before hosts that did not report are sent KILL.
 FORCE_MARGIN = 3.0
 #: Extra seconds past that before a host that still reports nothing is abandoned.

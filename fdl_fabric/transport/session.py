@@ -38,6 +38,11 @@ STATUS_WAIT = 5.0
 #: Beats this recent say they flow: two at their longest interval (3 s, sent up to
 #: 1.1 x late, `agent.cohortrelay.next_beat_at`).
 BEATS_FRESH = 7.0
+#: The types a rank's age in BEATS may have.
+_AGES = (float, int)
+#: The ping and the start, made once: 1,024 agents get each in a round.
+_PING = wire.message(wire.PING)
+_START = wire.message(wire.START)
 
 Post = Callable[[reports.Report], None]
 #: Where rank output goes on the reading thread; it may block while the console is slow.
@@ -228,13 +233,16 @@ def _cohort_up(host: str, obj: dict[str, Any]) -> reports.Report:
 
 
 def _beats(host: str, obj: dict[str, Any]) -> reports.Report:
-    """BEATS: {"ranks": {"<r>": [age, progress]}}."""
+    """BEATS: {"ranks": {"<r>": [age, progress]}}. Types by identity (a bool is neither
+    an age nor a progress): 1,024 hosts' beats pass here every 3 s."""
+    given = obj["ranks"]
+    if type(given) is not dict:
+        raise TypeError("beats: ranks is not a mapping")
     ranks: dict[int, tuple[float, int]] = {}
-    for key, (age, progress) in dict(obj["ranks"]).items():
-        if not isinstance(age, (int, float)) or not isinstance(progress, int) \
-                or isinstance(progress, bool):
+    for key, (age, progress) in given.items():
+        if type(progress) is not int or type(age) not in _AGES:
             raise ValueError("beats: [age, progress] per rank")
-        ranks[int(key)] = (float(age), int(progress))
+        ranks[int(key)] = (float(age), progress)
     return reports.Beats(host, ranks)
 
 
@@ -358,7 +366,10 @@ class AgentSession:
             process.send_shared(frame)
 
     def spec(self, spec: dict[str, Any]) -> None:
-        self.send(wire.SPEC, spec)
+        """The agent's spec. Sent to every agent in one loop, so it may travel with the
+        others (`write`'s ``lazy``): through a gateway, 31 leaves' specs cross in a few
+        SSH packets, not 31 writes (issue 35's burst at 1,024 hosts)."""
+        self.write(wire.message(wire.SPEC, spec), lazy=True)
 
     def probe(self, *, gpus: bool) -> None:
         self.send(wire.PROBE, {"gpus": gpus})
@@ -368,7 +379,8 @@ class AgentSession:
         self.send(wire.PROBE, request)
 
     def start_ranks(self) -> None:
-        self.send(wire.START)
+        """Start the ranks: sent to every agent at once, so it may travel with the others."""
+        self.write(_START, lazy=True)
 
     def stop(self, signal: str = "TERM", rank: Optional[int] = None) -> None:
         """Graceful stop of every rank (``signal`` first: TERM, or INT for a Ctrl-C), or
@@ -400,7 +412,7 @@ class AgentSession:
     def ping(self) -> None:
         """Renew the agent's lease: sent to every agent at once, so it may travel with
         the others (through a relay, one write for all of a gateway's leaves)."""
-        self.write(wire.message(wire.PING), lazy=True)
+        self.write(_PING, lazy=True)
 
     def sweep(self, request: dict[str, Any]) -> None:
         self.send(wire.SWEEP, request)
