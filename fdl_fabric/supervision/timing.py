@@ -26,8 +26,8 @@ def next_wait(wait: float, tick: float, busy: bool) -> float:
     """The next wait of a loop that ticks every ``tick`` s while ``busy`` and, once quiet,
     doubles each wait up to `QUIET_TICKS` ticks (the supervisor's and the coordinator's)."""
     return tick if busy else min(wait * 2, tick * QUIET_TICKS)
-#: Seconds between two walks over every host for a silent agent, at most (a twentieth of
-#: ``agent_timeout`` when that is less: 0.3 s at its 6 s minimum).
+#: The least seconds between two walks over every host for a silent agent (a twentieth
+#: of ``agent_timeout`` when that is less: 0.3 s at its 6 s minimum).
 HOST_CHECK_EVERY = 0.5
 #: The longest gap between two such walks, as a share of ``agent_timeout`` (they are
 #: due when the least recently heard agent could first be silent that long).
