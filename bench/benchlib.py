@@ -308,7 +308,7 @@ def machine_notes() -> dict[str, str]:
     commit, dirty = checkout_commit()
     pssh = pssh_path()
     return {
-        "cpus": f"{len(os.sched_getaffinity(0))} x {cpu}; kernel {platform.release()}",
+        "cpus": f"{os.cpu_count()} x {cpu}; kernel {platform.release()}",
         "python": f"{platform.python_version()} ({sys.executable})",
         "openssh": tool_version(["ssh", "-V"]),
         "parallel-ssh": tool_version([pssh, "--version"]) if pssh else "not installed",

@@ -37,10 +37,11 @@ run ``sh -c 'echo up $RANK; exec sleep W'`` and do not join, so the cohort never
 
 Measured on the launcher process (``/proc/<pid>``, all threads; ``wait4`` at its exit):
 CPU seconds from its start to the last ``up`` line read (**CPU to all running**), time
-to all running; in the join modes also time and CPU to every synthetic rank joined (the
-relays' notes in mode ``join``, the launcher's sockets in ``join-tcp``); thread count
-(the most seen, sampled every 0.1 s); CPU % of one core over ``--window`` s starting
-``--settle`` s after all running (and all joined): **idle**; its open files then
+to all running; in the join modes also time and CPU to every rank joined (in mode
+``join`` the relays' notes of their synthetic ranks, then a relay's note that the cohort
+formed, so the gateways' real ranks too; the launcher's sockets in ``join-tcp``); thread
+count (the most seen, sampled every 0.1 s); CPU % of one core over ``--window`` s
+starting ``--settle`` s after all running (and all joined): **idle**; its open files then
 (``/proc/<pid>/fd``); in mode ``join`` the **formation** time (the last hello of any
 rank, synthetic or real, to the first ``formed`` broadcast an emulated agent reads;
 wall clock, one machine); peak RSS (VmHWM); total CPU at its exit (after every rank
@@ -55,6 +56,16 @@ The launcher counts its open files per host since issue 35 (about 600 at 1,024 x
 machine's hard limit, and the launcher's own check runs unchanged (no wrapper; the old
 ``--lenient-nofile`` is gone). Mode ``join-tcp`` may need more than that count (a file
 per rank's connection), which the launcher no longer provisions for.
+
+**The controller has a core of its own** (``--pin``, the default on a machine of two
+or more cores): the launcher runs on CPU 0 alone, and the 32 lab hosts' sshd (so
+everything started under them: the gateways' agents, relays and real ranks, and the
+emulated relays) and this script on the others. On a real cluster those processes run on
+their own hosts' CPUs, never on the controller's. Without it (``--no-pin``, the method of
+issue 35's first six rounds) the 256 real ranks' Python starts (about 18 s of CPU between
+them) take most of the two cores while the synthetic hellos arrive, and the launcher's
+join figures measure that contention. ``nice`` cannot do this here: every SSH session is
+an autogroup of its own, and the scheduler shares the CPU between groups first.
 
 Every process started here runs in a process group of its own and only those groups are
 signalled; the lab and the temporary folder are removed on exit, Ctrl-C or SIGTERM.
@@ -74,6 +85,8 @@ from emulatorlib import Sample, measure
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RELAY_SCRIPT = os.path.join(HERE, "emulated_relay.py")
+#: The CPUs the launcher keeps to itself (``--pin``), passed to ``--as-launcher``.
+CONTROLLER_CPUS = "FDL_BENCH_CONTROLLER_CPUS"
 MODES = ("join", "join-tcp", "no-join")
 
 
@@ -105,6 +118,9 @@ def as_launcher(argv: list[str]) -> int:
     from invoke.main import program
 
     sys.argv = ["inv", *inv_args]  # the launch reads ``-- prog args`` from sys.argv
+    pinned = os.environ.pop(CONTROLLER_CPUS, "")
+    if pinned:  # before any thread starts: each inherits its creator's CPUs
+        os.sched_setaffinity(0, {int(c) for c in pinned.split(",")})
     prof = os.environ.get("FDL_BENCH_YAPPI")
     if prof:
         import yappi
@@ -197,6 +213,9 @@ def report(samples: list[Sample], args: argparse.Namespace, out: TextIO) -> None
         row("gateways' real agents' CPU, s (sum)", "agents_cpu", 2)
         if mode == "join":
             row("formation (last hello -> formed), s", "formation_s", 3, 1.0, " s")
+            row("synthetic hellos, first -> last, s", "hellos_s", 3)
+            row("last synthetic hello -> last welcome, s", "welcomes_after_s", 3)
+            row("last synthetic hello -> last real one, s", "real_hello_late_s", 3)
         if mode != "no-join":
             row("join time per rank, p50 s", "join_p50", 3)
             row("join time per rank, max s", "join_max", 2)
@@ -223,6 +242,12 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     load_start = benchlib.wait_for_quiet(args.wait_load, out)
     global _LAB
     lab = _LAB = benchlib.start_lab(tmp / "lab", args.gateways, out)
+    if args.controller_cpus:
+        remote = os.sched_getaffinity(0) - args.controller_cpus
+        os.sched_setaffinity(0, remote)  # this script, and so its later children
+        for host in lab.hosts:  # inherited by every session, agent, relay and rank
+            os.sched_setaffinity(host.sshd.pid, remote)
+        os.environ[CONTROLLER_CPUS] = ",".join(map(str, sorted(args.controller_cpus)))
     leaf_path = tmp / "leaf-path"
     leaf_path.mkdir()
     workers = [lab.worker(h, nproc=args.ranks) for h in lab.hosts]
@@ -235,8 +260,11 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
                         "ssh": {"target": f"{name}.invalid", "user": lab.user,
                                 "identity_file": lab.identity_file,
                                 "options": lab.ssh_options()}})
+    # Pinned, the 32 gateways' agents share one core with their 256 ranks' starts: a
+    # gateway's agent may wait its turn for longer than the default agent_timeout.
+    lease = {"agent_timeout": 30} if args.controller_cpus else {}
     cluster = lab.write_cluster(workers, filename="emulator.yml", fanout=args.gateways,
-                                kill_grace=2)
+                                kill_grace=2, **lease)
     _raise_nofile(args, out, cluster)
     samples = []
     for rep in range(args.repeat):
@@ -252,7 +280,9 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
                       if s.ok else f"FAILED: {s.error}\n")
             out.flush()
     report(samples, args, out)
-    benchlib.write_machine_notes(out, load_start, started)
+    benchlib.write_machine_notes(out, load_start, started, **{
+        "the launcher's CPUs (the rest: the lab hosts, this script)":
+            os.environ.get(CONTROLLER_CPUS, "shared with everything (--no-pin)")})
     return 0 if all(s.ok for s in samples) else 1
 
 
@@ -327,7 +357,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--wait-load", type=float, metavar="L",
                     help="first wait (up to 20 min) until the 1-minute load is <= L")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="let the launcher share every CPU with the lab hosts, the stand-ins "
+                    "for other hosts' CPUs (the first six rounds' method); by default it "
+                    "has CPU 0 alone")
     args = ap.parse_args(argv)
+    cpus = os.sched_getaffinity(0)
+    args.controller_cpus = {min(cpus)} if args.pin and len(cpus) >= 2 else set()
     if args.quick:
         args.gateways, args.leaves_per_gateway = 8, 8
         args.work = 30.0 if args.work is None else args.work

@@ -57,6 +57,9 @@ class Sample:
     welcome_mb: Optional[float] = None
     fds: Optional[int] = None  # the launcher's open files in the window (/proc/<pid>/fd)
     formation_s: Optional[float] = None  # last hello (any rank) -> first ``formed`` read
+    hellos_s: Optional[float] = None  # first synthetic hello -> last synthetic hello
+    welcomes_after_s: Optional[float] = None  # last synthetic hello -> last welcome read
+    real_hello_late_s: Optional[float] = None  # last synthetic hello -> last real rank's
     exit_code: Optional[int] = None
     verdict: str = ""
     lines: int = 0
@@ -215,6 +218,7 @@ def _read_stats(prefix: Path, s: Sample) -> None:
     joins: list[float] = []
     hellos: list[float] = []
     formed: list[float] = []
+    spans: dict[str, list[float]] = {"first_hello": [], "last_hello": [], "last_welcome": []}
     for path in prefix.parent.glob(prefix.name + "-*.json"):
         with contextlib.suppress(OSError, ValueError):
             data = json.loads(path.read_text())
@@ -226,9 +230,21 @@ def _read_stats(prefix: Path, s: Sample) -> None:
                 hellos.append(float(data["last_hello"]))
             if data.get("formed_at"):
                 formed.append(float(data["formed_at"]))
+            for key, seen in spans.items():
+                if data.get(key):
+                    seen.append(float(data[key]))
+    real: list[float] = []
     for path in prefix.parent.glob(prefix.name + "-hello-*"):  # the gateways' real ranks
         with contextlib.suppress(OSError, ValueError):
-            hellos.append(float(path.read_text()))
+            real.append(float(path.read_text()))
+    hellos += real
+    if spans["first_hello"] and spans["last_hello"]:
+        last = max(spans["last_hello"])
+        s.hellos_s = last - min(spans["first_hello"])
+        if spans["last_welcome"]:
+            s.welcomes_after_s = max(spans["last_welcome"]) - last
+        if real:
+            s.real_hello_late_s = max(real) - last
     if hellos and formed:
         s.formation_s = min(formed) - max(hellos)
     s.joins = len(joins)
@@ -320,6 +336,18 @@ class _Launch:
             self.note_threads()
             time.sleep(0.2)
 
+    def wait_formed(self, stats: Path) -> None:
+        """Until a relay read ``formed``: every rank joined, the gateways' real ranks too
+        (with ``--pin`` they start on the lab's own cores, after the synthetic ranks)."""
+        from benchlib import BenchError
+
+        deadline = self.t0 + self.args.timeout
+        while not any(stats.parent.glob(stats.name + "-*.formed")):
+            if self.reap(0) or time.monotonic() > deadline:
+                raise BenchError("the cohort did not form in time")
+            self.note_threads()
+            time.sleep(0.2)
+
     def window(self, s: Sample) -> None:
         """The launcher's CPU over ``--window`` s (and its largest 1 s slice) into ``s``."""
         import benchlib
@@ -376,6 +404,7 @@ def _after_up(run: _Launch, s: Sample, lab: Any, spy_file: Optional[Path],
         run.wait_sockets(synthetic + args.gateways + 1)
     elif s.mode == "join":
         run.wait_joined(stats, synthetic)  # through their agents: no socket to count
+        run.wait_formed(stats)  # and the gateways' real ranks: the window is after both
     if s.mode != "no-join":
         s.cpu_joined = benchlib.cpu_seconds(pid)
         s.joined_s = time.monotonic() - run.t0

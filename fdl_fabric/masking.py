@@ -110,6 +110,8 @@ class _Declared:
         self._lock = threading.Lock()
         self.names: frozenset[str] = frozenset()
         self.values: tuple[str, ...] = ()
+        #: A new object at each `add`: what a `Masked` was masked under.
+        self.state: object = object()
 
     def add(self, names: Iterable[str], values: Iterable[str]) -> None:
         with self._lock:
@@ -117,6 +119,7 @@ class _Declared:
             longer = {v for v in values if len(v.strip()) >= DECLARED_VALUE_MIN}
             # Longest first, so a value that contains another is hidden whole.
             self.values = tuple(sorted(set(self.values) | longer, key=lambda v: (-len(v), v)))
+            self.state = object()
 
 
 _DECLARED = _Declared()
@@ -195,28 +198,52 @@ def _without_declared(text: str, values: tuple[str, ...]) -> str:
     return text
 
 
+class Masked(dict):  # type: ignore[type-arg]
+    """A mapping as `mask_data` returned it. A second `mask_data` keeps it as it is
+    while nothing more was declared secret (`declare`) since. Why: an event's data is
+    masked where the run's record takes it, then again by its record's words and its
+    JSON line; at 8,192 ranks the repeats were a third of a rank's record, and a rank's
+    label missed the mask cache between them."""
+
+    __slots__ = ("under",)
+
+    def __init__(self, data: dict[Any, Any], under: object) -> None:
+        super().__init__(data)
+        #: What was declared secret when it was masked (`_Declared.state`).
+        self.under = under
+
+
 def mask_data(data: Any) -> Any:
     """A copy of JSON-like ``data`` as it may be shown or kept: every mapping under a key
     ``env`` (or ending in ``_env``) through `mask_env`, every other string through
-    `mask_text`. Keys are kept as they are: they are the data's own names."""
+    `mask_text`. Keys are kept as they are: they are the data's own names. A mapping
+    comes back `Masked`, which is not masked twice."""
+    state = _DECLARED.state
+    if type(data) is Masked and data.under is state:
+        return data
+    shown = _mask_data(data)
+    return Masked(shown, state) if type(shown) is dict else shown
+
+
+def _mask_data(data: Any) -> Any:
     kind = type(data)  # the common types first, by identity: every record walks here
     if kind in _ATOMS:
         return data
     if kind is dict:
         return {k: mask_env(v) if _is_env_key(k) and isinstance(v, Mapping)
-                and all(isinstance(x, str) for x in v.values()) else mask_data(v)
+                and all(isinstance(x, str) for x in v.values()) else _mask_data(v)
                 for k, v in data.items()}
     if isinstance(data, str):
         shown = mask_text(data)
         return data if shown == data else shown  # the same object (an enum's) when clean
     if isinstance(data, Mapping):
         return {k: mask_env(v) if _is_env_key(k) and isinstance(v, Mapping)
-                and all(isinstance(x, str) for x in v.values()) else mask_data(v)
+                and all(isinstance(x, str) for x in v.values()) else _mask_data(v)
                 for k, v in data.items()}
     if isinstance(data, tuple):
-        return tuple(mask_data(item) for item in data)
+        return tuple(_mask_data(item) for item in data)
     if isinstance(data, list):
-        return [mask_data(item) for item in data]
+        return [_mask_data(item) for item in data]
     return data
 
 
@@ -311,5 +338,5 @@ def _url_passwords(text: str) -> str:
     return "".join(out)
 
 
-__all__ = ["DECLARED_VALUE_MIN", "MASK", "SECRET_NAME_RE", "TOKEN_MIN", "declare",
+__all__ = ["DECLARED_VALUE_MIN", "MASK", "SECRET_NAME_RE", "TOKEN_MIN", "Masked", "declare",
            "mask_data", "mask_env", "mask_text", "secret_name", "token_shaped"]

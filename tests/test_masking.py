@@ -196,6 +196,22 @@ def test_masking_data_masks_env_mappings_by_name_and_every_string_by_value() -> 
     assert data["env"]["DATABASE_URL"] == DATABASE_URL  # the original is untouched
 
 
+def test_masked_data_is_masked_once_until_a_new_secret_is_declared(
+        own_declarations: None) -> None:
+    """The run's record masks an event once; its words and its JSON line keep that copy
+    (issue 35: the repeats were a third of a rank's record). A value declared secret
+    afterwards still reaches it."""
+    data = {"argv": ["train.py", "--db", DATABASE_URL], "note": "a pass phrase kept"}
+    shown = mask_data(data)
+    assert mask_data(shown) is shown and PASSWORD not in json.dumps(shown)
+    event = Event(Name.DRY_RUN, data=_dry_run_facts({"DATABASE_URL": DATABASE_URL}))
+    assert record(Event(event.name, data=mask_data(event.data), time=event.time)) == \
+        record(event)
+    declare([], ["a pass phrase kept"])
+    again = mask_data(shown)
+    assert again is not shown and again["note"] == MASK and mask_data(again) is again
+
+
 # -- properties: a masked rendering never contains the secret ------------------------------
 
 _LOWER = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=12)

@@ -47,11 +47,15 @@ def record(event: Event, *, attempt: Optional[int] = None,
                            "kind": event.kind.value, "name": event.name.value,
                            "host": event.host, "rank": event.rank, "attempt": attempt,
                            "message": None}
-    body = dict(event.data) if data is None else dict(data)
-    body.pop("raw", None)  # rank output's bytes: the rank's log file has them
-    if event.kind is not Kind.OUTPUT:
+    given = event.data if data is None else data
+    if event.kind is Kind.OUTPUT:
+        body = dict(given)
+        body.pop("raw", None)  # rank output's bytes: the rank's log file has them
+    else:
         out["message"] = mask_text(render(event))  # `render` masks the data it words
-        body = mask_data(body)
+        body = mask_data(given)  # a copy, or the `masking.Masked` it was already
+        if "raw" in body:
+            body = {k: v for k, v in body.items() if k != "raw"}
     out["data"] = body
     return out
 
@@ -61,7 +65,8 @@ def masked(event: Event) -> Event:
     keeps of an event that is not rank output."""
     if event.kind is Kind.OUTPUT:
         return event
-    return dataclasses.replace(event, data=mask_data(event.data))
+    shown = mask_data(event.data)
+    return event if shown is event.data else dataclasses.replace(event, data=shown)
 
 
 class Attempts:

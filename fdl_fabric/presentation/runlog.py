@@ -132,16 +132,18 @@ class RunLog:
         if event.kind is Kind.SPAWN and event.rank is not None:
             self._rank_files(event.rank)
         attempt = self._attempts.see(event)
-        data = dict(event.data)
-        text = data.pop("error_file", None)
-        if isinstance(text, str) and event.rank is not None:
-            folder = self._rank_folder(event.rank)
-            with private_file(Path(folder) / "error.json") as fh:
-                fh.write(text.encode("utf-8"))
-            data["error_json"] = f"attempt_{self._writing}/r{event.rank}/error.json"
-        if event.kind is Kind.STACKS:
-            data["files"] = self._write_stacks(data.pop("ranks", {}) or {},
-                                               data.get("hosts") or {})
+        data = event.data  # as it came (a `masking.Masked` is not masked again)
+        if moves_to_files(event):
+            data = dict(data)
+            text = data.pop("error_file", None)
+            if isinstance(text, str) and event.rank is not None:
+                folder = self._rank_folder(event.rank)
+                with private_file(Path(folder) / "error.json") as fh:
+                    fh.write(text.encode("utf-8"))
+                data["error_json"] = f"attempt_{self._writing}/r{event.rank}/error.json"
+            if event.kind is Kind.STACKS:
+                data["files"] = self._write_stacks(data.pop("ranks", {}) or {},
+                                                   data.get("hosts") or {})
         line = json.dumps(record(event, attempt=attempt, data=data), default=str,
                           ensure_ascii=False) + "\n"
         self._events.write(line.encode("utf-8"))
@@ -205,6 +207,13 @@ class RunLog:
             with contextlib.suppress(OSError):
                 self._events.close()
             self._ranks.close()
+
+
+def moves_to_files(event: Event) -> bool:
+    """Whether the log keeps part of ``event`` in files of its own (a rank's error
+    file, the stacks, 0600 beside the record): those files hold what the event carried,
+    so the run's record hands the log such an event as it came, not masked."""
+    return "error_file" in event.data or event.kind is Kind.STACKS
 
 
 def cluster_json(data: dict[str, Any]) -> bytes:

@@ -57,8 +57,10 @@ def render(event: Event, width: Optional[int] = None) -> str:
     strings are masked (`masking`: a secret by name, ``secret_env`` or value, except in
     a rank's own output) and made inert (`inert_data`) first."""
     if event.kind is not Kind.OUTPUT:
-        event = Event(event.name, host=event.host, rank=event.rank,
-                      data=mask_data(event.data), time=event.time)
+        shown = mask_data(event.data)
+        if shown is not event.data:
+            event = Event(event.name, host=event.host, rank=event.rank, data=shown,
+                          time=event.time)
     event = inert_data(event)
     if width is None:
         return _WORDS[event.name](event, event.data)

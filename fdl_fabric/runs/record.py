@@ -43,7 +43,7 @@ from ..masking import mask_data
 from ..presentation.output import Console
 from ..presentation.records import masked
 from ..presentation.rotating import RotatingFile, TextLog, open_private
-from ..presentation.runlog import RunLog, weight
+from ..presentation.runlog import RunLog, moves_to_files, weight
 from ..presentation.words import render
 
 STATE = "state.json"
@@ -148,7 +148,8 @@ class RunRecord:
     def emit(self, event: Event) -> None:
         shown = masked(event)  # the console, the state and the result keep no secret
         self.log.call(self._console_line, shown, size=weight(event))
-        self.log.emit(event)  # events.jsonl: masked by its records (`records.record`)
+        # events.jsonl: `records.record` keeps what is masked already, and masks the rest
+        self.log.emit(event if moves_to_files(event) else shown)
         if event.kind is not Kind.OUTPUT:
             with self._lock:
                 self._see(shown)
