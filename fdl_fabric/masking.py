@@ -203,7 +203,8 @@ class Masked(dict):  # type: ignore[type-arg]
     while nothing more was declared secret (`declare`) since. Why: an event's data is
     masked where the run's record takes it, then again by its record's words and its
     JSON line; at 8,192 ranks the repeats were a third of a rank's record, and a rank's
-    label missed the mask cache between them."""
+    label missed the mask cache between them. Never changed in place (an event's data
+    is not): what adds to one builds a plain ``dict(...)``, which is masked afresh."""
 
     __slots__ = ("under",)
 
