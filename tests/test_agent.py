@@ -378,6 +378,9 @@ def test_sigkill_of_the_agent_leaves_its_watchdog_to_stop_every_rank(agent: Agen
     agent.send(wire.SPEC, s)
     agent.until(wire.OUTPUT)
     agent.until(wire.OUTPUT)
+    started = time.monotonic()  # a rank's ``sleep`` forks after its ``up``: not at once
+    while len(carriers(s["run_id"])) < 4 and time.monotonic() < started + 5.0:
+        time.sleep(0.02)
     assert len(carriers(s["run_id"])) == 4  # two ranks, two sleeps
     killed = time.monotonic()
     os.kill(agent.proc.pid, signal.SIGKILL)
