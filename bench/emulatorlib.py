@@ -216,9 +216,9 @@ def _joined(prefix: Path) -> int:
 
 def _read_stats(prefix: Path, s: Sample) -> None:
     joins: list[float] = []
-    hellos: list[float] = []
-    formed: list[float] = []
-    spans: dict[str, list[float]] = {"first_hello": [], "last_hello": [], "last_welcome": []}
+    #: Each relay's wall-clock moments, by its stats' key.
+    seen: dict[str, list[float]] = {k: [] for k in ("first_hello", "last_hello",
+                                                    "last_welcome", "formed_at")}
     for path in prefix.parent.glob(prefix.name + "-*.json"):
         with contextlib.suppress(OSError, ValueError):
             data = json.loads(path.read_text())
@@ -226,27 +226,23 @@ def _read_stats(prefix: Path, s: Sample) -> None:
             s.dials += int(data["dials"])
             s.retry_rejects += int(data["retry_rejects"])
             s.welcome_mb = (s.welcome_mb or 0.0) + data["welcome_bytes"] / 1e6
-            if data.get("last_hello"):
-                hellos.append(float(data["last_hello"]))
-            if data.get("formed_at"):
-                formed.append(float(data["formed_at"]))
-            for key, seen in spans.items():
+            for key, moments in seen.items():
                 if data.get(key):
-                    seen.append(float(data[key]))
+                    moments.append(float(data[key]))
     real: list[float] = []
     for path in prefix.parent.glob(prefix.name + "-hello-*"):  # the gateways' real ranks
         with contextlib.suppress(OSError, ValueError):
             real.append(float(path.read_text()))
-    hellos += real
-    if spans["first_hello"] and spans["last_hello"]:
-        last = max(spans["last_hello"])
-        s.hellos_s = last - min(spans["first_hello"])
-        if spans["last_welcome"]:
-            s.welcomes_after_s = max(spans["last_welcome"]) - last
+    hellos = seen["last_hello"] + real
+    if hellos and seen["formed_at"]:
+        s.formation_s = min(seen["formed_at"]) - max(hellos)
+    if seen["first_hello"] and seen["last_hello"]:
+        last = max(seen["last_hello"])
+        s.hellos_s = last - min(seen["first_hello"])
+        if seen["last_welcome"]:
+            s.welcomes_after_s = max(seen["last_welcome"]) - last
         if real:
             s.real_hello_late_s = max(real) - last
-    if hellos and formed:
-        s.formation_s = min(formed) - max(hellos)
     s.joins = len(joins)
     if joins:
         s.join_p50 = statistics.median(joins)
