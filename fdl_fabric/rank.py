@@ -7,11 +7,10 @@ which ranks survive (`survivors()`), and can ask it to save and stop (`should_st
 A rank started by an agent reaches the coordinator through that agent's Unix socket;
 one started by hand, through the coordinator's TCP port (docs/protocol.md).
 
-Standalone on purpose: standard library only, Python 3.8+, no imports from fdl_fabric,
-so it can be copied next to a training script, and the agent ships it to hosts. It is
-the one implementation of the coordinator's framing (length, HMAC-SHA256 tag over run
-id, NUL, sequence number and payload, then JSON), which the coordinator and the agent
-import from here. docs/protocol.md is the contract.
+Standalone on purpose: standard library only (and light to import), Python 3.8+, no
+imports from fdl_fabric: it can be copied next to a training script, and the agent ships
+it. It is the one implementation of the coordinator's framing (docs/protocol.md), which
+the coordinator and the agent import from here.
 
 One client per process, in module state: a reader thread and a heartbeat thread. On a
 clean interpreter exit an atexit hook announces ``exiting``, so the rank is never
@@ -27,15 +26,18 @@ import hashlib
 import hmac
 import json
 import os
-import random
 import socket
 import struct
 import sys
 import threading
 import time
-import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections import namedtuple
+
+# Each rank's start pays for these: `typing`, `dataclasses` and `traceback` were 30 of 55 ms
+# (issue 35). Types are for mypy only; `random` is `os.urandom`.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 # -- environment variable names: the one list (the launcher and the agent import it) -------
 #: The envelope (hex JSON, with the salt): the coordinator's address, run id, world.
@@ -75,15 +77,16 @@ _LENGTH = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
 
 
-@dataclass(frozen=True)
-class Membership:
-    """Who this process is in the cohort."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: Optional[int]
-    host: str
+if TYPE_CHECKING:
+    class Membership(NamedTuple):
+        rank: int
+        world_size: int
+        local_rank: int
+        device: Optional[int]
+        host: str
+else:  # the same record, from `collections` (which `json` imports already)
+    Membership = namedtuple("Membership", "rank world_size local_rank device host")
+    Membership.__doc__ = "Who this process is in the cohort (immutable)."
 
 
 # -- framing: the one implementation (fdl_fabric.coordinator imports it) ---------------------
@@ -112,11 +115,8 @@ def encode_frame(salt: bytes, run_id: str, seq: int, message: Dict[str, Any]) ->
 
 
 def take_frame(buf: bytearray, limit: int = MAX_FRAME) -> Optional[Tuple[bytes, bytes]]:
-    """Pop one ``(tag, payload)`` off the front of ``buf``; None while incomplete.
-
-    The length is checked against ``limit`` as soon as its 4 bytes are in, so an
-    oversize frame is refused before its body is read.
-    """
+    """Pop one ``(tag, payload)`` off the front of ``buf``; None while incomplete. The
+    length is checked as soon as its 4 bytes are in: an oversize frame is refused unread."""
     if len(buf) < _LENGTH.size:
         return None
     (length,) = _LENGTH.unpack_from(buf)
@@ -163,14 +163,11 @@ def receive(sock: socket.socket, buf: bytearray, salt: bytes, run_id: str,
 
 
 # -- environment -------------------------------------------------------------------------------
-@dataclass(frozen=True)
 class _Config:
-    run_id: str
-    salt: bytes
-    controller_host: str
-    controller_port: int
-    membership: Membership
-    scale: float
+    def __init__(self, run_id: str, salt: bytes, controller_host: str, controller_port: int,
+                 membership: Membership, scale: float) -> None:
+        self.run_id, self.salt, self.membership, self.scale = run_id, salt, membership, scale
+        self.controller_host, self.controller_port = controller_host, controller_port
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -361,6 +358,8 @@ def _call(callback: Callable[[str], None], reason: str) -> None:
     try:
         callback(reason)
     except Exception:  # noqa: BLE001 - anything a user's callback raises
+        import traceback
+
         traceback.print_exc()
 
 
@@ -372,7 +371,8 @@ _exit_failed = False
 def _pause(attempt: int, deadline: float) -> None:
     """Wait before dialing again: `RETRY_FIRST` doubling up to `CONNECT_RETRY`, with jitter
     (ranks turned away together do not come back together), never past the deadline."""
-    delay = min(CONNECT_RETRY, RETRY_FIRST * 2 ** min(attempt, 16)) * random.uniform(0.5, 1.0)
+    jitter = 0.5 + os.urandom(1)[0] / 510  # 0.5-1.0, without importing `random`
+    delay = min(CONNECT_RETRY, RETRY_FIRST * 2 ** min(attempt, 16)) * jitter
     time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
 

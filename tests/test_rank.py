@@ -487,6 +487,21 @@ def test_the_rank_module_imports_only_the_standard_library() -> None:
     assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
 
 
+def test_the_rank_module_is_light_to_import() -> None:
+    """Every rank of every run imports it at its start: what it loads beyond what its
+    framing and sockets need (`typing`, `dataclasses` with `inspect`, `traceback`,
+    `random`) was 30 ms a rank, on the hosts' CPUs, before the rank did anything."""
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from fdl_fabric import rank; "
+            "m = rank.Membership(rank=0, world_size=1, local_rank=0, device=None, host='h'); "
+            "print(m.rank, m.host, ' '.join(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True,
+                         text=True, timeout=30, check=True).stdout.split()
+    assert out[:2] == ["0", "h"]
+    heavy = {"typing", "dataclasses", "inspect", "traceback", "random", "textwrap", "ast"}
+    assert heavy.isdisjoint(out[2:]), heavy.intersection(out[2:])
+    assert not [m for m in out[2:] if m.startswith("fdl_fabric.") and m != "fdl_fabric.rank"]
+
+
 def _python39() -> Optional[str]:
     for candidate in [shutil.which("python3.9"),
                       *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.9*/bin/python3.9")))]:
