@@ -5,6 +5,8 @@ order, within bounds, and a disk that stalls gives the log up instead of the run
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -105,6 +107,80 @@ def test_a_deferred_run_log_writes_each_attempts_output_to_its_own_folder(
     names = [json.loads(line)["name"]
              for line in (folder / "events.jsonl").read_text().splitlines()]
     assert names == ["rank_started"] * 6
+
+
+def _rank_logs(log: RunLog, ranks: range) -> None:
+    for rank in ranks:
+        log.emit(Event(Name.RANK_STARTED, host="h", rank=rank,
+                       data={"pid": 100 + rank, "label": f"h:cpu:r{rank}"}))
+        log.emit(Event(Name.RANK_OUTPUT, host="h", rank=rank,
+                       data={"stderr": False, "raw": f"r{rank}\n".encode(),
+                             "text": f"r{rank}", "label": "h"}))
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o077, 0o277, 0o377])
+def test_rank_folders_are_0700_and_their_logs_0600_whatever_the_umask(
+        tmp_path: Path, umask: int) -> None:
+    """A folder the log makes skips its chmod only when the umask spares the owner's
+    bits; a umask that takes them (0277: 0500 folders) is corrected after the fact."""
+    previous = os.umask(umask)
+    try:
+        log = RunLog(str(tmp_path), "run", deferred=True)
+        _rank_logs(log, range(3))
+        log.close()
+    finally:
+        os.umask(previous)
+    for rank in range(3):
+        rank_dir = tmp_path / "run" / "attempt_0" / f"r{rank}"
+        assert stat.S_IMODE(rank_dir.stat().st_mode) == 0o700
+        for name in ("stdout.log", "stderr.log"):
+            assert stat.S_IMODE((rank_dir / name).stat().st_mode) == 0o600, name
+        assert (rank_dir / "stdout.log").read_bytes() == f"r{rank}\n".encode()
+
+
+def test_a_rank_folder_and_logs_found_there_are_tightened_and_appended_to(
+        tmp_path: Path) -> None:
+    rank_dir = tmp_path / "run" / "attempt_0" / "r0"
+    rank_dir.mkdir(parents=True)
+    os.chmod(rank_dir, 0o755)
+    (rank_dir / "stdout.log").write_bytes(b"before\n")
+    os.chmod(rank_dir / "stdout.log", 0o644)
+    log = RunLog(str(tmp_path), "run", deferred=True)
+    _rank_logs(log, range(1))
+    log.close()
+    assert stat.S_IMODE(rank_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((rank_dir / "stdout.log").stat().st_mode) == 0o600
+    assert (rank_dir / "stdout.log").read_bytes() == b"before\nr0\n"
+
+
+def test_the_after_batch_hook_runs_on_the_writer_after_each_batch_before_flush_returns(
+        ) -> None:
+    """A sink that buffers its lines (events.jsonl, console.log) writes them once a
+    batch: a flush that returned has them on disk."""
+    seen: list[tuple[str, int]] = []
+    writer = Deferred("test-writer", after_batch=lambda: seen.append(
+        (threading.current_thread().name, len(done))))
+    done: list[int] = []
+    for n in range(50):
+        writer.call(done.append, n)
+    assert writer.flush(10)
+    assert done == list(range(50))
+    assert seen and seen[-1] == ("test-writer", 50)
+    writer.close(5)
+
+
+def test_events_are_on_disk_once_a_flush_returns_though_written_a_batch_at_a_time(
+        tmp_path: Path) -> None:
+    log = RunLog(str(tmp_path), "run", deferred=True)
+    events = tmp_path / "run" / "events.jsonl"
+    for rank in range(300):
+        log.emit(Event(Name.RANK_JOINED, host="h", rank=rank, data={"pid": rank}))
+    assert log.flush(10)
+    assert len(events.read_text().splitlines()) == 300
+    log.emit(Event(Name.RANK_JOINED, host="h", rank=300, data={"pid": 300}))
+    assert log.flush(10)
+    assert len(events.read_text().splitlines()) == 301
+    log.close()
 
 
 def test_a_log_closed_with_writes_pending_writes_them_first(tmp_path: Path) -> None:

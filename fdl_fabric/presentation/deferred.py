@@ -24,6 +24,8 @@ While calls keep coming (8,192 ranks starting, printing and joining at once), th
 lets the burst pass: it writes once no call came for `QUIET_S`, and never later than
 `LATEST_S` after the first one waited (or at half its bound, or when asked to flush).
 The threads of the burst then have the GIL to themselves, and the cohort forms sooner.
+What a batch's calls buffered (events.jsonl's lines, console.log's) is written when the
+batch ends (``after_batch``), a write per file, before a `flush` returns.
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ class Deferred:
     """Calls run in order on one daemon thread named ``name``, started by the first."""
 
     def __init__(self, name: str, *, on_stall: Optional[Callable[[str], None]] = None,
-                 max_bytes: int = RECORD_QUEUE_BYTES, stall_s: float = RECORD_STALL_S
-                 ) -> None:
+                 max_bytes: int = RECORD_QUEUE_BYTES, stall_s: float = RECORD_STALL_S,
+                 after_batch: Optional[Callable[[], None]] = None) -> None:
         self.name = name
         self.on_stall = on_stall
+        #: Run on the writer after each batch of calls, before `flush` returns: what the
+        #: calls buffered goes to disk once a batch, not once a call (issue 35).
+        self.after_batch = after_batch
         self.max_bytes = max_bytes
         self.stall_s = stall_s
         self._calls: deque[tuple[Callable[[], None], int]] = deque()
@@ -151,12 +156,13 @@ class Deferred:
                 self._calls.clear()
                 self._running = True
             failed = None
-            for fn, _ in batch:
-                try:
+            try:
+                for fn, _ in batch:
                     fn()
-                except Exception as exc:  # a sink must not raise; this one is given up
-                    failed = f"the log's writer failed: {exc!r}"
-                    break
+                if self.after_batch is not None:
+                    self.after_batch()
+            except Exception as exc:  # a sink must not raise; this one is given up
+                failed = f"the log's writer failed: {exc!r}"
             with self._cond:
                 self._running = False
                 self._bytes = max(0, self._bytes - sum(size for _, size in batch))

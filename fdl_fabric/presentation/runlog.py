@@ -38,7 +38,7 @@ from ..events import Event, Kind
 from ..masking import mask_data
 from .deferred import EVENT_SIZE, Deferred
 from .records import Attempts, record
-from .rotating import FilePool, RotatingFile, open_private
+from .rotating import FilePool, RotatingFile, open_private, umask_spares_owner
 from .stacks import dump_text
 
 
@@ -57,8 +57,10 @@ class RunLog:
         self._events = private_file(self.folder / "events.jsonl")
         #: Rank logs by (attempt, rank, stderr); a few hold a descriptor at a time.
         self._ranks = FilePool(limits.LOG_FILES_OPEN)
-        #: The folders made (on the writing side).
+        #: The folders made (on the writing side), and those made new and 0700 by
+        #: `os.mkdir` alone: a file made in one is new, and 0600 with no chmod either.
         self._made: set[str] = set()
+        self._fresh: set[str] = set()
         self._lock = threading.Lock()
         #: The attempt the caller is at (``--max-restarts``), and the one being written.
         self._attempt = self._writing = 0
@@ -67,7 +69,12 @@ class RunLog:
         self.on_error = on_error
         #: Why the log stopped (a failed write, a stalled disk), once it did.
         self.failed: Optional[str] = None
-        self._writer = Deferred("fdl-log-writer", on_stall=self._fail) if deferred else None
+        #: Whether a folder made 0700 (a file 0600) is that already, with no chmod after.
+        self._umask_spares_owner = umask_spares_owner()
+        #: Run after each batch the writer takes (`after_batch`).
+        self._batch_hooks: list[Callable[[], None]] = []
+        self._writer = Deferred("fdl-log-writer", on_stall=self._fail,
+                                after_batch=self._end_batch) if deferred else None
 
     @property
     def attempt(self) -> int:
@@ -96,8 +103,29 @@ class RunLog:
         one (the record's console.log goes this way), else now."""
         if self._writer is None:
             fn(*args)
+            self._end_batch()
         else:
             self._writer.call(fn, *args, size=size)
+
+    def after_batch(self, hook: Callable[[], None]) -> None:
+        """``hook()`` after each batch of calls (each call, without a writer thread),
+        before a `flush` returns: a sink that buffers its lines writes them then."""
+        self._batch_hooks.append(hook)
+
+    def _end_batch(self) -> None:
+        """The batch's event lines to disk, in one write per 8 KiB, not one a line: a
+        burst of 8,192 ranks starting and joining is 16,384 of them (issue 35)."""
+        failure = None
+        with self._lock:
+            if not self._events.closed and self.failed is None:
+                try:
+                    self._events.flush()
+                except OSError as exc:
+                    failure = exc.strerror or str(exc)
+        if failure is not None:
+            self._fail(failure)
+        for hook in self._batch_hooks:
+            hook()
 
     def flush(self, timeout: float = limits.RECORD_FLUSH_S) -> bool:
         """Wait (at most ``timeout`` s) until what was handed over is written."""
@@ -146,21 +174,27 @@ class RunLog:
                                                    data.get("hosts") or {})
         line = json.dumps(record(event, attempt=attempt, data=data), default=str,
                           ensure_ascii=False) + "\n"
-        self._events.write(line.encode("utf-8"))
-        self._events.flush()
+        self._events.write(line.encode("utf-8"))  # flushed when the batch ends
 
     def _rank_folder(self, rank: int) -> str:
         """The rank's folder of the attempt being written, made (0700) the first time.
-        Plain strings and `os` calls: 8,192 ranks' folders are made in a burst."""
+        Plain strings and `os` calls: 8,192 ranks' folders are made in a burst, and a
+        folder made here (not found) needs no chmod when the umask spares the owner."""
         attempt = f"{self._root}/attempt_{self._writing}"
         folder = f"{attempt}/r{rank}"
         if folder not in self._made:
             if attempt not in self._made:
                 private_dir(Path(attempt))
                 self._made.add(attempt)
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.mkdir(folder, 0o700)
-            os.chmod(folder, 0o700)  # whatever the umask, or the folder found there
+                made = self._umask_spares_owner
+            except FileExistsError:
+                made = False
+            if not made:
+                os.chmod(folder, 0o700)  # whatever the umask, or the folder found there
+            else:
+                self._fresh.add(folder)
             self._made.add(folder)
         return folder
 
@@ -177,8 +211,9 @@ class RunLog:
 
     def _new_rank_file(self, rank: int, stderr: bool, hold: bool) -> RotatingFile:
         name = "stderr.log" if stderr else "stdout.log"
-        return RotatingFile(f"{self._rank_folder(rank)}/{name}", self.max_bytes,
-                            hold=hold)
+        folder = self._rank_folder(rank)
+        return RotatingFile(f"{folder}/{name}", self.max_bytes, hold=hold,
+                            new=folder in self._fresh)
 
     def _write_stacks(self, ranks: dict[str, Any], hosts: dict[str, str]) -> list[str]:
         folder = self.folder / f"attempt_{self._writing}" / "stacks"

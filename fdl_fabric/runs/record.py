@@ -132,9 +132,10 @@ class RunRecord:
         self.log = RunLog(str(folder.parent), run_id, max_bytes=RECORD_LOG_BYTES,
                           on_error=self._log_failed, deferred=True)
         self._console_file = RotatingFile(folder / CONSOLE, RECORD_LOG_BYTES)
-        stream = TextLog(self._console_file)
+        self._console_stream = stream = TextLog(self._console_file)
         self.console = Console(stream, stream, verbosity=verbosity,  # type: ignore[arg-type]
                                color=False)
+        self.log.after_batch(self._drain_console)
         self._lock = threading.Lock()
         #: What the result keeps of the end's events: the ranks' rows, the attempts.
         self._kept: dict[str, Any] = {"ranks": [], "attempt_list": [],
@@ -159,6 +160,13 @@ class RunRecord:
         """console.log (on the log's writer thread)."""
         try:
             self.console.emit(shown)
+        except OSError as exc:
+            self._failure(exc)
+
+    def _drain_console(self) -> None:
+        """console.log's lines of a batch of the log's writer, in one write."""
+        try:
+            self._console_stream.drain()
         except OSError as exc:
             self._failure(exc)
 
@@ -246,6 +254,7 @@ class RunRecord:
 
     def close(self) -> None:
         self.log.close()  # what was handed over written first
+        self._drain_console()  # what a stalled writer left, if it left any
         with contextlib.suppress(OSError):
             self._console_file.close()
 
