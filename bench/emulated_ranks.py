@@ -70,6 +70,7 @@ class SyntheticRanks:
         self.stats["dials"] += 1
         self.stats["last_hello"] = max(self.stats["last_hello"] or 0.0, time.time())
         self.stats["first_hello"] = self.stats["first_hello"] or time.time()
+        self.stats["hello_at"][r.rank] = round(time.time(), 4)
         self.send(r.leaf, wire.COHORT_UP, {"rank": r.rank, "msg": {
             "type": "hello", "rank": me.rank, "host": me.host, "pid": r.pid,
             "lib": rk.PROTOCOL}})
@@ -124,6 +125,7 @@ class SyntheticRanks:
         self.stats["welcome_bytes"] += size
         self.stats["join_s"].append(round(r.joined_at - (r.join_t0 or r.joined_at), 4))
         self.stats["last_welcome"] = time.time()
+        self.stats["welcome_at"][r.rank] = round(self.stats["last_welcome"], 4)
         self.joined += 1
         if not leaf.beating:
             leaf.beating = True

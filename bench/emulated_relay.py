@@ -91,11 +91,14 @@ class Emulator(EmulatedAgents, SyntheticRanks, RelayLoop):
         #: dials, ``retry`` rejects, welcome bytes, ranks that gave up.
         #: ``last_hello`` and ``formed_at``: wall-clock times of the last hello sent and
         #: of the first ``formed`` broadcast read (the formation time, in emulatorlib);
-        #: ``first_hello`` and ``last_welcome`` bound the joins (where a join waits).
+        #: ``first_hello`` and ``last_welcome`` bound the joins (where a join waits);
+        #: ``hello_at`` and ``welcome_at``, by rank, each join's two ends (wall clock), to
+        #: be set beside the launcher's ``rank_joined`` record of it (emulatorlib).
         self.stats: Dict[str, Any] = {"join_s": [], "dials": 0, "retry_rejects": 0,
                                       "welcome_bytes": 0, "failed": 0, "lost_before_welcome": 0,
                                       "last_hello": None, "formed_at": None,
-                                      "first_hello": None, "last_welcome": None}
+                                      "first_hello": None, "last_welcome": None,
+                                      "hello_at": {}, "welcome_at": {}}
         self.joined = 0
         self._joined_told = -1
         self.whole({mux.BLOB: self._on_blob, mux.OPEN: self._on_open})

@@ -219,6 +219,11 @@ def report(samples: list[Sample], args: argparse.Namespace, out: TextIO) -> None
         if mode != "no-join":
             row("join time per rank, p50 s", "join_p50", 3)
             row("join time per rank, max s", "join_max", 2)
+            row("  hello sent -> launcher's rank_started, p50 s", "spawn_p50", 3)
+            row("  hello sent -> launcher's rank_joined, p50 s", "up_p50", 3)
+            row("  hello sent -> launcher's rank_joined, max s", "up_max", 2)
+            row("  launcher's rank_joined -> welcome read, p50 s", "down_p50", 3)
+            row("  launcher's rank_joined -> welcome read, max s", "down_max", 2)
             row("joins over rank.join's 30 s", "join_late", 0)
             row("welcome bytes received, MB", "welcome_mb", 1)
             rows.append(["joins / dials / retry rejects",
@@ -357,6 +362,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--wait-load", type=float, metavar="L",
                     help="first wait (up to 20 min) until the 1-minute load is <= L")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--real-ranks", choices=("join", "sleep"), default="join",
+                    help="in mode join, what the gateways' real ranks run: a Python that "
+                         "joins (the default: the cohort forms), or `echo up; sleep` (it "
+                         "never forms, and the lab's cores are spared 256 Python starts "
+                         "beside the synthetic joins)")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="let the launcher share every CPU with the lab hosts, the stand-ins "
                     "for other hosts' CPUs (the first six rounds' method); by default it "

@@ -60,6 +60,13 @@ class Sample:
     hellos_s: Optional[float] = None  # first synthetic hello -> last synthetic hello
     welcomes_after_s: Optional[float] = None  # last synthetic hello -> last welcome read
     real_hello_late_s: Optional[float] = None  # last synthetic hello -> last real rank's
+    #: A synthetic join's two legs, by the launcher's ``rank_joined`` record (events.jsonl):
+    #: hello sent -> the coordinator took it (up), and -> its welcome read (down).
+    up_p50: Optional[float] = None
+    spawn_p50: Optional[float] = None  # hello sent -> the launcher's rank_started record
+    up_max: Optional[float] = None
+    down_p50: Optional[float] = None
+    down_max: Optional[float] = None
     exit_code: Optional[int] = None
     verdict: str = ""
     lines: int = 0
@@ -214,8 +221,46 @@ def _joined(prefix: Path) -> int:
     return total
 
 
-def _read_stats(prefix: Path, s: Sample) -> None:
+def _joined_records(since: float, name: str = "rank_joined") -> dict[str, float]:
+    """When the launcher recorded each rank's ``name`` event (its events.jsonl in the
+    newest run record made since ``since``), by rank."""
+    from fdl_fabric.runs import place
+
+    folders = [f for f in place.records(place.runs_root(create=False))
+               if (f / "events.jsonl").exists() and f.stat().st_mtime >= since]
+    if not folders:
+        return {}
+    newest = max(folders, key=lambda f: f.stat().st_ctime)
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError), open(newest / "events.jsonl", encoding="utf-8") as fh:
+        for line in fh:
+            if f'"{name}"' in line:
+                with contextlib.suppress(ValueError, KeyError):
+                    rec = json.loads(line)
+                    out[str(rec["rank"])] = float(rec["time"])
+    return out
+
+
+def _legs(s: Sample, hello_at: dict[str, float], welcome_at: dict[str, float],
+          since: float) -> None:
+    """Split each synthetic join at the launcher's record of it (one machine's clock)."""
+    joined = _joined_records(since)
+    started = _joined_records(since, "rank_started")  # its spawn, sent just before
+    up = [joined[r] - t for r, t in hello_at.items() if r in joined]
+    down = [t - joined[r] for r, t in welcome_at.items() if r in joined]
+    spawn = [started[r] - t for r, t in hello_at.items() if r in started]
+    if spawn:
+        s.spawn_p50 = statistics.median(spawn)
+    if up:
+        s.up_p50, s.up_max = statistics.median(up), max(up)
+    if down:
+        s.down_p50, s.down_max = statistics.median(down), max(down)
+
+
+def _read_stats(prefix: Path, s: Sample, since: float = 0.0) -> None:
     joins: list[float] = []
+    hello_at: dict[str, float] = {}
+    welcome_at: dict[str, float] = {}
     #: Each relay's wall-clock moments, by its stats' key.
     seen: dict[str, list[float]] = {k: [] for k in ("first_hello", "last_hello",
                                                     "last_welcome", "formed_at")}
@@ -229,6 +274,8 @@ def _read_stats(prefix: Path, s: Sample) -> None:
             for key, moments in seen.items():
                 if data.get(key):
                     moments.append(float(data[key]))
+            hello_at.update(data.get("hello_at") or {})
+            welcome_at.update(data.get("welcome_at") or {})
     real: list[float] = []
     for path in prefix.parent.glob(prefix.name + "-hello-*"):  # the gateways' real ranks
         with contextlib.suppress(OSError, ValueError):
@@ -248,6 +295,8 @@ def _read_stats(prefix: Path, s: Sample) -> None:
         s.join_p50 = statistics.median(joins)
         s.join_max = max(joins)
         s.join_late = sum(1 for j in joins if j > 30.0)
+    if hello_at:
+        _legs(s, hello_at, welcome_at, since)
 
 
 _SPY_ARGS = ("--format", "raw", "--rate", "100", "--gil", "--nonblocking")
@@ -263,6 +312,7 @@ class _Launch:
 
         self.args, self.err_path, self.world = args, err_path, world
         self.t0 = time.monotonic()
+        self.started_wall = time.time() - 5.0  # a record made since then is this run's
         with err_path.open("wb") as err:
             self.proc = benchlib.start(argv, stdout=subprocess.PIPE, stderr=err, bufsize=0)
         self.pid = self.proc.pid
@@ -400,7 +450,8 @@ def _after_up(run: _Launch, s: Sample, lab: Any, spy_file: Optional[Path],
         run.wait_sockets(synthetic + args.gateways + 1)
     elif s.mode == "join":
         run.wait_joined(stats, synthetic)  # through their agents: no socket to count
-        run.wait_formed(stats)  # and the gateways' real ranks: the window is after both
+        if args.real_ranks == "join":  # with `sleep` they never join: it never forms
+            run.wait_formed(stats)  # and the gateways' real ranks: the window is after both
     if s.mode != "no-join":
         s.cpu_joined = benchlib.cpu_seconds(pid)
         s.joined_s = time.monotonic() - run.t0
@@ -470,7 +521,7 @@ def measure(args: argparse.Namespace, lab: Any, cluster: Path, tmp: Path, mode: 
             s.profile += _profile_summary(spy_file)
             s.profile += _profile_summary(spy_file.with_suffix(".window.raw"))
         _wait_quiet(lab)
-        _read_stats(stats, s)
+        _read_stats(stats, s, since=run.started_wall)
     return s
 
 
@@ -479,7 +530,7 @@ def _gateway_cmd(args: argparse.Namespace, mode: str, stats: Path) -> str:
     their real agent (the cohort forms, so its formation is measured), after noting the
     time of their hello; else ``echo up; sleep`` (no rank of theirs joins: the cohort
     never forms)."""
-    if mode != "join":
+    if mode != "join" or args.real_ranks == "sleep":
         return f"sh -c {shlex.quote(f'echo up $RANK; exec sleep {args.work:g}')}"
     code = (f"import os, sys, time; sys.path.insert(0, {ROOT!r}); "
             "print('up', os.environ['RANK'], flush=True); "
