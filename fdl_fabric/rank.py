@@ -86,7 +86,7 @@ if TYPE_CHECKING:
         host: str
 else:  # the same record, from `collections` (which `json` imports already)
     Membership = namedtuple("Membership", "rank world_size local_rank device host")
-    Membership.__doc__ = "Who this process is in the cohort (immutable)."
+    Membership.__doc__ = "Who this process is in the cohort: a named tuple (``me.rank``)."
 
 
 # -- framing: the one implementation (fdl_fabric.coordinator imports it) ---------------------

@@ -15,6 +15,7 @@ import pytest
 
 from fdl_fabric.events import Event, Name
 from fdl_fabric.presentation.deferred import Deferred
+from fdl_fabric.presentation.rotating import RotatingFile, TextLog
 from fdl_fabric.presentation.runlog import RunLog
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,6 +152,46 @@ def test_a_rank_folder_and_logs_found_there_are_tightened_and_appended_to(
     assert stat.S_IMODE(rank_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((rank_dir / "stdout.log").stat().st_mode) == 0o600
     assert (rank_dir / "stdout.log").read_bytes() == b"before\nr0\n"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o277])
+def test_a_rank_log_removed_while_the_rank_runs_is_made_again_0600(
+        tmp_path: Path, umask: int) -> None:
+    """Its descriptor released (thousands of ranks' logs share a few), a rank's log
+    that a user removed is made again by its next line, private, whatever the umask."""
+    previous = os.umask(umask)
+    try:
+        log = RunLog(str(tmp_path), "run", deferred=True)
+        _rank_logs(log, range(200))  # rank 0's descriptor is released for the others'
+        assert log.flush(10)
+        stdout = tmp_path / "run" / "attempt_0" / "r0" / "stdout.log"
+        stdout.unlink()
+        log.emit(Event(Name.RANK_OUTPUT, host="h", rank=0,
+                       data={"stderr": False, "raw": b"again\n", "text": "again",
+                             "label": "h"}))
+        log.close()
+    finally:
+        os.umask(previous)
+    assert stdout.read_bytes() == b"again\n"
+    assert stat.S_IMODE(stdout.stat().st_mode) == 0o600
+
+
+def test_console_log_lines_kept_for_a_batch_are_written_before_they_pass_a_bound(
+        tmp_path: Path) -> None:
+    """console.log's lines wait for the end of the writer's batch, but never more than
+    `TextLog.KEEP_BYTES` of them: the file's rotation bound holds within one drain."""
+    file = RotatingFile(tmp_path / "console.log", max_bytes=256 << 10)
+    text = TextLog(file)
+    line = "x" * 99 + "\n"
+    for _ in range(10_000):  # 1 MB, never drained by hand
+        text.write(line)
+    on_disk = (tmp_path / "console.log").stat().st_size
+    assert on_disk <= (256 << 10) + TextLog.KEEP_BYTES
+    assert (tmp_path / "console.log.1").exists()
+    text.drain()
+    file.close()
+    total = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert total % 100 == 0 and total >= (256 << 10)
 
 
 def test_the_after_batch_hook_runs_on_the_writer_after_each_batch_before_flush_returns(

@@ -25,7 +25,7 @@ lets the burst pass: it writes once no call came for `QUIET_S`, and never later 
 `LATEST_S` after the first one waited (or at half its bound, or when asked to flush).
 The threads of the burst then have the GIL to themselves, and the cohort forms sooner.
 What a batch's calls buffered (events.jsonl's lines, console.log's) is written when the
-batch ends (``after_batch``), a write per file, before a `flush` returns.
+batch ends (``after_batch``), in a few large writes, before a `flush` returns.
 """
 
 from __future__ import annotations
@@ -94,6 +94,12 @@ class Deferred:
                     self._cond.notify_all()
         if stalled is not None and self.on_stall is not None:
             self.on_stall(stalled)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the writer thread still runs (after `close`: one that a stalled disk
+        held past its bound); while it does, only it may touch what its calls write."""
+        return self._thread is not None and self._thread.is_alive()
 
     def _has_room(self, size: int) -> Callable[[], bool]:
         return lambda: self._closed or self._bytes + size <= self.max_bytes or not self._bytes

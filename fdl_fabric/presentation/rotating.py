@@ -62,8 +62,12 @@ class RotatingFile:
         self.max_bytes = max_bytes
         self.closed = False
         fd = open_private(self.path, new=new)
+        #: Made new with its mode right (`open_private`): were it made again in its
+        #: place (a user removed it), that mode would be right too, so a descriptor
+        #: opened again needs no chmod.
+        self._new = new
         #: The file's size is known: this object is its one writer from then on, so a
-        #: descriptor opened again needs neither a chmod nor an fstat.
+        #: descriptor opened again needs no fstat.
         self._known = new
         self._size = 0
         if hold:
@@ -81,7 +85,7 @@ class RotatingFile:
 
     def _descriptor(self) -> int:
         if self._fd is None:
-            self._fd = open_private(self.path, new=self._known)
+            self._fd = open_private(self.path, new=self._new)
             if not self._known:
                 self._size = os.fstat(self._fd).st_size
                 self._known = True
@@ -162,19 +166,30 @@ class TextLog:
     kept until `drain` (the run record drains it once per batch of its log's writer: a
     line per rank started and joined is 16,384 writes at 8,192 ranks, issue 35)."""
 
+    #: Bytes kept at most before they are written anyway: a drain stays a small part of
+    #: the file's bound, which it may pass by one drain.
+    KEEP_BYTES = 64 << 10
+
     def __init__(self, file: RotatingFile) -> None:
         self.file = file
         self._lines: list[bytes] = []
+        self._kept = 0
 
     def write(self, text: str) -> int:
         if not self.file.closed:
-            self._lines.append(text.encode("utf-8", "replace"))
+            data = text.encode("utf-8", "replace")
+            self._lines.append(data)
+            self._kept += len(data)
+            if self._kept >= self.KEEP_BYTES:
+                self.drain()
         return len(text)
 
     def drain(self) -> None:
-        """What was written since, in one write (`RotatingFile.write` may raise)."""
+        """What was written since, in one write (`RotatingFile.write` may raise). Called
+        by the one thread that writes it (the log's writer, or its owner once that
+        thread is gone)."""
         if self._lines:
-            data, self._lines = b"".join(self._lines), []
+            data, self._lines, self._kept = b"".join(self._lines), [], 0
             if not self.file.closed:
                 self.file.write(data)
 

@@ -41,6 +41,9 @@ from .records import Attempts, record
 from .rotating import FilePool, RotatingFile, open_private, umask_spares_owner
 from .stacks import dump_text
 
+#: Bytes of event lines kept before a write (and at the end of each batch of the writer).
+EVENTS_BUFFER = 64 << 10
+
 
 class RunLog:
     """One run's log folder (the module's layout); `close` after the verdict."""
@@ -54,7 +57,7 @@ class RunLog:
         self.max_bytes = max_bytes
         Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one is kept
         private_dir(self.folder)
-        self._events = private_file(self.folder / "events.jsonl")
+        self._events = private_file(self.folder / "events.jsonl", buffering=EVENTS_BUFFER)
         #: Rank logs by (attempt, rank, stderr); a few hold a descriptor at a time.
         self._ranks = FilePool(limits.LOG_FILES_OPEN)
         #: The folders made (on the writing side), and those made new and 0700 by
@@ -113,19 +116,25 @@ class RunLog:
         self._batch_hooks.append(hook)
 
     def _end_batch(self) -> None:
-        """The batch's event lines to disk, in one write per 8 KiB, not one a line: a
-        burst of 8,192 ranks starting and joining is 16,384 of them (issue 35)."""
+        """The batch's event lines to disk, a write per `EVENTS_BUFFER`, not one a line:
+        a burst of 8,192 ranks starting and joining is 16,384 of them (issue 35). After a
+        failed write elsewhere (a rank's log) the lines before it still go."""
         failure = None
         with self._lock:
-            if not self._events.closed and self.failed is None:
+            if not self._events.closed:
                 try:
                     self._events.flush()
                 except OSError as exc:
                     failure = exc.strerror or str(exc)
         if failure is not None:
-            self._fail(failure)
+            self._fail(failure)  # said once, whatever failed first
         for hook in self._batch_hooks:
             hook()
+
+    @property
+    def writer_alive(self) -> bool:
+        """Whether the log's writer thread still runs (`deferred.Deferred.alive`)."""
+        return self._writer is not None and self._writer.alive
 
     def flush(self, timeout: float = limits.RECORD_FLUSH_S) -> bool:
         """Wait (at most ``timeout`` s) until what was handed over is written."""
@@ -280,10 +289,10 @@ def private_dir(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
-def private_file(path: Path, *, truncate: bool = False) -> IO[bytes]:
+def private_file(path: Path, *, truncate: bool = False, buffering: int = -1) -> IO[bytes]:
     """A file only this user can read, opened for appending (or afresh), never through
     a link (`rotating.open_private`, as a file object)."""
-    return os.fdopen(open_private(path, truncate=truncate), "ab")
+    return os.fdopen(open_private(path, truncate=truncate), "ab", buffering=buffering)
 
 
 __all__ = ["RunLog", "private_dir", "private_file", "weight"]

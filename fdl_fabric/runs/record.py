@@ -254,7 +254,8 @@ class RunRecord:
 
     def close(self) -> None:
         self.log.close()  # what was handed over written first
-        self._drain_console()  # what a stalled writer left, if it left any
+        if not self.log.writer_alive:  # one a stalled disk holds still owns the file
+            self._drain_console()
         with contextlib.suppress(OSError):
             self._console_file.close()
 
