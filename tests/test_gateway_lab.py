@@ -300,8 +300,8 @@ def test_a_lost_gateway_is_planned_out_and_the_next_attempt_runs_through_the_oth
     assert wait_run_gone(run.run_id, 15) < 15
 
 
-#: Threads of a flat launch besides one per host (the main thread, the supervisor's, the
-#: coordinator's, the keepalive monitor, the console's writer, the channel reader: 5 or 6).
+#: Threads of a flat launch besides one per host: the main thread, the console's, the
+#: log writer, the channel reader, the coordinator's and the keepalive monitor.
 FIXED_THREADS = 6
 
 
@@ -315,7 +315,14 @@ def test_a_flat_launch_holds_one_thread_per_host(
     run: LiveLaunch = launches(_cluster(lab, fanout=64), "--cmd",
                                f"python3 {PROBE} --dump {dumps} --sleep 300")
     _dumps(dumps, 8)
-    threads = psutil.Process(run.pid).num_threads()
+    # The fewest over a second: a keepalive's ping runs on a thread of its own for as long
+    # as its host takes to answer, and a loaded machine can catch one in flight.
+    process = psutil.Process(run.pid)
+    counts = []
+    for _ in range(20):
+        counts.append(process.num_threads())
+        time.sleep(0.05)
+    threads = min(counts)
     assert threads <= len(lab.hosts) + FIXED_THREADS, threads
     run.signal(signal.SIGINT)
     assert run.finish(30) == 130, run.err
