@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fdl_fabric.events import Event, Name
-from fdl_fabric.presentation.deferred import Deferred
+from fdl_fabric.presentation.deferred import WRITER_NICE, Deferred
 from fdl_fabric.presentation.rotating import RotatingFile, TextLog
 from fdl_fabric.presentation.runlog import RunLog
 
@@ -29,6 +29,21 @@ def test_calls_run_in_the_order_they_were_handed_over_on_one_other_thread() -> N
     assert writer.flush(10)
     assert [i for i, _ in seen] == list(range(2000))
     assert {name for _, name in seen} == {"test-writer"}
+    writer.close(5)
+
+
+def test_the_writer_runs_nicer_than_the_threads_that_hand_it_calls() -> None:
+    """Where the launcher shares a core, the kernel's time making 8,192 ranks' files comes
+    after the coordinator's and the readers' (issue 35)."""
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    writer = Deferred("t")
+    seen: list[int] = []
+    writer.call(lambda: seen.append(nice()))
+    assert writer.flush(5)
+    assert seen == [min(19, nice() + WRITER_NICE)] and WRITER_NICE > 0
+    assert nice() == os.getpriority(os.PRIO_PROCESS, 0), "the caller's own is untouched"
     writer.close(5)
 
 
