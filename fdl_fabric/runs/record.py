@@ -112,6 +112,12 @@ _STATE_OF: dict[Name, RunState] = {
 }
 
 
+#: The events whose words or data the state and the result keep (`RunRecord._see`):
+#: masked where they are seen. The others set at most the state's name and attempt.
+_KEPT = frozenset({Name.ROOT_CAUSE, Name.SUMMARY, Name.ATTEMPTS, Name.LAUNCH, Name.CODE,
+                   Name.VERDICT})
+
+
 class RunRecord:
     """The event sink that writes one run's record. Created by the launch once its run
     id is known; `close` after the verdict."""
@@ -147,21 +153,24 @@ class RunRecord:
         self._save()
 
     def emit(self, event: Event) -> None:
-        shown = masked(event)  # the console, the state and the result keep no secret
-        self.log.call(self._console_line, shown, size=weight(event))
-        # events.jsonl: `records.record` keeps what is masked already, and masks the rest
-        self.log.emit(event if moves_to_files(event) else shown)
+        # Masked on the log's writer, not here: a burst of 8,192 ranks starting, printing
+        # and joining is 24,576 events, and masking was a third of what their threads
+        # (the coordinator's, the channel reader's) spent on each (issue 35).
+        self.log.call(self._write_now, event, size=weight(event))
         if event.kind is not Kind.OUTPUT:
             with self._lock:
-                self._see(shown)
+                self._see(masked(event) if event.name in _KEPT else event)
         self._report()
 
-    def _console_line(self, shown: Event) -> None:
-        """console.log (on the log's writer thread)."""
+    def _write_now(self, event: Event) -> None:
+        """console.log's line and events.jsonl's (on the log's writer thread)."""
+        shown = masked(event)  # the console and the record keep no secret
         try:
             self.console.emit(shown)
         except OSError as exc:
             self._failure(exc)
+        # events.jsonl: `records.record` keeps what is masked already, and masks the rest
+        self.log.emit(event if moves_to_files(event) else shown)
 
     def _drain_console(self) -> None:
         """console.log's lines of a batch of the log's writer, in one write."""
