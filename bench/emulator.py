@@ -57,6 +57,12 @@ machine's hard limit, and the launcher's own check runs unchanged (no wrapper; t
 ``--lenient-nofile`` is gone). Mode ``join-tcp`` may need more than that count (a file
 per rank's connection), which the launcher no longer provisions for.
 
+**Where the run records go** is said in the output, with what a rank's folder and two
+files cost there just before the run (`fsprobe`): the launcher makes 8,192 of each, and
+on ext4 without a journal (this machine's root) that cost grows tenfold for a few
+minutes after a big folder is deleted. ``--runs-dir /dev/shm/...`` (a tmpfs) takes the
+disk out of the figures. By default the records go to a folder of the bench's own.
+
 **The controller has a core of its own** (``--pin``, the default on a machine of two
 or more cores): the launcher runs on CPU 0 alone, and the 32 lab hosts' sshd (so
 everything started under them: the gateways' agents, relays and real ranks, and the
@@ -167,6 +173,8 @@ def report(samples: list[Sample], args: argparse.Namespace, out: TextIO) -> None
               f"all running (and, in mode join, all joined)\n")
     if getattr(args, "nofile_note", ""):
         out.write(f"note: {args.nofile_note}\n")
+    if getattr(args, "records_note", ""):
+        out.write(f"note: {args.records_note}\n")
     for mode in args.mode_list:
         got = [s for s in samples if s.mode == mode]
         if not got:
@@ -271,6 +279,8 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     cluster = lab.write_cluster(workers, filename="emulator.yml", fanout=args.gateways,
                                 kill_grace=2, **lease)
     _raise_nofile(args, out, cluster)
+    args.records_note = _records(args, tmp)
+    out.write(f"{args.records_note}\n")
     samples = []
     for rep in range(args.repeat):
         for mode in args.mode_list:
@@ -289,6 +299,20 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
         "the launcher's CPUs (the rest: the lab hosts, this script)":
             os.environ.get(CONTROLLER_CPUS, "shared with everything (--no-pin)")})
     return 0 if all(s.ok for s in samples) else 1
+
+
+def _records(args: argparse.Namespace, tmp: Path) -> str:
+    """Where the launcher keeps its run records (``--runs-dir``, else
+    ``$FDL_FABRIC_RUNS_DIR``, else a folder of this run's own, removed with it: never the
+    user's own records, which it would prune), and what the file system there costs a
+    rank now (`fsprobe`)."""
+    import fsprobe
+
+    chosen = args.runs_dir or os.environ.get("FDL_FABRIC_RUNS_DIR") or str(tmp / "runs")
+    runs = Path(chosen).absolute()
+    runs.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ["FDL_FABRIC_RUNS_DIR"] = str(runs)  # the launcher's, and `_joined_records`
+    return fsprobe.describe(runs)
 
 
 def _raise_nofile(args: argparse.Namespace, out: TextIO, cluster: Path) -> None:
@@ -362,6 +386,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--wait-load", type=float, metavar="L",
                     help="first wait (up to 20 min) until the 1-minute load is <= L")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--runs-dir", metavar="DIR",
+                    help="where the launcher keeps its run records (default: "
+                    "$FDL_FABRIC_RUNS_DIR, else a folder in the temporary one); a "
+                    "tmpfs such as /dev/shm/x takes the disk's cost out of the figures, "
+                    "which the output states either way (bench/fsprobe.py)")
     ap.add_argument("--real-ranks", choices=("join", "sleep"), default="join",
                     help="in mode join, what the gateways' real ranks run: a Python that "
                          "joins (the default: the cohort forms), or `echo up; sleep` (it "
