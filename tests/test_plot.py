@@ -125,16 +125,28 @@ def _colours_in(png: Path) -> set[str]:
 @pytest.mark.timeout(120)
 def test_a_run_with_a_restart_and_a_tolerated_death_is_drawn_truthfully(tmp_path: Path) -> None:
     """A real launch: attempt 0 fails before the cohort forms (rank 1 exits 3: kill-all,
-    restart), attempt 1 tolerates rank 3's death; the PNG shows every outcome's colour."""
+    restart), attempt 1 tolerates rank 3's death; the PNG shows every outcome's colour.
+
+    No outcome hangs on which process the machine starts first: in attempt 0 the others
+    wait to be stopped, and in attempt 1 rank 3 dies only once every rank has joined (a
+    file each after `join()`), so the cohort has formed and its death is tolerated."""
     (tmp_path / "job.py").write_text(textwrap.dedent(f"""
         import os, sys, time
+        from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
         from fdl_fabric import rank as cohort
         r, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         if attempt == 0 and r == 1:
             time.sleep(0.3); sys.exit(3)
         cohort.join()
+        if attempt == 0:
+            time.sleep(60)
+        marks = Path({str(tmp_path)!r})
+        (marks / f"joined-{{r}}").touch()
         if r == 3:
+            deadline = time.monotonic() + 30
+            while len(list(marks.glob("joined-*"))) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
             time.sleep(0.3); sys.exit(5)
         time.sleep(1.0)
     """))
