@@ -141,8 +141,15 @@ def secret_name(name: str) -> bool:
 #: Strings whose verdict is remembered (`_secret_name`, `_masked`): a launch of 8,192
 #: ranks masks the same few hundred names and values tens of thousands of times.
 MASK_CACHE = 4096
-#: Longer texts are masked afresh each time (rank output is seldom repeated).
+#: Longer texts are remembered in a smaller table of their own (`_masked_long`), so
+#: the short names and values of a plan are never pushed out by them.
 MASK_CACHE_TEXT_MAX = 256
+#: Texts up to this long are remembered there: a rank's command line repeats for every
+#: rank of a plan (an emulated ``python -c`` of 290 characters, masked afresh for 8,192
+#: ranks, was a sixth of the launch's main thread; issue 35). Longer ones, error
+#: messages and output tails, are masked afresh. At most `MASK_CACHE_LONG` x this held.
+MASK_CACHE_LONG_TEXT_MAX = 16384
+MASK_CACHE_LONG = 256
 
 
 @functools.lru_cache(maxsize=MASK_CACHE)
@@ -154,9 +161,50 @@ def _secret_name(name: str, patterns: frozenset[str]) -> bool:
 
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:
     """An environment as it may be shown: a secret name's value ``***`` (the name stays
-    visible), every other value through `mask_text`."""
-    return {k: MASK if secret_name(k) else mask_text(v) if isinstance(v, str) else v
-            for k, v in env.items()}
+    visible), every other value through `mask_text`.
+
+    Each (name, value) pair's verdict is remembered while nothing more is declared
+    secret: 8,192 ranks' environments differ in a few variables each, and the plan's
+    ``cluster.json`` and the launch's events showed every one of their ~20 pairs
+    through two cached calls, a fifth of a second of the launch's CPU (issue 35)."""
+    shown = _PAIRS.under(_DECLARED.state)
+    out: dict[str, str] = {}
+    for k, v in env.items():
+        try:
+            out[k] = shown[k, v]
+            continue
+        except KeyError:
+            pass
+        except TypeError:  # a value that cannot be a key: masked, never remembered
+            out[k] = _env_value(k, v)
+            continue
+        out[k] = value = _env_value(k, v)
+        if len(shown) < MASK_CACHE * 4 and (type(v) is not str or len(v) <= MASK_CACHE_TEXT_MAX):
+            shown[k, v] = value
+    return out
+
+
+def _env_value(name: str, value: Any) -> Any:
+    return MASK if secret_name(name) else mask_text(value) if isinstance(value, str) else value
+
+
+class _Pairs:
+    """`mask_env`'s remembered pairs, for one `_Declared.state`: a new declaration
+    starts an empty table (a pair shown before may be a secret now)."""
+
+    def __init__(self) -> None:
+        self._table: tuple[object, dict[tuple[str, Any], Any]] = (None, {})
+
+    def under(self, state: object) -> dict[tuple[str, Any], Any]:
+        # The state and its table are one object, swapped whole: a thread that read an
+        # older state fills a table of that state, which no later reader takes.
+        table = self._table
+        if table[0] is not state:
+            table = self._table = (state, {})
+        return table[1]
+
+
+_PAIRS = _Pairs()
 
 
 def mask_text(text: str) -> str:
@@ -165,13 +213,21 @@ def mask_text(text: str) -> str:
     values."""
     if not text:
         return text
-    if len(text) <= MASK_CACHE_TEXT_MAX:
+    size = len(text)
+    if size <= MASK_CACHE_TEXT_MAX:
         return _masked(text, _DECLARED.values)
+    if size <= MASK_CACHE_LONG_TEXT_MAX:
+        return _masked_long(text, _DECLARED.values)
     return _mask(text, _DECLARED.values)
 
 
 @functools.lru_cache(maxsize=MASK_CACHE)
 def _masked(text: str, values: tuple[str, ...]) -> str:
+    return _mask(text, values)
+
+
+@functools.lru_cache(maxsize=MASK_CACHE_LONG)
+def _masked_long(text: str, values: tuple[str, ...]) -> str:
     return _mask(text, values)
 
 

@@ -212,6 +212,34 @@ def test_masked_data_is_masked_once_until_a_new_secret_is_declared(
     assert again is not shown and again["note"] == MASK and mask_data(again) is again
 
 
+def test_an_environment_shown_before_a_declaration_is_masked_after_it(
+        own_declarations: None) -> None:
+    """Each (name, value) pair's verdict is remembered (8,192 ranks share most of their
+    pairs), but only until something more is declared secret."""
+    env = {"RUN_NOTE": "a pass phrase kept", "RANK": "3", "DATABASE_URL": DATABASE_URL}
+    first = mask_env(env)
+    assert first["RUN_NOTE"] == "a pass phrase kept" and PASSWORD not in first["DATABASE_URL"]
+    assert mask_env(env) == first
+    declare([], ["a pass phrase kept"])
+    assert mask_env(env)["RUN_NOTE"] == MASK
+    declare(["RANK"], [])
+    assert mask_env(env) == {"RUN_NOTE": MASK, "RANK": MASK,
+                             "DATABASE_URL": first["DATABASE_URL"]}
+
+
+@pytest.mark.parametrize("repeat", [60, 5000])  # a long command line; one past the table
+def test_a_long_command_line_is_masked_each_time_it_is_shown(
+        own_declarations: None, repeat: int) -> None:
+    """A rank's command line is shown once per rank: a long one is remembered too (up
+    to `MASK_CACHE_LONG_TEXT_MAX`), and a value declared later still reaches it."""
+    line = "python3 -c 'import os; " + "x = 1; " * repeat + f"connect({DATABASE_URL!r})'"
+    assert len(line) > masking.MASK_CACHE_TEXT_MAX
+    shown = mask_text(line)
+    assert PASSWORD not in shown and "import os" in shown and mask_text(line) == shown
+    declare([], ["import os"])
+    assert "import os" not in mask_text(line)
+
+
 # -- properties: a masked rendering never contains the secret ------------------------------
 
 _LOWER = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=12)
