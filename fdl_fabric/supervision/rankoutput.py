@@ -34,32 +34,38 @@ class RankOutput:
 
     def __init__(self, events: EventBus) -> None:
         self.events = events
-        #: This attempt's ranks: each one's host, label and stderr tail, in one dict that
-        #: a restart replaces whole (the reading threads see the old one or the new one).
-        self._ranks: dict[int, tuple[str, str, RankTail]] = {}
+        #: This attempt's ranks (each one's host and label) and the stderr tails kept so
+        #: far, as one pair that a restart replaces whole (the reading threads see the
+        #: old one or the new one). A tail is made at its rank's first stderr chunk: a
+        #: plan of 8,192 ranks made 8,192 empty ones before the first spawn (issue 35).
+        self._now: tuple[dict[int, tuple[str, str]], dict[int, RankTail]] = ({}, {})
 
     def attempt(self, plan: LaunchPlan) -> None:
         """The hosts and labels of this attempt's ranks (a restart may number them
-        differently); the stderr tails start afresh, one per rank of the plan. Until the
-        first attempt's plan, no rank is anyone's: no output goes on."""
-        self._ranks = {r.rank: (r.host, r.label, RankTail()) for r in plan.ranks}
+        differently); the stderr tails start afresh. Until the first attempt's plan, no
+        rank is anyone's: no output goes on."""
+        self._now = ({r.rank: (r.host, r.label) for r in plan.ranks}, {})
 
     def runs(self, host: str, rank: int) -> bool:
         """Whether ``host`` runs ``rank`` in this attempt: the only output it may send."""
-        of = self._ranks.get(rank)
+        of = self._now[0].get(rank)
         return of is not None and of[0] == host
 
     def tail(self, rank: int) -> list[str]:
         """The last stderr lines of ``rank`` in this attempt, made inert; [] if none."""
-        of = self._ranks.get(rank)
-        return of[2].lines() if of is not None else []
+        kept = self._now[1].get(rank)
+        return kept.lines() if kept is not None else []
 
     def __call__(self, report: reports.Output) -> None:
-        of = self._ranks.get(report.rank)
+        ranks, tails = self._now
+        of = ranks.get(report.rank)
         if of is None or of[0] != report.host:
             return  # forged or misrouted: dropped here, counted by the supervisor
-        _, label, kept = of
+        label = of[1]
         if report.stderr:
+            kept = tails.get(report.rank)
+            if kept is None:  # setdefault: one tail even if two threads get here at once
+                kept = tails.setdefault(report.rank, RankTail())
             kept.feed(report.data, report.partial)
         text = report.data.decode("utf-8", "replace")
         body = text[:-1] if text.endswith("\n") else text
