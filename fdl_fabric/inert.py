@@ -164,7 +164,40 @@ def clean(value: T, *, lines: bool = False) -> T:
     """Every string inside ``value`` (dicts, lists, tuples, dataclasses such as an
     `Event`) neutralized, the rest unchanged: an event's data came from hosts. With
     ``lines``, each string is one line (`one_line`): no newline survives either."""
+    found: list[str] = []
+    if _strings(value, found):
+        text = "".join(found)
+        if is_plain(text) and not (lines and "\n" in text):
+            # The common case, nothing a terminal acts on: the same object, not a copy.
+            # One pass in C over every string joined: every event of 8,192 ranks is made
+            # inert for its JSON line's words, and walking each string alone was a tenth
+            # of the launch's CPU (issue 35).
+            return value
     return _clean(value, one_line if lines else neutralize)  # type: ignore[no-any-return]
+
+
+def _strings(value: Any, found: list[str]) -> bool:
+    """Every string inside ``value``, keys too, appended to ``found``; False when it
+    holds something else than strings, atoms, mappings, lists and tuples (then
+    `_clean` walks it)."""
+    kind = type(value)
+    if kind is str:
+        found.append(value)
+    elif kind in _ATOMS:
+        pass
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if not (_strings(k, found) and _strings(v, found)):
+                return False
+    elif kind is list or kind is tuple:
+        for v in value:
+            if not _strings(v, found):
+                return False
+    elif isinstance(value, str):
+        found.append(value)
+    else:
+        return False
+    return True
 
 
 def _clean(value: Any, inert: Callable[[str], str]) -> Any:

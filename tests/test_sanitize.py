@@ -153,3 +153,33 @@ def test_the_fast_plain_check_agrees_with_the_rule_for_any_text(text: str) -> No
 
     acts = re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text) is not None
     assert is_plain(text) is not acts
+
+
+#: Event data as hosts shape it: strings (hostile ones too), atoms, lists, tuples and
+#: mappings, nested.
+_data = st.recursive(
+    st.one_of(hostile, st.integers(), st.none(), st.booleans()),
+    lambda inner: st.one_of(st.lists(inner, max_size=4),
+                            st.lists(inner, max_size=4).map(tuple),
+                            st.dictionaries(hostile, inner, max_size=4)),
+    max_leaves=12)
+
+
+@given(_data, st.booleans())
+def test_cleaning_data_whole_agrees_with_cleaning_each_string(value: object,
+                                                              lines: bool) -> None:
+    """`clean` checks every string at once and keeps plain data as it is: what it gives
+    is what cleaning each string alone gives."""
+    from fdl_fabric.inert import _clean, one_line
+
+    assert clean(value, lines=lines) == _clean(value, one_line if lines else neutralize)
+
+
+def test_plain_data_is_kept_as_it_is_and_an_event_with_it_too() -> None:
+    from fdl_fabric.presentation.hostwords import inert_data
+
+    data = {"host": "leaf0007", "rank": 55, "peer": ["leaf0007 (through its agent)", 1.5]}
+    assert clean(data) is data and clean(data, lines=True) is data
+    assert clean({"text": "two\nlines"}, lines=True) == {"text": "two^Jlines"}
+    e = Event(Name.RANK_JOINED, host="leaf0007", rank=55, data=data)
+    assert inert_data(e) is e

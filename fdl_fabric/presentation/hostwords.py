@@ -31,8 +31,10 @@ def inert_data(event: Event) -> Event:
     data = event.data
     if fields and any(k in data for k in fields):
         data = {k: clean(v, lines=True) if k in fields else v for k, v in data.items()}
-    return Event(event.name, host=clean(event.host), rank=event.rank, data=clean(data),
-                 time=event.time)
+    host, shown = clean(event.host), clean(data)
+    if host is event.host and shown is event.data:
+        return event  # nothing to make inert: the event as it is
+    return Event(event.name, host=host, rank=event.rank, data=shown, time=event.time)
 
 
 #: The data fields of each event whose text came from a host (its agent, its sshd, a
