@@ -181,14 +181,33 @@ def _thread_names(pid: int) -> list[str]:
     except (OSError, subprocess.SubprocessError) as exc:
         return [f"py-spy dump failed: {exc}"]
     names: dict[str, int] = {}
-    for m in re.finditer(r'^Thread \S+ \((?:idle|active)[^)]*\): "([^"]*)"', text, re.M):
-        name = re.sub(r"\d+", "N", m.group(1))
+    cpu: dict[str, list[float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for m in re.finditer(r'^Thread (\S+) \((?:idle|active)[^)]*\): "([^"]*)"', text, re.M):
+        name = re.sub(r"\d+", "N", m.group(2))
         names[name] = names.get(name, 0) + 1
+        user, system = _thread_cpu(pid, m.group(1), tick)
+        sums = cpu.setdefault(name, [0.0, 0.0])
+        sums[0] += user
+        sums[1] += system
     total = sum(names.values())
     if not total:
         return ["threads by name: py-spy dump gave none (the launcher was busy; try again)"]
     return [f"threads at all running, by name ({total}): " + ", ".join(
-        f"{n} x {k}" for k, n in sorted(names.items(), key=lambda kv: -kv[1]))]
+        f"{n} x {k}" for k, n in sorted(names.items(), key=lambda kv: -kv[1])),
+        "CPU to all running, by thread (user + system s, from /proc; live threads): " + ", ".join(
+        f"{k} {u:.2f} + {s:.2f}" for k, (u, s) in sorted(cpu.items(), key=lambda kv: -sum(kv[1]))
+        if u + s >= 0.005)]
+
+
+def _thread_cpu(pid: int, tid: str, tick: int) -> tuple[float, float]:
+    """One thread's user and system CPU so far, s (0 when it is gone or not a tid)."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{int(tid, 0)}/stat").read_text().rpartition(")")[2]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    utime, stime = fields.split()[11:13]
+    return int(utime) / tick, int(stime) / tick
 
 
 def _fds(pid: int) -> Optional[int]:
@@ -299,7 +318,7 @@ def _read_stats(prefix: Path, s: Sample, since: float = 0.0) -> None:
         _legs(s, hello_at, welcome_at, since)
 
 
-_SPY_ARGS = ("--format", "raw", "--rate", "100", "--gil", "--nonblocking")
+_SPY_ARGS = ("--format", "raw", "--rate", "100", "--gil", "--nonblocking", "--threads")
 
 
 class _Launch:
@@ -504,8 +523,7 @@ def measure(args: argparse.Namespace, lab: Any, cluster: Path, tmp: Path, mode: 
         s.cpu_up = benchlib.cpu_seconds(run.pid)
         s.up_s = (run.lines.done_at or 0.0) - run.t0
         s.threads_up = benchlib.threads(run.pid)
-        if args.py_spy:
-            s.profile += _thread_names(run.pid)
+        s.profile += _thread_names(run.pid)
         _after_up(run, s, lab, spy_file, stats, out)
     except benchlib.BenchError as exc:
         s.error = str(exc)
