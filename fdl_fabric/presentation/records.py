@@ -24,7 +24,6 @@ kind, data keys at the top), so a log written by an older launcher still plots.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 from ..events import Event, Kind, Name
@@ -66,7 +65,9 @@ def masked(event: Event) -> Event:
     if event.kind is Kind.OUTPUT:
         return event
     shown = mask_data(event.data)
-    return event if shown is event.data else dataclasses.replace(event, data=shown)
+    if shown is event.data:
+        return event
+    return Event(event.name, host=event.host, rank=event.rank, data=shown, time=event.time)
 
 
 class Attempts:
