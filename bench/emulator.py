@@ -81,7 +81,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, TextIO
@@ -102,7 +104,8 @@ def as_launcher(argv: list[str]) -> int:
     ``bundle.remote_command("relay")`` replaced by the emulated relay's command (with
     RELAY_ARGS, one shell-quoted string). Nothing else of the launcher is touched.
     ``FDL_BENCH_YAPPI=FILE`` (``pip install yappi``): the launcher's CPU per function,
-    every thread, saved as a pstats file (15x slower: for where, not how much)."""
+    every thread, saved as a pstats file, and each busy thread's in ``FILE.<name>-<tid>``
+    (15x slower: for where, not how much)."""
     # bench/ (this script's folder) off the path: its profile.py shadows the stdlib's.
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
     sys.path.insert(0, ROOT)
@@ -137,6 +140,12 @@ def as_launcher(argv: list[str]) -> int:
         finally:
             yappi.stop()
             yappi.get_func_stats().save(prof, type="pstat")
+            names = {t.ident: t.name for t in threading.enumerate()}  # those still alive
+            for thread in yappi.get_thread_stats():  # and each busy thread's own
+                if thread.ttot >= 0.05:
+                    name = re.sub(r"[^\w-]", "_", names.get(thread.tid, thread.name))
+                    yappi.get_func_stats(filter={"ctx_id": thread.id}).save(
+                        f"{prof}.{name}-{thread.tid}", type="pstat")
         return 0
     program.run(sys.argv)
     return 0
