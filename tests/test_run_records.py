@@ -238,6 +238,19 @@ def test_cluster_json_is_the_masked_plan_with_one_rank_a_line() -> None:
     assert "h\u00e9" in text, "kept readable, not escaped"
 
 
+def test_result_json_keeps_one_rank_a_line_and_reads_back_as_written(tmp_path: Path) -> None:
+    rows = [{"rank": r, "host": f"n\u00e9{r}", "state": "exited", "code": 0} for r in range(5)]
+    result = {"run_id": "r1", "verdict": "ok", "faults": {"n1": "lost"}, "ranks": rows,
+              "attempt_list": [], "when": Path("/x")}
+    write_json(tmp_path / RESULT, result)
+    text = (tmp_path / RESULT).read_text(encoding="utf-8")
+    assert json.loads(text) == {**result, "when": "/x"}, "what cannot be JSON is its str"
+    assert [line.strip().rstrip(",") for line in text.splitlines()
+            if line.lstrip().startswith('{"rank"')] == [json.dumps(r, ensure_ascii=False)
+                                                          for r in rows], "one rank a line"
+    assert oct((tmp_path / RESULT).stat().st_mode & 0o777) == oct(0o600)
+
+
 @settings(max_examples=60, deadline=None)
 @given(max_bytes=st.integers(1, 64),
        writes=st.lists(st.binary(min_size=1, max_size=64), max_size=40))

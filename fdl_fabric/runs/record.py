@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import json
 import os
 import socket
 import threading
@@ -43,7 +42,7 @@ from ..masking import mask_data
 from ..presentation.output import Console
 from ..presentation.records import masked
 from ..presentation.rotating import RotatingFile, TextLog, open_private
-from ..presentation.runlog import RunLog, moves_to_files, weight
+from ..presentation.runlog import RunLog, json_lines, moves_to_files, weight
 from ..presentation.words import render
 
 STATE = "state.json"
@@ -67,12 +66,12 @@ class RunState(str, Enum):
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """``path`` replaced atomically (a reader sees the old one or the new one), 0600."""
+    """``path`` replaced atomically (a reader sees the old one or the new one), 0600;
+    laid out by `runlog.json_lines`."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     fd = open_private(temporary, truncate=True)
     try:
-        os.write(fd, (json.dumps(data, indent=1, default=str, ensure_ascii=False)
-                      + "\n").encode("utf-8"))
+        os.write(fd, json_lines(data).encode("utf-8"))
         os.fsync(fd)
     finally:
         os.close(fd)
