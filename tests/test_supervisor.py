@@ -329,6 +329,17 @@ def test_every_host_starts_once_all_preflights_passed() -> None:
     assert sup.run().exit_code == 0 and h0.started and h1.started
 
 
+def test_a_hosts_second_preflight_does_not_stand_in_for_another_hosts() -> None:
+    sup, (h0, h1), _ = supervise({0: (0, None)}, {1: (0, None)},
+                                 preflight=lambda host, values: ([], []))
+    sup.post(reports.Preflight("h0", {}))
+    sup.post(reports.Preflight("h0", {}))
+    sup.request_interrupt(signal.SIGTERM)
+    result = sup.run()
+    assert not h0.started and not h1.started, "h1's pre-flight was still due"
+    assert not result.started_any
+
+
 def test_output_sets_the_last_line_of_its_rank() -> None:
     sup, (h0,), log = supervise({0: None})
     sup.post(reports.Output("h0", 0, False, b"first\nsecond \xff\n", False))

@@ -100,6 +100,8 @@ class RankEvents(Stopping):
         if host is None or self.preflight is None or host.preflight_seen:
             return
         host.preflight_seen = True
+        if not host.gone:
+            self._settled_hosts += 1
         warnings, failures = self.preflight(report.host, report.values)
         for check, reason in warnings:
             self.events(Name.PREFLIGHT_WARNING, host=report.host, check=check, reason=reason)
@@ -112,7 +114,7 @@ class RankEvents(Stopping):
     def _maybe_start(self) -> None:
         if self.phase is not RunPhase.PREPARING:
             return
-        if not all(h.preflight_seen or h.gone for h in self.hosts.values()):
+        if self._settled_hosts < len(self.hosts):  # some host's pre-flight is still due
             return
         if self._preflight_failures:
             # Each failed check was said as it came; the verdict line ends the launch.
@@ -345,6 +347,8 @@ class RankEvents(Stopping):
         host = self.hosts[name]
         if not host.gone:
             self._gone_hosts += 1
+            if not host.preflight_seen:
+                self._settled_hosts += 1
         host.gone = True
         host.fault = fault
         lost = [r for r in host.ranks if not r.state.terminal]

@@ -69,6 +69,9 @@ class SupervisorState:
         #: Hosts given up on or gone (the loop runs until all are), and those that said
         #: DONE (each may need abandoning): kept as they change, not walked every turn.
         self._gone_hosts = 0
+        #: Hosts whose pre-flight came or that are gone: the ranks start when all are
+        #: (counted, not walked at each of 1,024 hosts' reports).
+        self._settled_hosts = 0
         self._done_hosts: list[HostRecord] = []
         self.by_rank = {r.rank: r for r in self.ranks}
         self.hosts = {name: HostRecord(handle) for name, handle in hosts.items()}
