@@ -156,10 +156,13 @@ def frame(kind: int, body: bytes = b"") -> bytes:
     return _LENGTH.pack(size) + bytes((kind,)) + body
 
 
+#: Compact JSON, one encoder for every frame (``json.dumps`` with options makes one a call).
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
 def message(kind: int, obj: Optional[Dict[str, Any]] = None) -> bytes:
     """A frame whose body is a JSON object."""
-    text = json.dumps(obj or {}, separators=(",", ":"), ensure_ascii=False)
-    return frame(kind, text.encode("utf-8"))
+    return frame(kind, _COMPACT(obj or {}).encode("utf-8"))
 
 
 def output(rank: int, stream: int, data: bytes, partial: bool) -> bytes:

@@ -181,8 +181,7 @@ class RunLog:
             if event.kind is Kind.STACKS:
                 data["files"] = self._write_stacks(data.pop("ranks", {}) or {},
                                                    data.get("hosts") or {})
-        line = json.dumps(record(event, attempt=attempt, data=data), default=str,
-                          ensure_ascii=False) + "\n"
+        line = _ENCODER.encode(record(event, attempt=attempt, data=data)) + "\n"
         self._events.write(line.encode("utf-8"))  # flushed when the batch ends
 
     def _rank_folder(self, rank: int) -> str:
