@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import statistics
 import subprocess
@@ -134,14 +133,6 @@ def _lab_processes(lab: Any) -> tuple[list[Any], list[Any]]:
             [p for p, cmd in found if "emulated_relay.py" not in cmd and "-I -S -c" in cmd])
 
 
-def _py_spy() -> Optional[str]:
-    """The py-spy binary (the pyenv shim is a bash script: prefer the interpreter's own)."""
-    own = Path(sys.executable).parent / "py-spy"
-    if own.exists():
-        return str(own)
-    return shutil.which("py-spy")
-
-
 def _profile_summary(path: Path, top: int = 25) -> list[str]:
     """The functions with the most samples (own, and with callees) in a py-spy raw file."""
     own: dict[str, int] = {}
@@ -168,46 +159,6 @@ def _profile_summary(path: Path, top: int = 25) -> list[str]:
     for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
         out.append(f"  {100.0 * n / total:5.1f}  {100.0 * incl[f] / total:9.1f}  {f[:150]}")
     return out
-
-
-def _thread_names(pid: int) -> list[str]:
-    """The launcher's threads by name (digits folded), from one ``py-spy dump``."""
-    binary = _py_spy()
-    if binary is None:
-        return []
-    try:
-        text = subprocess.run([binary, "dump", "--nonblocking", "--pid", str(pid)],
-                              capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return [f"py-spy dump failed: {exc}"]
-    names: dict[str, int] = {}
-    cpu: dict[str, list[float]] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for m in re.finditer(r'^Thread (\S+) \((?:idle|active)[^)]*\): "([^"]*)"', text, re.M):
-        name = re.sub(r"\d+", "N", m.group(2))
-        names[name] = names.get(name, 0) + 1
-        user, system = _thread_cpu(pid, m.group(1), tick)
-        sums = cpu.setdefault(name, [0.0, 0.0])
-        sums[0] += user
-        sums[1] += system
-    total = sum(names.values())
-    if not total:
-        return ["threads by name: py-spy dump gave none (the launcher was busy; try again)"]
-    return [f"threads at all running, by name ({total}): " + ", ".join(
-        f"{n} x {k}" for k, n in sorted(names.items(), key=lambda kv: -kv[1])),
-        "CPU to all running, by thread (user + system s, from /proc; live threads): " + ", ".join(
-        f"{k} {u:.2f} + {s:.2f}" for k, (u, s) in sorted(cpu.items(), key=lambda kv: -sum(kv[1]))
-        if u + s >= 0.005)]
-
-
-def _thread_cpu(pid: int, tid: str, tick: int) -> tuple[float, float]:
-    """One thread's user and system CPU so far, s (0 when it is gone or not a tid)."""
-    try:
-        fields = Path(f"/proc/{pid}/task/{int(tid, 0)}/stat").read_text().rpartition(")")[2]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    utime, stime = fields.split()[11:13]
-    return int(utime) / tick, int(stime) / tick
 
 
 def _fds(pid: int) -> Optional[int]:
@@ -414,10 +365,13 @@ class _Launch:
             time.sleep(0.2)
 
     def window(self, s: Sample) -> None:
-        """The launcher's CPU over ``--window`` s (and its largest 1 s slice) into ``s``."""
+        """The launcher's CPU over ``--window`` s (and its largest 1 s slice) into ``s``,
+        and that CPU by thread."""
         import benchlib
+        import threadcpu
 
         start_cpu = benchlib.cpu_seconds(self.pid) or 0.0
+        threads = threadcpu.tasks_cpu(self.pid)
         began = last_t = time.monotonic()
         last = start_cpu
         slices: list[float] = []
@@ -430,14 +384,17 @@ class _Launch:
         s.idle_pct = 100.0 * ((benchlib.cpu_seconds(self.pid) or 0.0) - start_cpu) / \
             (time.monotonic() - began)
         s.max_slice = max(slices) if slices else None
+        s.profile.append(threadcpu.idle_by_thread(
+            self.pid, threads, threadcpu.tasks_cpu(self.pid), time.monotonic() - began))
 
 
 def _start_spy(pid: int, spy_file: Optional[Path], *extra: str) -> Any:
     """py-spy recording the launcher (--gil: only the thread holding the GIL, what the
     launcher's Python does on CPU; --nonblocking: never pause it), or None."""
     import benchlib
+    import threadcpu
 
-    binary = _py_spy() if spy_file is not None else None
+    binary = threadcpu.py_spy() if spy_file is not None else None
     if binary is None or spy_file is None:
         return None
     return benchlib.start([binary, "record", "--pid", str(pid), *_SPY_ARGS, *extra,
@@ -503,6 +460,7 @@ def _after_up(run: _Launch, s: Sample, lab: Any, spy_file: Optional[Path],
 def measure(args: argparse.Namespace, lab: Any, cluster: Path, tmp: Path, mode: str,
             rep: int, out: TextIO) -> Sample:
     import benchlib
+    import threadcpu
 
     s = Sample(mode, rep)
     world = args.gateways * (1 + args.leaves_per_gateway) * args.ranks
@@ -515,7 +473,7 @@ def measure(args: argparse.Namespace, lab: Any, cluster: Path, tmp: Path, mode: 
     err_path = tmp / f"launcher-{mode}-{rep}.err"
     run = _Launch(args, argv, err_path, world)
     spy_file = tmp / f"py-spy-{mode}-{rep}.raw" if args.py_spy else None
-    if spy_file is not None and _py_spy():
+    if spy_file is not None and threadcpu.py_spy():
         time.sleep(0.3)
         run.spy = _start_spy(run.pid, spy_file)
     try:
@@ -523,7 +481,7 @@ def measure(args: argparse.Namespace, lab: Any, cluster: Path, tmp: Path, mode: 
         s.cpu_up = benchlib.cpu_seconds(run.pid)
         s.up_s = (run.lines.done_at or 0.0) - run.t0
         s.threads_up = benchlib.threads(run.pid)
-        s.profile += _thread_names(run.pid)
+        s.profile += threadcpu.thread_names(run.pid)
         _after_up(run, s, lab, spy_file, stats, out)
     except benchlib.BenchError as exc:
         s.error = str(exc)
