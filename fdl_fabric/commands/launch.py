@@ -77,6 +77,7 @@ from .between import (
 from .conclusion import conclude, failed, interrupted
 from .dryrun import plan_as_json
 from .healwatch import HealWatch
+from .heap import LongLived, long_lived
 from .joinwindow import Window
 from .launch_hosts import Hosts
 from .launch_settings import Resolved, attempt_cluster, dry_run, membership_for, plan_attempt
@@ -129,17 +130,21 @@ class Launch:
         self.healwatch: Optional[HealWatch] = None
         #: ``controller.join``: the window where workers that dial in are admitted.
         self.window: Optional[Window] = None
+        #: The launch's long-lived objects, kept off the cycle collector (`heap`).
+        self.heap = LongLived(False)
 
     def run(self) -> int:
         """The launch; its exit code. Bad input is refused (exit 2, nothing started);
         everything else ends with the summary and the verdict as the last line."""
-        with self.signals.installed():
+        with self.signals.installed(), long_lived() as self.heap:
+            self.events.add(self.heap)
             if self.signals.hangup_ignored and not self.opts.detached:
                 self.events(Name.HANGUP_IGNORED)
             try:
                 resolved = self._resolve()
                 if resolved is None:
                     return 0
+                self.heap.settle()
                 self._launch(resolved)
             except FdlError as exc:  # a ConfigError too: it is one, with exit code 2
                 if exc.exit_code == EXIT_USAGE and not self.run_id:
@@ -343,6 +348,7 @@ class Launch:
     def _attempt(self, r: Resolved, plan: LaunchPlan, attempt: int) -> RunResult:
         """One attempt (`attempt.Attempt`), its rank output and logs numbered with it."""
         self.output.attempt(plan)
+        self.heap.settle()  # the plan, the sessions, the agents: there for the attempt
         self.attempt_now = attempt
         if self.log is not None:
             self.log.attempt = attempt
