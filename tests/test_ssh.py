@@ -197,6 +197,49 @@ def test_accept_new_records_an_unknown_key(tmp_path) -> None:  # type: ignore[no
     assert client.get_host_keys().lookup("[127.0.0.9]:2222") is not None
 
 
+def _known_hosts(path: Any, hosts: list[str]) -> dict[str, paramiko.PKey]:
+    keys = {h: paramiko.Ed25519Key.from_private_key_file(str(_ed25519(path, h))) for h in hosts}
+    path.write_text("".join(f"{h} {k.get_name()} {k.get_base64()}\n" for h, k in keys.items()))
+    return keys
+
+
+def _ed25519(folder: Any, name: str) -> Any:
+    """A fresh ed25519 key file (paramiko cannot make one: cryptography does)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    key = folder.parent / f"{name}.key"
+    key.write_bytes(Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+        serialization.NoEncryption()))
+    return key
+
+
+def test_a_known_hosts_file_is_read_once_while_it_is_unchanged_and_again_once_it_changes(
+        tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    kh = tmp_path / "known_hosts"
+    keys = _known_hosts(kh, ["[127.0.0.7]:22", "[127.0.0.8]:22"])
+    reads: list[str] = []
+    real_load = paramiko.HostKeys.load
+    monkeypatch.setattr(paramiko.HostKeys, "load",
+                        lambda self, f: (reads.append(f), real_load(self, f))[1])
+    s = resolve_settings(_worker(f'{{options: ["UserKnownHostsFile={kh}"]}}'))
+    clients = [make_connection(s).client for _ in range(5)]
+    assert reads == [str(kh)], "one read for five connections"
+    for client in clients:
+        found = client.get_host_keys().lookup("[127.0.0.8]:22")
+        assert found is not None and found["ssh-ed25519"] == keys["[127.0.0.8]:22"]
+    # a key one connection accepts is its own: no other client sees it
+    new = paramiko.Ed25519Key.from_private_key_file(str(_ed25519(kh, "new")))
+    clients[0].get_host_keys().add("[127.0.0.9]:22", new.get_name(), new)
+    assert clients[1].get_host_keys().lookup("[127.0.0.9]:22") is None
+    # the file changed (accept-new appended a line): the next connection reads it again
+    with kh.open("a") as fh:
+        fh.write(f"[127.0.0.9]:22 {new.get_name()} {new.get_base64()}\n")
+    again = make_connection(s).client.get_host_keys().lookup("[127.0.0.9]:22")
+    assert again is not None and again["ssh-ed25519"] == new
+    assert reads == [str(kh), str(kh)]
+
+
 def test_proxy_jump_becomes_a_gateway_connection() -> None:
     s = resolve_settings(_worker('{options: ["ProxyJump=jumper@bastion:2222"]}'))
     conn = make_connection(s)

@@ -16,6 +16,11 @@ import paramiko
 from .sshconfig import DEFAULT_KNOWN_HOSTS
 
 _known_hosts_lock = threading.Lock()
+#: The host-key file every launch reads besides the user's (as OpenSSH does).
+SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
+#: Each known_hosts file as read (`_load`), by path: its stamp and its entries.
+_parsed: dict[str, tuple[tuple[int, int, int, int], tuple[Any, ...]]] = {}
+_parsed_lock = threading.Lock()
 
 
 class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
@@ -56,15 +61,46 @@ def apply_host_key_policy(client: paramiko.SSHClient, strict: str = "accept-new"
     if strict == "no":
         client.set_missing_host_key_policy(_RecordOnlyPolicy())
         return
-    if os.path.exists("/etc/ssh/ssh_known_hosts"):
-        client.load_system_host_keys("/etc/ssh/ssh_known_hosts")
+    # What load_system_host_keys and load_host_keys do, each file read once (`_load`).
+    if os.path.exists(SYSTEM_KNOWN_HOSTS):
+        _load(getattr(client, "_system_host_keys"), SYSTEM_KNOWN_HOSTS)  # noqa: B009
     if os.path.exists(known_hosts_file):
-        client.load_host_keys(known_hosts_file)
+        _load(client.get_host_keys(), known_hosts_file)
+        setattr(client, "_host_keys_filename", known_hosts_file)  # noqa: B010
     if strict == "accept-new":
         client.set_missing_host_key_policy(AcceptNewPolicy(known_hosts_file))
     else:
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
 
+
+
+def _load(keys: paramiko.HostKeys, path: str) -> None:
+    """``path``'s entries added to ``keys``, as `paramiko.HostKeys.load` reads them, but
+    read once a process while the file is unchanged (its inode, size and mtime).
+
+    Why: paramiko's load checks each line against every line before it, so a
+    known_hosts of 1,024 hosts takes about 0.1 s of CPU to read (0.003 s at 100), and
+    the launcher read it again for each connection: 3 s of CPU before the first rank
+    of a launch through 32 gateways (issue 35). Each client gets its own list of its own entries (copies: adding a
+    key to one client changes no other), and a file that changed (a key that
+    ``accept-new`` appended) is read again."""
+    st = os.stat(path)
+    stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _parsed_lock:
+        kept = _parsed.get(path)
+        if kept is None or kept[0] != stamp:
+            fresh = paramiko.HostKeys()
+            fresh.load(path)
+            kept = _parsed[path] = (stamp, tuple(_entries(fresh)))
+    _entries(keys).extend(paramiko.hostkeys.HostKeyEntry(list(e.hostnames), e.key)
+                          for e in kept[1])
+
+
+def _entries(keys: paramiko.HostKeys) -> list[Any]:
+    """A HostKeys' entries, in order (paramiko keeps them in ``_entries``, and has no
+    public way to copy them but re-adding each: a scan of all the others each)."""
+    entries: list[Any] = getattr(keys, "_entries")  # noqa: B009
+    return entries
 
 
 def known_hosts_of(conn: Any) -> str:
@@ -77,4 +113,4 @@ def known_hosts_of(conn: Any) -> str:
 
 
 
-__all__ = ["AcceptNewPolicy", "apply_host_key_policy", "known_hosts_of"]
+__all__ = ["SYSTEM_KNOWN_HOSTS", "AcceptNewPolicy", "apply_host_key_policy", "known_hosts_of"]
