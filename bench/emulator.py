@@ -264,6 +264,7 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     load_start = benchlib.wait_for_quiet(args.wait_load, out)
     global _LAB
     lab = _LAB = benchlib.start_lab(tmp / "lab", args.gateways, out)
+    benchlib.seed_known_hosts(lab, args.known_hosts)
     if args.controller_cpus:
         remote = os.sched_getaffinity(0) - args.controller_cpus
         os.sched_setaffinity(0, remote)  # this script, and so its later children
@@ -306,7 +307,8 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     report(samples, args, out)
     benchlib.write_machine_notes(out, load_start, started, **{
         "the launcher's CPUs (the rest: the lab hosts, this script)":
-            os.environ.get(CONTROLLER_CPUS, "shared with everything (--no-pin)")})
+            os.environ.get(CONTROLLER_CPUS, "shared with everything (--no-pin)"),
+        "known_hosts": f"the gateways' keys and {args.known_hosts} other hosts' (--known-hosts)"})
     return 0 if all(s.ok for s in samples) else 1
 
 
@@ -405,6 +407,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                          "joins (the default: the cohort forms), or `echo up; sleep` (it "
                          "never forms, and the lab's cores are spared 256 Python starts "
                          "beside the synthetic joins)")
+    ap.add_argument("--known-hosts", type=int, default=1024, metavar="N",
+                    help="other hosts' keys the launcher's known_hosts holds besides the "
+                    "gateways', as a user's does at this scale (1024; 0: the gateways' "
+                    "only, as before the twelfth round)")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="let the launcher share every CPU with the lab hosts, the stand-ins "
                     "for other hosts' CPUs (the first six rounds' method); by default it "
