@@ -185,7 +185,12 @@ def mask_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def _env_value(name: str, value: Any) -> Any:
-    return MASK if secret_name(name) else mask_text(value) if isinstance(value, str) else value
+    """A secret name's value ``***`` (whatever its type); else a string through
+    `mask_text`, and anything else walked by `_mask_data` (an ``env`` that holds a
+    list or a mapping: every string in it masked)."""
+    if secret_name(name):
+        return MASK
+    return mask_text(value) if isinstance(value, str) else _mask_data(value)
 
 
 class _Pairs:
@@ -303,15 +308,15 @@ def _mask_data(data: Any) -> Any:
         return data
     if kind is dict:
         return {k: mask_env(v) if _is_env_key(k) and isinstance(v, Mapping)
-                and all(isinstance(x, str) for x in v.values()) else _mask_data(v)
-                for k, v in data.items()}
+                else _mask_data(v) for k, v in data.items()}
+    if kind is list:  # a rank's argv, a gateway's leaves: plain strings, one call each
+        return [mask_text(item) if type(item) is str else _mask_data(item) for item in data]
     if isinstance(data, str):
         shown = mask_text(data)
         return data if shown == data else shown  # the same object (an enum's) when clean
     if isinstance(data, Mapping):
         return {k: mask_env(v) if _is_env_key(k) and isinstance(v, Mapping)
-                and all(isinstance(x, str) for x in v.values()) else _mask_data(v)
-                for k, v in data.items()}
+                else _mask_data(v) for k, v in data.items()}
     if isinstance(data, tuple):
         return tuple(_mask_data(item) for item in data)
     if isinstance(data, list):

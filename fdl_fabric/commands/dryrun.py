@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from ..agent.gpus import gpu_indices
 from ..clusterfile import ClusterSpec
+from ..masking import mask_data
 from ..planning.plan import LaunchPlan, coordinator_bind_host
 from ..presentation.output import redact_env
 from ..transport import HostSettings, Transport, for_cluster, for_worker, tree_of
@@ -40,10 +41,13 @@ def dry_run_devices(cluster: ClusterSpec) -> dict[str, list[int]]:
 
 def plan_as_json(plan: LaunchPlan,
                  transports: Optional[Mapping[str, Transport]] = None) -> dict[str, Any]:
-    """The resolved cluster and ranks, secrets redacted (``cluster.json``)."""
+    """The resolved cluster and ranks, secrets redacted (``cluster.json``): masked once,
+    whole (`masking.mask_data`: every ``env`` by its names and values, every other
+    string by its text), and `Masked`, so `runlog.cluster_json` does not walk it again
+    (8,192 ranks' environments, masked twice, were a third of cluster.json's CPU)."""
     c = plan.cluster
     transports = transports or for_cluster(c)
-    return {
+    shown: dict[str, Any] = mask_data({
         "run_id": plan.run_id,
         "file": c.file,
         "controller": {"host": c.controller.host, "port": c.controller.port,
@@ -53,22 +57,23 @@ def plan_as_json(plan: LaunchPlan,
         "elastic": {"max_failure": c.elastic.max_failure,
                     "formation_timeout": c.elastic.formation_timeout,
                     "heartbeat_timeout": c.elastic.heartbeat_timeout},
-        "env": redact_env(dict(c.env)),
+        "env": dict(c.env),
         "workers": [_worker_json(w, transports.get(w.host) or for_worker(w))
                     for w in c.workers],
         "ranks": [
             {"rank": r.rank, "local_rank": r.local_rank, "host": r.host,
              "device": r.device, "cwd": r.cwd, "argv": list(r.argv),
-             "env": redact_env(r.env)}
+             "env": r.env}
             for r in plan.ranks
         ],
-    }
+    })
+    return shown
 
 
 def _worker_json(w: Any, transport: Transport) -> dict[str, Any]:
     return {"host": w.host, "local": transport.this_machine, "path": w.path,
             "addr": w.addr, "ssh_target": None, "slurm_job": None, **transport.details(),
-            "tunnel": transport.tunnels, "env": redact_env(dict(w.env))}
+            "tunnel": transport.tunnels, "env": dict(w.env)}
 
 
 def dry_run_data(plan: LaunchPlan, settings: HostSettings) -> dict[str, Any]:
