@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -104,7 +105,14 @@ def command_directives(path: str) -> list[Directive]:
 def directives_in(text: str, path: str) -> list[Directive]:
     """Every line of an ssh_config's ``text`` that runs or loads something, in order.
     The text is only read (nothing is looked up): ``ProxyCommand none`` runs nothing and
-    is not listed; ``Match`` lines are listed when any criterion is ``exec``/``!exec``."""
+    is not listed; ``Match`` lines are listed when any criterion is ``exec``/``!exec``.
+    Found once a process for the same text (`_directives`): the launcher checks a
+    cluster file's ssh_config each time it reads it, for each of 1,024 workers."""
+    return list(_directives(text, path))
+
+
+@functools.lru_cache(maxsize=16)
+def _directives(text: str, path: str) -> tuple[Directive, ...]:
     found: list[Directive] = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
@@ -116,7 +124,7 @@ def directives_in(text: str, path: str) -> list[Directive]:
             found.append(Directive(path, number, *MATCH_EXEC))
         elif key in COMMAND_DIRECTIVES and value.strip('"').lower() != "none":
             found.append(Directive(path, number, *COMMAND_DIRECTIVES[key]))
-    return found
+    return tuple(found)
 
 
 def named_by_file(cluster: ClusterSpec, worker: WorkerSpec) -> bool:

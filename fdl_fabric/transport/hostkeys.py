@@ -81,9 +81,9 @@ def _load(keys: paramiko.HostKeys, path: str) -> None:
     Why: paramiko's load checks each line against every line before it, so a
     known_hosts of 1,024 hosts takes about 0.1 s of CPU to read (0.003 s at 100), and
     the launcher read it again for each connection: 3 s of CPU before the first rank
-    of a launch through 32 gateways (issue 35). Each client gets its own list of its own entries (copies: adding a
-    key to one client changes no other), and a file that changed (a key that
-    ``accept-new`` appended) is read again."""
+    of a launch through 32 gateways (issue 35). Each client gets its own list of its
+    own entries (copies: adding a key to one client changes no other), and a file that
+    changed (a key that ``accept-new`` appended) is read again."""
     st = os.stat(path)
     stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     with _parsed_lock:

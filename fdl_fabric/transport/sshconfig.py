@@ -10,7 +10,6 @@ only local workers never loads paramiko; `fdl_fabric.transport.ssh` connects wit
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from collections.abc import Sequence
@@ -250,11 +249,11 @@ def read_config(path: Optional[str], *, checked: bool = False) -> Any:
     ``checked``: a cluster file's ssh_config the operator did not allow to run commands.
     The text parsed is the text checked, every time it is read, so a file changed after
     `configtrust.refuse_commands` looked at it runs nothing either: SshOptionError."""
-    from .configread import InertAwareConfig  # paramiko: only for a host over SSH
+    from .configread import parsed  # paramiko: only for a host over SSH
 
-    config = InertAwareConfig()
     paths = [path] if path is not None else [os.path.expanduser("~/.ssh/config"),
                                              "/etc/ssh/ssh_config"]
+    texts = []
     for one in paths:
         if path is None and not os.path.isfile(one):
             continue
@@ -263,8 +262,8 @@ def read_config(path: Optional[str], *, checked: bool = False) -> Any:
         found = directives_in(text, one) if checked else []
         if found:
             raise SshOptionError(f"{found[0]}; {HOW_TO_ALLOW}")
-        config.parse(io.StringIO(text))
-    return config
+        texts.append(text)
+    return parsed(texts)  # parsed once a process while the texts are the same
 
 
 def _from_config_file(path: Optional[str], host: str, checked: bool) -> dict[str, str]:
