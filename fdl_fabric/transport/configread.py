@@ -35,18 +35,18 @@ class InertAwareConfig(paramiko.SSHConfig):
     """`paramiko.SSHConfig` whose ``Match exec`` runs only while commands may run, and
     which answers a host it was asked about before from its texts' memo (`parsed`)."""
 
-    #: The answers by (host, may commands run), shared by every config of the same
-    #: texts; None: not remembered (a ``Match exec``, or parsed by paramiko itself).
-    _answers: Optional[dict[tuple[str, bool], paramiko.SSHConfigDict]] = None
+    #: The answers by host, shared by every config of the same texts; None: not
+    #: remembered (a ``Match exec``, or parsed by paramiko itself). Only a ``Match
+    #: exec`` answers differently inside `configtrust.inert`, so the host is the key.
+    _answers: Optional[dict[str, paramiko.SSHConfigDict]] = None
 
     def lookup(self, hostname: str) -> paramiko.SSHConfigDict:
         answers = self._answers
         if answers is None:
             return super().lookup(hostname)
-        key = (hostname, commands_may_run())
-        found = answers.get(key)
+        found = answers.get(hostname)
         if found is None:
-            found = answers[key] = super().lookup(hostname)
+            found = answers[hostname] = super().lookup(hostname)
         # The caller's own copy: Fabric and the launcher read it, and may add to it.
         return paramiko.SSHConfigDict(
             {k: list(v) if isinstance(v, list) else v for k, v in found.items()})
@@ -71,7 +71,7 @@ class _Texts:
         self.blocks: list[dict[str, Any]] = list(getattr(config, "_config"))  # noqa: B009
         has_exec = any(m.get("type") == "exec" for block in self.blocks
                        for m in block.get("matches", ()))
-        self.answers: Optional[dict[tuple[str, bool], paramiko.SSHConfigDict]] = (
+        self.answers: Optional[dict[str, paramiko.SSHConfigDict]] = (
             None if has_exec else {})
 
 
