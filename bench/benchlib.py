@@ -116,14 +116,14 @@ def start_lab(root: Path, n_hosts: int, out: TextIO, **options: Any) -> Any:
     return lab
 
 
-def seed_known_hosts(lab: Any, n: int) -> None:
-    """``n`` more lines in the lab's known_hosts, for hosts that never resolve
+def seed_known_hosts(path: str | Path, n: int) -> None:
+    """``n`` more lines in the known_hosts at ``path``, for hosts that never resolve
     (``nodeNNNN.invalid``), each with a key of its own: a user who launches on 1,024
     hosts has them all there, and every connection the launcher makes reads the file."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    with open(lab.known_hosts, "a") as fh:
+    with open(path, "a") as fh:
         for i in range(n):
             public = Ed25519PrivateKey.generate().public_key().public_bytes(
                 serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)

@@ -264,7 +264,7 @@ def bench(args: argparse.Namespace, tmp: Path, out: TextIO) -> int:
     load_start = benchlib.wait_for_quiet(args.wait_load, out)
     global _LAB
     lab = _LAB = benchlib.start_lab(tmp / "lab", args.gateways, out)
-    benchlib.seed_known_hosts(lab, args.known_hosts)
+    benchlib.seed_known_hosts(lab.known_hosts, args.known_hosts)
     if args.controller_cpus:
         remote = os.sched_getaffinity(0) - args.controller_cpus
         os.sched_setaffinity(0, remote)  # this script, and so its later children

@@ -65,19 +65,6 @@ def _ssh_config(folder: Path, hosts: int) -> Path:
     return path
 
 
-def _known_hosts(folder: Path, hosts: int) -> Path:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    path = folder / "known_hosts"
-    with path.open("w") as fh:
-        for i in range(hosts):
-            public = Ed25519PrivateKey.generate().public_key().public_bytes(
-                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-            fh.write(f"node{i:04d}.invalid {public.decode()}\n")
-    return path
-
-
 def _child_cpu(argv: list[str]) -> tuple[float, float]:
     """Wall and CPU seconds (user + system) of one child process run to its end."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -96,10 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookups", type=int, default=64,
                     help="hosts `ssh -G` looks up (each a process; 64)")
     args = ap.parse_args(argv)
+    import benchlib
+
     folder = Path(tempfile.mkdtemp(prefix="fdl-userfiles-"))
     try:
         config = _ssh_config(folder, args.hosts)
-        known = _known_hosts(folder, args.hosts)
+        known = folder / "known_hosts"
+        benchlib.seed_known_hosts(known, args.hosts)
         plain, named = _cluster(folder, args.hosts, None), _cluster(folder, args.hosts, config)
         dry = [sys.executable, "-m", "fdl_fabric", "launch", "--dry-run", "--json",
                "--cluster"]
