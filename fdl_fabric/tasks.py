@@ -10,6 +10,7 @@ this repo and the ``fdl-fabric`` console script use the same collection.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -22,6 +23,7 @@ from invoke.tasks import Task, task
 
 from .clusterfile import ClusterSpec
 from .commands import flags, vocabulary
+from .commands.heap import left_to_the_os
 from .commands.options import hosts_cluster, launch_options, refuse
 from .errors import FdlError
 from .events import EventBus, Name
@@ -44,7 +46,8 @@ class _ChosenShortFlags(Task[Any]):
 def _task(command: str, **kw: Any) -> Callable[[Callable[..., Any]], Task[Any]]:
     """An inv task of ``command`` whose flags are the vocabulary's: its body takes
     ``(c, **given)``, and the signature invoke parses is written from the table (a switch
-    defaults to False, or True for ``--no-…``; a value to None, meaning not given)."""
+    defaults to False, or True for ``--no-…``; a value to None, meaning not given).
+    A task's run leaves the heap to the OS at the program's exit (`left_to_the_os`)."""
     kw.setdefault("help", vocabulary.task_help(command))
 
     def make(body: Callable[..., Any]) -> Task[Any]:
@@ -55,7 +58,13 @@ def _task(command: str, **kw: Any) -> Callable[[Callable[..., Any]], Task[Any]]:
                     inspect.Parameter(f.name, kind, default=f.on_by_default
                                       if f.metavar is None and not f.counted else None)
                     for f in vocabulary.flags_of(command)])
-        made: Task[Any] = task(klass=_ChosenShortFlags, name=command, **kw)(body)
+
+        @functools.wraps(body)
+        def run(*args: Any, **given: Any) -> Any:
+            left_to_the_os()
+            return body(*args, **given)
+
+        made: Task[Any] = task(klass=_ChosenShortFlags, name=command, **kw)(run)
         return made
 
     return make

@@ -18,10 +18,15 @@ as one of the launch's event sinks.
 A program that calls the launch in its own process and freezes its own heap (before a
 fork, say), or has turned the collector off, is left as it is: nothing is frozen or
 unfrozen under it.
+
+A command's exit is the same walk once more. The interpreter's teardown collects cycles
+several times while it clears the modules: 60-110 ms of every ``inv launch``'s exit on
+the lab's machine, after its verdict was printed (`left_to_the_os`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 from collections.abc import Iterator
@@ -65,4 +70,20 @@ def long_lived() -> Iterator[LongLived]:
             gc.unfreeze()
 
 
-__all__ = ["SETTLE_AFTER", "LongLived", "long_lived"]
+_left: list[bool] = []
+
+
+def left_to_the_os() -> None:
+    """At this program's exit, the heap is left to the operating system: `gc.freeze` as
+    the interpreter's teardown begins, so none of its collections walks what the command
+    held (measured: 110 ms -> 15 ms from the last line to the exit, with the launcher's
+    modules loaded). Only a command-line program asks for this (the tasks do, as the
+    program's last act is theirs): a garbage cycle left at the exit is then not
+    finalized, which nothing here relies on (the run's record and logs are closed by the
+    launch; the standard streams are flushed by the interpreter as ever)."""
+    if not _left:
+        _left.append(True)
+        atexit.register(gc.freeze)
+
+
+__all__ = ["SETTLE_AFTER", "LongLived", "left_to_the_os", "long_lived"]

@@ -24,6 +24,7 @@ from typing import NoReturn, Optional
 
 from ..errors import EXIT_USAGE, FdlError, usage
 from . import vocabulary
+from .heap import left_to_the_os
 from .options import launch_options, refuse
 
 #: torchrun flags that do not apply to one host, and what to use instead.
@@ -142,6 +143,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``fdl-fabric run [torchrun flags] script.py args...``: returns the exit code."""
+    left_to_the_os()
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
         _refuse_torchrun_only_flags(args_list)

@@ -30,6 +30,7 @@ from ..presentation.rotating import open_private
 from ..runs import place
 from ..runs.record import SUPERVISOR_LOG
 from .detach import READY
+from .heap import left_to_the_os
 from .launch import LaunchOptions, execute
 from .prestart import READY_FD
 
@@ -94,6 +95,7 @@ class Ready:
 
 
 def main() -> int:
+    left_to_the_os()
     ready_fd = int(os.environ.pop(READY_FD))
     os.set_inheritable(ready_fd, False)
     handed = sys.stdin.buffer.read()
