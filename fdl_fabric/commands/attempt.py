@@ -20,7 +20,6 @@ from ..events import EventBus
 from ..planning.plan import LaunchPlan, coordinator_bind_host, interpreted_argv
 from ..preflight import Status, agent_checks, judge, launch_plan
 from ..preflight.probe import HostPlan
-from ..preflight.run import port_owner
 from ..presentation.output import Console
 from ..supervision.coordinator import Coordinator, CoordinatorError, CoordinatorSpec
 from ..supervision.policy import Elastic
@@ -105,6 +104,8 @@ class Attempt:
         try:
             coordinator.start()
         except CoordinatorError as exc:
+            from ..preflight.run import port_owner  # a taken port only: the module is heavy
+
             held = (f" (held by {port_owner(plan.cluster.controller.port)})"
                     if "in use" in str(exc) else "")
             raise FdlError(f"{exc}{held} — nothing was started") from None

@@ -25,13 +25,14 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-import pathspec
+from typing import TYPE_CHECKING, Optional
 
 from ..agent.wire import MAX_FRAME
 from ..clusterfile.model import SyncSpec
 from ..errors import EXIT_USAGE, FdlError
+
+if TYPE_CHECKING:
+    import pathspec
 
 #: Never sent, whatever the patterns say: git's own folder, the host store's folder,
 #: Python's caches (each host compiles its own).
@@ -102,6 +103,8 @@ def build(spec: SyncSpec, *, never: Sequence[str] = (), cache_dir: Optional[Path
     patterns = [*NEVER, *_read_ignore(src), *spec.exclude]
     patterns += [_anchored(src, n) for n in never if _inside(src, n)]
     cache = _HashCache(src, cache_dir)
+    import pathspec  # here, not at the top: a launch with nothing to sync never pays for it
+
     entries, excluded = _entries(src, listed, pathspec.GitIgnoreSpec.from_lines(patterns),
                                  cache)
     cache.save()
