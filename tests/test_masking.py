@@ -257,10 +257,11 @@ _PASSWORD_CHARS = string.ascii_letters + string.digits + "!$%&'()+,;=:@-._~"
 def test_a_urls_password_never_survives_masking(scheme: str, user: str, host: str, path: str,
                                                 password: str, left: str,
                                                 right: str) -> None:
-    """Only the password has capitals or digits, so any trace of it would show."""
+    """Only the password has capitals or digits (beside the scheme's own: the 3 of s3), so
+    any trace of it would show."""
     url = f"{scheme}://{user}:{password}@{host}.invalid/{path}"
     shown = mask_text(f"{left} {url} {right}")
-    assert password not in shown
+    assert password not in shown.replace(f"{scheme}://", "://")
     assert f"{scheme}://{user}:***@{host}.invalid/{path}" in shown
 
 
