@@ -9,11 +9,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from test_agent import AgentPipe, spec
@@ -109,3 +111,79 @@ def test_only_an_error_file_problem_is_labelled_error_file() -> None:
                                        "Permission denied"
     forked = children.SpawnError(children.describe(errno.EAGAIN, "fork", "p", "/"))
     assert children.problem(forked).startswith("p: cannot fork: the process limit")
+
+
+# -- both ways of starting a rank: posix_spawn (glibc 2.26+), and fork and exec ------------
+
+@pytest.fixture(params=[True, False], ids=["posix_spawn", "fork_exec"])
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """`children.spawn` one way, then the other (the fallback of older C libraries)."""
+    if request.param and not children._spawns():
+        pytest.skip("this host's C library has no posix_spawn with a session")
+    monkeypatch.setattr(children, "SPAWNS", request.param)
+    return bool(request.param)
+
+
+def _run(argv: list[str], cwd: str, env: Optional[dict[str, str]] = None) -> tuple[str, int]:
+    child = children.spawn(argv, env if env is not None else {"PATH": "/usr/bin:/bin"}, cwd)
+    _, status = os.waitpid(child.pid, 0)
+    out = b""
+    while chunk := os.read(child.stdout, 65536):
+        out += chunk
+    os.close(child.stdout)
+    os.close(child.stderr)
+    return out.decode(), os.waitstatus_to_exitcode(status)
+
+
+def test_a_rank_starts_in_its_own_session_and_folder_with_exactly_its_environment(
+        way: bool, tmp_path: Path) -> None:
+    out, code = _run(["sh", "-c", "echo $$ $(ps -o sid= -p $$) $(ps -o pgid= -p $$); pwd; "
+                                  "env | sort; readlink /proc/self/fd/0"],
+                     str(tmp_path), {"PATH": "/usr/bin:/bin", "SECRET": "a b'c"})
+    ids, folder, *rest = out.splitlines()
+    pid, sid, pgid = ids.split()
+    assert code == 0 and pid == sid == pgid
+    assert folder == str(tmp_path)
+    assert "SECRET=a b'c" in rest and rest[-1] == "/dev/null"
+    assert os.getcwd() != str(tmp_path)  # the agent's own folder is as it was
+
+
+def test_a_rank_inherits_no_descriptor_ignored_signal_or_blocked_signal_of_the_agent(
+        way: bool, tmp_path: Path) -> None:
+    leaked = os.open(os.devnull, os.O_RDONLY)
+    os.set_inheritable(leaked, True)  # as a descriptor the agent itself inherited
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    try:
+        fds, _ = _run(["ls", "/proc/self/fd"], str(tmp_path))
+        masks, _ = _run(["grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"], str(tmp_path))
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR2])
+        signal.signal(signal.SIGHUP, old)
+        os.close(leaked)
+    assert sorted(int(n) for n in fds.split()) == [0, 1, 2, 3]  # 3: ls's own listing
+    seen = {line.split(":")[0]: _signals(line.split()[1]) for line in masks.splitlines()}
+    assert seen["SigBlk"] == set()
+    # glibc's posix_spawn leaves its own two internal signals (32 and 33: thread
+    # cancellation and set*id) ignored in the child, and glibc re-arms them: nothing else.
+    assert seen["SigIgn"] <= {32, 33}
+
+
+def _signals(mask: str) -> set[int]:
+    """The signal numbers of a /proc status mask (hex, bit n-1 is signal n)."""
+    bits = int(mask, 16)
+    return {n + 1 for n in range(64) if bits >> n & 1}
+
+
+@pytest.mark.parametrize(("argv", "folder", "words"), [
+    (["no-such-program"], "", "no-such-program: not found on PATH"),
+    (["./data.txt"], "", "./data.txt: not executable (permission denied)"),
+    (["true"], "missing", "cannot enter the working directory "),
+])
+def test_each_way_names_what_stopped_the_start(way: bool, tmp_path: Path, argv: list[str],
+                                               folder: str, words: str) -> None:
+    (tmp_path / "data.txt").write_text("not a program\n")
+    with pytest.raises(children.SpawnError) as refused:
+        children.spawn(argv, {"PATH": "/usr/bin:/bin"}, str(tmp_path / folder))
+    assert str(refused.value).startswith(words)
+    assert os.getcwd() != str(tmp_path)

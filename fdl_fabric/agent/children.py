@@ -5,12 +5,16 @@ one ``waitpid(-1)`` loop (ranks, and the daemons a rank leaves behind, which the
 adopts as a child subreaper), and `subprocess.Popen` would race it for exit statuses.
 
 A rank is started by ``posix_spawn`` (the C library's ``vfork``): the child runs no
-Python between the fork and the exec. The earlier ``fork`` ran the agent's Python in the
-child (its pages copied as they were touched), 2 ms a rank on an idle host and 10-20 ms
-on a loaded one, one rank after the other. An exec failure (not found, not executable)
-is still an error at spawn time, by its errno. The working directory is entered by the
-agent itself around the spawn (``posix_spawn`` has no chdir), which is safe because the
-agent is one thread; a directory it cannot enter is named as such.
+Python between the fork and the exec. A ``fork`` runs the agent's Python in the child
+(its pages copied as they are touched): 2 ms a rank on an idle host and 10-20 ms on a
+loaded one, one rank after the other. An exec failure (not found, not executable) is an
+error at spawn time, by its errno. Where the C library's ``posix_spawn`` cannot start a
+session or report a failed exec (glibc before 2.26), the agent forks and execs itself,
+and the child reports a failed step through a close-on-exec pipe. With ``posix_spawn``,
+the working directory is entered by the agent itself around the spawn (it has no
+chdir), which is safe because the agent is one thread; a directory it cannot enter is
+named as such. (glibc's ``posix_spawn`` leaves its own two internal signals, 32 and 33,
+ignored in the child; glibc re-arms them. Every other signal starts at its default.)
 
 Secrets travel in the environment (readable only by the owner and root), never in argv,
 and argv is passed to ``execve`` as a list: no shell, no quoting, no length limit of
@@ -30,6 +34,23 @@ _RESET_SIGNALS = ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGINT", "SIGTERM", "SIGHUP",
                   "SIGUSR1", "SIGUSR2", "SIGQUIT")
 
 
+def _spawns() -> bool:
+    """Whether this host's ``posix_spawn`` starts a session and reports a failed exec,
+    as `subprocess` asks before it uses it: glibc 2.26 or newer."""
+    if not hasattr(os, "posix_spawn"):
+        return False
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # type: ignore[union-attr]
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except (AttributeError, OSError, ValueError):  # not glibc
+        return False
+    return name == "glibc" and (major, minor) >= (2, 26)
+
+
+#: How ranks start here (`spawn`); tests run both ways.
+SPAWNS = _spawns()
+
+
 class SpawnError(Exception):
     """A rank could not be started; the message says which step failed and why."""
 
@@ -45,12 +66,15 @@ class Child:
 
 
 def spawn(argv: Sequence[str], env: Dict[str, str], cwd: str) -> Child:
-    """Start ``argv`` in ``cwd`` with exactly ``env``, in a new session."""
+    """Start ``argv`` in ``cwd`` with exactly ``env``, in a new session: by
+    ``posix_spawn`` where the C library can (`SPAWNS`), else by ``fork`` and ``exec``."""
     if not argv:
         raise SpawnError("the command is empty")
     args: List[bytes] = [os.fsencode(a) for a in argv]
     envb = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
     cwd_b = os.fsencode(os.path.expanduser(cwd))
+    if not SPAWNS:
+        return _fork_exec(args, envb, cwd_b, argv[0], cwd)
     opened: List[int] = []
     try:
         for pair in (os.pipe(), os.pipe()):  # close-on-exec: only their dup2 copies pass
@@ -70,6 +94,38 @@ def spawn(argv: Sequence[str], env: Dict[str, str], cwd: str) -> Child:
         os.close(out_w)
         os.close(err_w)
     return Child(pid=pid, start=_start_of(pid), stdout=out_r, stderr=err_r)
+
+
+def _fork_exec(args: List[bytes], envb: Dict[bytes, bytes], cwd_b: bytes, program: str,
+               cwd: str) -> Child:
+    """`spawn` where ``posix_spawn`` cannot start a session or report a failed exec
+    (glibc before 2.26, other C libraries): the child reports an exec failure (errno and
+    step) through a close-on-exec pipe."""
+    opened: List[int] = []
+    try:
+        for pair in (os.pipe(), os.pipe(), os.pipe2(os.O_CLOEXEC)):
+            opened += pair
+        out_r, out_w, err_r, err_w, status_r, status_w = opened
+        pid = os.fork()
+    except OSError as exc:  # nothing started: say which limit stopped it
+        for fd in opened:
+            os.close(fd)
+        raise SpawnError(describe(exc.errno or 0, "fork" if len(opened) == 6 else "pipe",
+                                  program, cwd)) from None
+    if pid == 0:  # pragma: no cover - the child; observed through its effects
+        _exec_child(args, envb, cwd_b, (out_w, err_w, status_w))
+    os.close(out_w)
+    os.close(err_w)
+    os.close(status_w)
+    report = _read_all(status_r)
+    if report:
+        os.close(out_r)
+        os.close(err_r)
+        _reap(pid)
+        code, _, step = report.decode("ascii", "replace").partition(":")
+        raise SpawnError(describe(int(code or 0), step, program, cwd))
+    started = _start_of(pid)
+    return Child(pid=pid, start=started, stdout=out_r, stderr=err_r)
 
 
 def _spawn_in(cwd: bytes, args: List[bytes], env: Dict[bytes, bytes], out_w: int,
@@ -187,3 +243,69 @@ def _start_of(pid: int) -> int:
         return 0
 
 
+def _exec_child(args: List[bytes], envb: Dict[bytes, bytes], cwd: bytes,
+                pipes: Tuple[int, int, int]) -> None:  # pragma: no cover - runs in the child
+    """The child's side: its own session, ``cwd``, stdin /dev/null, the pipes, default
+    signals, then exec; a failed step is written to the status pipe as ``errno:step``."""
+    out_w, err_w, status_w = pipes
+    step = "setsid"
+    try:
+        os.setsid()
+        step = "cd"
+        os.chdir(cwd)
+        step = "redirect"
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        _close_fds_except(status_w)
+        for name in _RESET_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        step = "exec"
+        os.execvpe(args[0], args, envb)  # type: ignore[arg-type]
+    except OSError as exc:
+        os.write(status_w, f"{exc.errno or 0}:{step}".encode())
+    except BaseException:
+        os.write(status_w, b"0:exec")
+    os._exit(127)
+
+
+def _read_all(fd: int) -> bytes:
+    """Everything until EOF on a blocking pipe (the child's exec report), then closed."""
+    report = b""
+    while True:
+        try:
+            chunk = os.read(fd, 256)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        report += chunk
+    os.close(fd)
+    return report
+
+
+def _reap(pid: int) -> None:
+    while True:
+        try:
+            os.waitpid(pid, 0)
+            return
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            return
+
+
+def _close_fds_except(keep: int) -> None:  # pragma: no cover - runs in the child
+    """Close every fd from 3 up but ``keep``: a rank inherits nothing of the agent's."""
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = list(range(3, 1024))
+    for fd in fds:
+        if fd >= 3 and fd != keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
