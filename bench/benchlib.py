@@ -116,6 +116,32 @@ def start_lab(root: Path, n_hosts: int, out: TextIO, **options: Any) -> Any:
     return lab
 
 
+def agent_up(argv: Sequence[str]) -> float:
+    """Seconds from starting ``argv`` (a command that runs the agent's bootstrap, locally
+    or over ssh) with the bundle on its stdin to the agent's handshake on its stdout;
+    then its stdin is closed (the leash: the agent goes on EOF) and it is waited for."""
+    from fdl_fabric.agent import wire
+    from fdl_fabric.transport import bundle
+
+    payload = bundle.payload()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(payload)
+    proc.stdin.flush()
+    got = b""
+    while wire.HANDSHAKE not in got:
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        got += chunk
+    took = time.perf_counter() - t0
+    proc.stdin.close()
+    proc.wait(10)
+    return took
+
+
 def seed_known_hosts(path: str | Path, n: int) -> None:
     """``n`` more lines in the known_hosts at ``path``, for hosts that never resolve
     (``nodeNNNN.invalid``), each with a key of its own: a user who launches on 1,024

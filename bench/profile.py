@@ -128,28 +128,11 @@ def importtime(n: int) -> str:
 
 def agent_boot(lab: object, repeat: int) -> str:
     """Seconds from ssh Popen to the agent's handshake, over one plain ssh session."""
-    from fdl_fabric.agent import wire
     from fdl_fabric.transport import bundle
 
     host = lab.hosts[0]  # type: ignore[attr-defined]
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(lab.ssh_argv(host, bundle.remote_command()),  # type: ignore
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL)
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(bundle.payload())
-        proc.stdin.flush()
-        got = b""
-        while wire.HANDSHAKE not in got:
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            got += chunk
-        times.append(time.perf_counter() - t0)
-        proc.stdin.close()  # the leash: the agent exits on EOF
-        proc.wait(10)
+    argv = lab.ssh_argv(host, bundle.remote_command())  # type: ignore[attr-defined]
+    times = [benchlib.agent_up(argv) for _ in range(repeat)]
     floor = []
     for _ in range(repeat):
         t0 = time.perf_counter()

@@ -35,7 +35,9 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fdl_fabric.agent import children, wire  # noqa: E402
+import benchlib  # noqa: E402
+
+from fdl_fabric.agent import children  # noqa: E402
 from fdl_fabric.transport import bundle  # noqa: E402
 
 ENV = {"PATH": "/usr/bin:/bin"}
@@ -85,24 +87,7 @@ def _popen() -> float:
 
 
 def _agent_up() -> float:
-    payload = bundle.payload()
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(["/usr/bin/python3", "-I", "-S", "-c", bundle.BOOTSTRAP],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(payload)
-    proc.stdin.flush()
-    got = b""
-    while wire.HANDSHAKE not in got:
-        chunk = os.read(proc.stdout.fileno(), 65536)
-        if not chunk:
-            break
-        got += chunk
-    took = time.perf_counter() - t0
-    proc.stdin.close()  # the leash: the agent goes on EOF
-    proc.wait(10)
-    return took * 1000
+    return benchlib.agent_up(["/usr/bin/python3", "-I", "-S", "-c", bundle.BOOTSTRAP]) * 1000
 
 
 def _python_nothing() -> float:
