@@ -187,3 +187,26 @@ def test_each_way_names_what_stopped_the_start(way: bool, tmp_path: Path, argv: 
         children.spawn(argv, {"PATH": "/usr/bin:/bin"}, str(tmp_path / folder))
     assert str(refused.value).startswith(words)
     assert os.getcwd() != str(tmp_path)
+
+
+def test_an_agent_in_a_folder_it_may_not_read_still_starts_ranks_and_stays_there(
+        tmp_path: Path) -> None:
+    """posix_spawn's working directory is entered and left by the agent: coming back
+    needs no read permission on the agent's own folder (a home without ``r``)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the agent as another user")
+    folder = tmp_path / "x-only"
+    folder.mkdir(mode=0o711)
+    tmp_path.chmod(0o711)
+    folder.chmod(0o111)
+    script = textwrap.dedent(f"""\
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from fdl_fabric.agent import children
+        child = children.spawn(["pwd"], {{"PATH": "/usr/bin:/bin"}}, "/")
+        os.waitpid(child.pid, 0)
+        print(os.read(child.stdout, 100).decode().strip(), os.getcwd())
+        """)
+    done = subprocess.run(["/usr/bin/python3", "-I", "-c", script], capture_output=True,
+                          text=True, timeout=30, user=NOBODY, group=NOBODY, cwd=folder)
+    assert done.stdout.split() == ["/", str(folder)], done

@@ -132,7 +132,8 @@ def _spawn_in(cwd: bytes, args: List[bytes], env: Dict[bytes, bytes], out_w: int
               err_w: int, program: str, cwd_text: str) -> int:
     """``posix_spawn`` with ``cwd`` as the working directory, entered here and left at
     once; the program is looked up on ``env``'s PATH, as ``execvpe`` does."""
-    here = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    # O_PATH: coming back needs no read permission on the agent's own folder.
+    here = os.open(".", getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
             os.chdir(cwd)
