@@ -12,7 +12,7 @@ run:
 test:
 	@scripts/bootstrap.sh --test
 	@$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 lint:
 	$(PY) -m ruff check .

@@ -16,10 +16,17 @@ pytest_plugins = ["fdl_fabric.testing.fixtures"]
 # Every launch keeps a record on the controller (`fdl_fabric.runs`): the suite's go to a
 # folder of its own, not to the home of whoever runs it (launchers started as processes
 # inherit it).
+# Under pytest-xdist each worker keeps its own below that folder: a launch prunes old
+# records and `status` lists the live ones, so workers sharing one would see each
+# other's runs.
 if not os.environ.get("FDL_FABRIC_RUNS_DIR"):
     import tempfile
 
     os.environ["FDL_FABRIC_RUNS_DIR"] = tempfile.mkdtemp(prefix="fdl-fabric-runs-")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["FDL_FABRIC_RUNS_DIR"] = os.path.join(os.environ["FDL_FABRIC_RUNS_DIR"],
+                                                     os.environ["PYTEST_XDIST_WORKER"])
+    os.makedirs(os.environ["FDL_FABRIC_RUNS_DIR"], mode=0o700, exist_ok=True)
 
 
 @pytest.fixture

@@ -25,12 +25,6 @@ TOY = str(ROOT / "examples" / "toy_train.py")
 DDP = str(ROOT / "examples" / "ddp_torch.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _two_by_two(lab: SshdLab, **top: object) -> Path:
     """One local worker and one lab host, two CPU ranks each."""
     local = {"host": "localhost", "nproc": 2, "path": str(ROOT)}
@@ -46,7 +40,7 @@ def test_ddp_on_two_lab_hosts_trains_and_parameters_agree(sshd_lab, tmp_path: Pa
     import torch  # noqa: F401  - installed by `make test` (requirements-torch.txt); never skipped
     lab = sshd_lab(n_hosts=2)
     workers = [lab.worker(h, nproc=2, nccl_socket_ifname="lo") for h in lab.hosts]
-    cluster = lab.write_cluster(workers, master_port=_free_port())
+    cluster = lab.write_cluster(workers)
     out = run_launch(cluster, "--cmd", f"python3 {DDP} --steps 20 --out {tmp_path}/p",
                      timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from fdl_fabric.testing.processes import master_port
 from labutil import ROOT, gloo_run_completed
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(240)]
@@ -50,7 +51,8 @@ def test_ssh_config_aliases_become_their_hostname_and_gloo_ddp_completes(
     config = lab.write_ssh_config(tmp_path / "ssh_config")
     dump = tmp_path / "env"
     out = subprocess.run([*FDL_RUN, "--hosts", "node[1-2]", "-F", str(config),
-                          "--nproc-per-node", "1", DDP, "--steps", "3", "--dump-env",
+                          "--nproc-per-node", "1", "--master-port", str(master_port()),
+                          DDP, "--steps", "3", "--dump-env",
                           str(dump)], cwd=tmp_path, capture_output=True, text=True,
                          timeout=200)
     assert out.returncode == 0, out.stderr

@@ -30,7 +30,7 @@ from fdl_fabric import joinwire
 from fdl_fabric.testing import NetnsLab
 from fdl_fabric.testing.launches import LiveProcess
 from fdl_fabric.testing.netns import netns_available
-from fdl_fabric.testing.processes import free_port
+from fdl_fabric.testing.processes import free_port, master_port
 from labutil import ROOT, gloo_run_completed, wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(150)]
@@ -85,6 +85,7 @@ def window_file(folder: Path, token: Path, *, bind: str = "127.0.0.1",
                                 **({"discovery": True} if workers is None else {}), **join}},
         "kill_grace": 2,
         "agent_timeout": 6,
+        "master_port": master_port(),  # torch's store: this test worker's
     }
     if env:
         doc["env"] = env

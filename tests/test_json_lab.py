@@ -5,6 +5,7 @@ docs/events.md)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,9 +55,12 @@ def test_fdl_fabric_run_json_reports_a_failure_in_its_last_record(tmp_path: Path
 def test_json_lines_and_events_jsonl_of_one_run_are_the_same_records(tmp_path: Path) -> None:
     (tmp_path / "boom.py").write_text("import os, sys\nprint('hi')\n"
                                       "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    # Runs of its own: with 100 older records a launch would first prune one and say so
+    # on stdout, before the run's log exists (the suite's shared folder reaches 100).
     out = subprocess.run([sys.executable, "-m", "fdl_fabric", "run", "--json", "--log-dir",
                           "logs", "--nproc-per-node", "2", "boom.py"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "FDL_FABRIC_RUNS_DIR": str(tmp_path / "runs")})
     assert out.returncode == 1, out.stderr
     printed = _records(out.stdout)
     (run_dir,) = [p for p in (tmp_path / "logs").iterdir() if not p.is_symlink()]

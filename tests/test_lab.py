@@ -280,7 +280,7 @@ def test_write_cluster_produces_loadable_yaml(sshd_lab: LabFactory) -> None:
     assert path == lab.root / "cluster.yml"
     doc = yaml.safe_load(path.read_text())
 
-    assert list(doc) == ["controller", "kill_grace", "run_name", "workers"]
+    assert list(doc) == ["controller", "master_port", "kill_grace", "run_name", "workers"]
     assert doc["controller"]["host"] == "127.0.0.1"
     assert 0 < doc["controller"]["port"] < 65536
     assert doc["kill_grace"] == 2

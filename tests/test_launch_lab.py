@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fdl_fabric.planning.envelope import SlimEnvelope
 from fdl_fabric.testing import SshdLab
@@ -39,13 +40,14 @@ def test_every_rank_gets_its_environment_and_prefixed_output(sshd_lab, tmp_path:
     cluster = _cluster(lab, tmp_path)
     out = run_launch(cluster, "--cmd", f"python3 {PROBE} --dump {tmp_path}/d")
     assert out.returncode == 0, out.stderr
+    master_port = str(yaml.safe_load(cluster.read_text())["master_port"])
     d = dumps(tmp_path / "d", 6)
     hosts = ["localhost", "localhost", "lab1", "lab1", "lab2", "lab2"]
     for rank, dump in d.items():
         env = dump["env"]
         assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "6"
         assert env["LOCAL_RANK"] == str(rank % 2) and env["LOCAL_WORLD_SIZE"] == "2"
-        assert env["GROUP_RANK"] == str(rank // 2) and env["MASTER_PORT"] == "29500"
+        assert env["GROUP_RANK"] == str(rank // 2) and env["MASTER_PORT"] == master_port
         assert env["FLODL_HOST_NAME"] == hosts[rank]
         assert env["FLODL_INTERNAL_LOCAL_RANK"] == str(rank % 2)
         assert env["WHERE"] == ("local" if rank < 2 else hosts[rank])

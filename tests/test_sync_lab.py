@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from fdl_fabric.testing import SshdLab
+from fdl_fabric.testing.processes import master_port
 from labutil import LiveLaunch, alive, gloo_run_completed, run_launch, wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
@@ -500,8 +501,9 @@ def test_torch_gloo_ddp_runs_from_the_synced_folder_and_the_hosts_agree_on_torch
     shutil.copy(Path(__file__).resolve().parent.parent / "examples" / "ddp_torch.py", src)
     done = subprocess.run([sys.executable, "-m", "fdl_fabric", "run", "--hosts", "node[1-2]",
                            "-F", str(config), "--sync", "--nproc-per-node", "1",
-                           "ddp_torch.py", "--steps", "3"], cwd=src, capture_output=True,
-                          text=True, timeout=200)
+                           "--master-port", str(master_port()), "ddp_torch.py",
+                           "--steps", "3"], cwd=src, capture_output=True, text=True,
+                          timeout=200)
     assert done.returncode == 0, done.stderr
     version = torch.__version__
     assert f"versions: python {sys.version.split()[0]}, torch {version} on all 2 hosts" in \

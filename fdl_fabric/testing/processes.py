@@ -40,6 +40,20 @@ def free_port(addr: str) -> int:
         return port
 
 
+def master_port() -> int:
+    """The ``master_port`` (torch's store) of this test process's lab runs.
+
+    Not `free_port`: torch binds it only once its ranks are up, seconds later, and a
+    port the kernel picked is in the ephemeral range that every outgoing connection of
+    the other tests draws its source port from. Not 29500 for all: two pytest-xdist
+    workers run lab tests at once. So 29500 plus ten per worker (``gw3``: 29530), below
+    the ephemeral range; one worker's tests run one after another, as the serial suite's
+    all did on 29500."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    return 29500 + 10 * index
+
+
 def log_tail(path: str, limit: int = 4000) -> str:
     try:
         text = Path(path).read_text(errors="replace")

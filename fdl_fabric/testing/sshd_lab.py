@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from .processes import LabError, free_port, log_tail, stop_at_exit, stopped
+from .processes import LabError, free_port, log_tail, master_port, stop_at_exit, stopped
 from .sshd_config import _render_sshd_config, _SshdSettings
 from .sshd_host import LabHost
 from .sshd_login import _clear_stale_pyenv_lock, _write_login_rc
@@ -328,11 +328,14 @@ class SshdLab:
     ) -> Path:
         """Write ``<root>/<filename>`` for ``workers`` and return its path.
 
-        The controller gets a port that is free right now on 127.0.0.1, so concurrent
-        tests do not fight over a fixed one.  ``top`` adds or overrides top-level keys.
+        The controller gets a port that is free right now on 127.0.0.1, and
+        ``master_port`` (torch's store) this test worker's (`processes.master_port`), so
+        concurrent tests do not fight over a fixed one.  ``top`` adds or overrides
+        top-level keys.
         """
         doc: dict[str, Any] = {
             "controller": {"host": "127.0.0.1", "port": free_port("127.0.0.1")},
+            "master_port": master_port(),
             "kill_grace": 2,
             **top,
             "workers": workers,
