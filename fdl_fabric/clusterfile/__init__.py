@@ -13,6 +13,7 @@ from .loading import load_cluster, parse_cluster, this_host_name
 from .model import (
     ENV_NAME_RE,
     JOIN_KIND,
+    MASTER_PORT_DEFAULT,
     RESERVED_ENV_KEYS,
     ClusterSpec,
     ControllerSpec,
@@ -30,6 +31,7 @@ from .problems import ConfigError, Problem, make_problem
 __all__ = [
     "ENV_NAME_RE",
     "JOIN_KIND",
+    "MASTER_PORT_DEFAULT",
     "RESERVED_ENV_KEYS",
     "ClusterSpec",
     "ConfigError",

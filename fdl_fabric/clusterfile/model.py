@@ -22,6 +22,9 @@ from typing import Any, Optional, Union
 FANOUT_DEFAULT = 64
 #: The widest fanout a file may ask for.
 FANOUT_MAX = 1024
+#: ``master_port`` when the file gives none, and ``--master-port`` when ranks span hosts:
+#: torch.distributed's customary port, torchrun's and DeepSpeed's default.
+MASTER_PORT_DEFAULT = 29500
 
 
 @dataclass(frozen=True)

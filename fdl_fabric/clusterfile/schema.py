@@ -31,6 +31,7 @@ from .model import (
     _MAX_FAILURE_FORMAT,
     FANOUT_DEFAULT,
     FANOUT_MAX,
+    MASTER_PORT_DEFAULT,
     ClusterSpec,
     ControllerSpec,
     ElasticSpec,
@@ -47,7 +48,6 @@ from .workers import _read_local_devices, _read_worker, _resolve_path
 from .yamlread import Block, Field, NodeReader, describe, line_of
 
 _DEFAULT_KILL_GRACE = 10.0  # seconds a rank gets to exit cleanly before it is killed
-_DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary port
 _DEFAULT_AGENT_TIMEOUT = ClusterSpec.agent_timeout
 
 _TOP_KEYS = ("controller", "command", "env", "env_forward", "kill_grace", "master_port",
@@ -114,7 +114,7 @@ def read_cluster(
         command=command,
         env=env,
         kill_grace=_or(kill_grace, _DEFAULT_KILL_GRACE),
-        master_port=_or(master_port, _DEFAULT_MASTER_PORT),
+        master_port=_or(master_port, MASTER_PORT_DEFAULT),
         elastic=elastic,
         workers=tuple(workers),
         env_forward=env_forward,

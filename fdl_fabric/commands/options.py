@@ -17,14 +17,19 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from ..clusterfile import ClusterSpec, ControllerSpec, ElasticSpec, SshSpec, WorkerSpec
+from ..clusterfile import (
+    MASTER_PORT_DEFAULT,
+    ClusterSpec,
+    ControllerSpec,
+    ElasticSpec,
+    SshSpec,
+    WorkerSpec,
+)
 from ..clusterfile.hosts import HostsError, HostSlot, cluster_from_hosts
 from ..errors import EXIT_USAGE, FdlError, usage
 from . import flags
 from .launchoptions import LaunchOptions
 
-#: MASTER_PORT when ranks span hosts and none is given: torchrun's.
-MASTER_PORT_DEFAULT = 29500
 #: ``fdl-fabric run``'s kill grace: torchrun's (its agent waits 30 s after SIGTERM).
 RUN_KILL_GRACE = 30.0
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..clusterfile.model import MASTER_PORT_DEFAULT
+
 #: The commands, in the order help lists them.
 COMMANDS = ("run", "launch", "attach", "logs", "stop", "wait", "cleanup", "prebuild-check",
             "stacks", "status", "plot-run", "join", "start")
@@ -122,7 +124,8 @@ FLAGS: tuple[Flag, ...] = (
        metavar="ADDR", default="the first host's address (its ssh_config HostName)",
        torchrun=True),
     _f("master_port", "MASTER_PORT for torch.distributed", _BOTH, metavar="PORT",
-       default="a free port when every host is this machine, else 29500", torchrun=True),
+       default=f"a free port when every host is this machine, else {MASTER_PORT_DEFAULT}",
+       torchrun=True),
     _f("controller_addr", "the address of this machine that the hosts' ranks dial for "
        "the coordinator", _BOTH, metavar="ADDR",
        default="this machine's address toward the first host"),
