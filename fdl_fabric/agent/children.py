@@ -32,6 +32,8 @@ from typing import Dict, List, Sequence, Tuple, Union
 #: Signals whose disposition a Python parent changes and a child must not inherit.
 _RESET_SIGNALS = ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGINT", "SIGTERM", "SIGHUP", "SIGCHLD",
                   "SIGUSR1", "SIGUSR2", "SIGQUIT")
+#: Those of them this platform has, as numbers: set to their default in every rank.
+_DEFAULT_SIGNALS = tuple(getattr(signal, n) for n in _RESET_SIGNALS if hasattr(signal, n))
 
 
 def _spawns() -> bool:
@@ -145,7 +147,7 @@ def _spawn_in(cwd: bytes, args: List[bytes], env: Dict[bytes, bytes], out_w: int
         _no_inheritance()
         try:
             return os.posix_spawn(
-                path, args, env, setsid=True, setsigmask=(), setsigdef=_reset_signals(),
+                path, args, env, setsid=True, setsigmask=(), setsigdef=_DEFAULT_SIGNALS,
                 file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                               (os.POSIX_SPAWN_DUP2, out_w, 1),
                               (os.POSIX_SPAWN_DUP2, err_w, 2)])
@@ -171,10 +173,6 @@ def _lookup(name: bytes, env: Dict[bytes, bytes]) -> Union[bytes, int]:
                 return path
             denied = True
     return errno.EACCES if denied else errno.ENOENT
-
-
-def _reset_signals() -> List[int]:
-    return [getattr(signal, n) for n in _RESET_SIGNALS if hasattr(signal, n)]
 
 
 def _no_inheritance() -> None:
@@ -214,7 +212,8 @@ _WHY: Dict[Tuple[str, int], str] = {
 
 def describe(code: int, step: str, program: str, cwd: str) -> str:
     """What failed while starting a rank, by the step that failed (``pipe``, ``cd``,
-    ``fork``, ``exec``) and its errno: a limit is named as the
+    ``fork``, ``exec``, and in the fork-and-exec way ``setsid`` and ``redirect``) and its
+    errno: a limit is named as the
     limit it is (``ulimit -u``, ``ulimit -n``), a program as not found or not executable."""
     reason = os.strerror(code) if code else "unknown error"
     if step == "cd":
@@ -260,10 +259,8 @@ def _exec_child(args: List[bytes], envb: Dict[bytes, bytes], cwd: bytes,
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         _close_fds_except(status_w)
-        for name in _RESET_SIGNALS:
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                signal.signal(sig, signal.SIG_DFL)
+        for sig in _DEFAULT_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         step = "exec"
         os.execvpe(args[0], args, envb)  # type: ignore[arg-type]
